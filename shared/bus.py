@@ -183,8 +183,11 @@ CLOSE_DRAIN_S = 5.0
 """Seconds :meth:`Bus.close` drains the connection (in-flight handlers finish, what was published goes out) before it
 cancels the drain (at most 1 s more for the cancel to land) and closes the connection."""
 CLOSE_LOST_GRACE_S = 0.3
-"""Seconds :meth:`Bus.close`'s drain waits for a lost connection to come back once no handler is running or queued
-(more than one ``RECONNECT_WAIT_S``: one reconnect try at least); then it ends, what was published meanwhile dropped.
+"""Seconds :meth:`Bus.close`'s drain waits for a lost connection to come back once no handler is running or queued;
+then it ends, what was published meanwhile dropped. Counted from the loss itself (``disconnected_cb``) when the
+connection was already lost, with no handler busy, as the drain began: a close that begins this long after the loss
+ends at once, with no reconnect try of its own (since 71d5cdd). Otherwise counted from when the drain first finds the
+connection lost and no handler busy (more than one ``RECONNECT_WAIT_S``: one reconnect try at least).
 A nats-server gone for good held every service's close the whole ``CLOSE_DRAIN_S`` before (5.0 s; now about
 this grace, ``tests/integration/test_bus_close_nats_gone_live.py``)."""
 CLOSE_POLL_S = 0.05
