@@ -605,10 +605,14 @@ class HostKvPool:
             f"instance {first[1] or '?'}; now {loc.base_addr:#x}, {loc.instance or '?'})"
         )
         if 1 + self._engines_made >= self.max_read_engines:
+            made = len(self._readers)
+            # engines tried and not kept (could not start or register): the cap counts them too
+            failed = 1 + self._engines_made - made
+            stale = "this worker's transfer engine keeps" if made == 1 else f"each of this worker's {made} transfer engines keeps"
+            tried = f", and the {failed} more it tried to make could not start or register this pool's buffer" if failed else ""
             return (
-                f"{why}: each of this worker's {len(self._readers)} transfer engines keeps an old process's segment for "
-                f"it and no more are made (max_read_engines {self.max_read_engines}), so no read from this session can "
-                "succeed until this worker restarts"
+                f"{why}: {stale} an old process's segment for it{tried}; no more are made (max_read_engines "
+                f"{self.max_read_engines}), so no read from this session can succeed until this worker restarts"
             )
         self._engines_made += 1
         try:

@@ -127,6 +127,8 @@ def test_past_max_read_engines_a_restarted_peer_is_refused_without_a_read():
     assert third.fetched == () and third.missing == (13, 14) and third.reasons == {"stale_session": 2}
     assert "a restarted on Mooncake session 127.0.0.1:27951" in (third.error or "")
     assert "no more are made (max_read_engines 2)" in (third.error or "")
+    assert "each of this worker's 2 transfer engines keeps an old process's segment" in (third.error or "")
+    assert "could not start" not in (third.error or "")
     assert pool.counters["fetch_failed.stale_session"] == 1 and pool.counters["read_engines_made"] == 1
     assert not pool.buffer.has(13) and pool.buffer.occupancy()["pending"] == 0  # nothing reserved, nothing held
 
@@ -138,6 +140,8 @@ def test_one_engine_only_refuses_as_before():
     _answer(pool, ep, [12], base_addr=NEW)
     again = asyncio.run(pool.fetch("a", [12]))
     assert again.reasons == {"stale_session": 1} and len(ep.reads) == 1 and pool.counters["read_engines_made"] == 0
+    assert "this worker's transfer engine keeps an old process's segment for it" in (again.error or "")
+    assert "no more are made (max_read_engines 1)" in (again.error or "")
 
 
 def test_an_engine_that_cannot_start_refuses_the_fetch_and_counts_against_the_bound():
@@ -151,6 +155,9 @@ def test_an_engine_that_cannot_start_refuses_the_fetch_and_counts_against_the_bo
     r = asyncio.run(pool.fetch("a", [12]))  # bounded: no second try past max_read_engines
     assert r.reasons == {"stale_session": 1} and "no more are made" in (r.error or "")
     assert pool.counters["read_engine_failed"] == 1
+    # the refusal names its cause: the one engine made for it failed, not that every engine is stale
+    assert "the 1 more it tried to make could not start or register" in (r.error or ""), r.error
+    assert "this worker's transfer engine keeps an old process's segment for it" in (r.error or ""), r.error
 
 
 def test_max_read_engines_below_one_is_refused():
