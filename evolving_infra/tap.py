@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -26,12 +27,18 @@ from typing import Any
 
 import msgspec
 import nats
+from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from evolving_infra.auth_cli import CREDS_HINT, tool_auth
 from shared.auth import AuthError, client_options, redact_url
 from shared.bus import decoder_for, denied_subject
+from shared.cancel import cancel_until_done
 from shared.subjects import ALL, Subjects
+
+TAP_DRAIN_S = 2.0
+"""Seconds a stopping tap drains its subscriptions (the messages already received are printed) before it closes."""
 
 
 def _abbrev(value: Any, limit: int) -> Any:
@@ -153,8 +160,7 @@ async def _tap(args: argparse.Namespace) -> int:
         if args.max and count >= args.max:
             stop.set()
 
-    for p in patterns:
-        await nc.subscribe(p, cb=cb)
+    subs = [await nc.subscribe(p, cb=cb) for p in patterns]
     try:  # the server answers a SUB it refuses with -ERR, ahead of the PONG to a later PING
         # nats-py writes a flush's PING straight to the socket, ahead of SUBs still in its pending buffer
         # (its flusher task writes them): one flush's PONG came before the -ERR about 1 time in 20; by the
@@ -182,8 +188,31 @@ async def _tap(args: argparse.Namespace) -> int:
     if lost:
         print(f"error: {lost[0]}", file=sys.stderr)
         return 1
-    await nc.drain()
+    await _drain_and_close(nc, subs)
     return 0
+
+
+async def _drain_and_close(nc: NatsClient, subs: list[Subscription], limit_s: float = TAP_DRAIN_S) -> None:
+    """Drain ``subs`` (nats-py ``Subscription.drain``: UNSUB, a PING round trip, then the messages already received
+    are printed) for at most ``limit_s`` seconds, then close ``nc``. Every drain's outcome is retrieved; one cut
+    short is cancelled until it ends (``shared.cancel``).
+
+    Not nats-py's ``Client.drain``: each subscription's drain there waits 10 s for its PONG (nats-py's flush timeout)
+    and the drain then flushes again: a server that stopped answering held tap's stop about 20 s and ended it in a
+    ``FlushTimeoutError`` traceback (``tests/integration/test_tap_stop_silent_nats_live.py``), and cancelled inside
+    its ``wait_for`` the gather of the drains is left with an exception nobody retrieves."""
+    drains = [asyncio.ensure_future(sub.drain()) for sub in subs]
+    try:
+        await asyncio.wait(drains, timeout=limit_s)
+    finally:
+        running = [d for d in drains if not d.done()]
+        if running:
+            await cancel_until_done(running, limit_s=1.0)
+        for d in drains:  # retrieved: a drain that failed (the connection closed meanwhile) ends only itself
+            if d.done() and not d.cancelled():
+                d.exception()
+        with contextlib.suppress(Exception):  # the server gone meanwhile: nothing left to send it
+            await nc.close()
 
 
 def cmd_tap(args: argparse.Namespace) -> int:
