@@ -651,7 +651,10 @@ KV_POOL_PORTS_PER_WORKER = 32
 port in it at random). With two, a worker SIGKILLed while a peer read from it could not start again: its ports were
 in TIME_WAIT and ``TransferEngine.initialize`` returned -1, restart after restart (the fifth fault walk: w1 restarted
 4 times in 31 s; two processes: 6 tries of 6 failed). With 32 a restart finds free ones, and takes its predecessor's
-RPC port, which a peer's Mooncake still maps to the dead process (``kvpool.pool``: ``stale_session``), 1 time in 31."""
+RPC port 1 time in 31: a peer's transfer engine that read the dead process keeps its segment, so the peer reads the
+new process with another engine it makes (``kvpool.pool.READ_ENGINES_MAX``: 4 in all, each keeping 2 ports of the
+peer's own range); past that bound, or when one cannot start, the fetch is refused (``stale_session``) and the pages
+recomputed."""
 
 
 def kv_pool_max_bytes(environ: Mapping[str, str]) -> int:
