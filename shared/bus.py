@@ -516,20 +516,31 @@ class Bus:
 
         async def disconnected_cb() -> None:
             bus._lost_at = time.monotonic()
-            if bus._closing:
+            if bus._closing and bus.nc.is_closed:  # the close's own (nats-py's close calls it): nothing to take
                 return
+            # a server lost during the close too: its window is published again if it comes back during the drain
+            # (reconnected_cb). Before, the close skipped this: reliable publishes that died unstored in a server
+            # killed during the close were lost though it came back (tests/integration/test_bus_close_resend_live.py)
             bus._disconnected()
 
         async def reconnected_cb() -> None:
             bus._lost_at = None
             bus.counters["nats.reconnects"] += 1
-            bus.reconnected_at = time.monotonic()
-            bus.log.warning("nats reconnected", resend=len(bus._resend))
             if bus._closing:
                 # close cancelled the bus's tasks before its drain, and nothing would cancel one started now (its
-                # stream lookup could outlive the close): no stream check and no resend, as for a disconnect
-                # during the close (disconnected_cb); the drain's flush sends what nats-py buffered meanwhile
+                # stream lookup could outlive the close): no stream check, but the resend window is published again
+                # here, before the drain sees the reconnect (reconnected_at), so its flush sends it (message ids drop
+                # a copy the stream has); nats-py's close cancels this callback's reconnect task, within the close's
+                # bound. Before (7591e94), nothing was resent: reliable publishes that died unstored in a server
+                # killed just before the close were lost though it came back during the drain
+                resend, bus._resend = bus._resend, []
+                bus.log.warning("nats reconnected during the close; the resend window published again, no stream check",
+                                resend=len(resend))  # fmt: skip
+                await bus._publish_again(resend)
+                bus.reconnected_at = time.monotonic()
                 return
+            bus.reconnected_at = time.monotonic()
+            bus.log.warning("nats reconnected", resend=len(bus._resend))
             bus._tasks.append(asyncio.create_task(bus._after_reconnect(), name=f"bus-reconnect-{instance}"))
 
         async def closed_cb() -> None:
@@ -685,13 +696,7 @@ class Bus:
                 # published while the server had no JetStream (or lacked the stream), only kept: the stream lacks
                 # them. Before, they were dropped here (ids drop a copy of any the stream has)
                 resend = self._in_order([*resend, *held])
-        for _t, subject, data, hdr in resend:
-            try:
-                await self.nc.publish(subject, data, headers=hdr)
-                self.counters["resent"] += 1
-            except nats.errors.Error as e:
-                self.log.warning("resend after reconnect failed", error=repr(e))
-                break
+        await self._publish_again(resend)
         if info is None:
             return
         last = int(info.state.last_seq)
@@ -706,6 +711,18 @@ class Bus:
             pos.rewind(last)
             jsi._sseq = last
             await jsi.reset_ordered_consumer(last + 1)
+
+    async def _publish_again(self, resend: list[tuple[float, str, bytes, dict[str, str]]]) -> None:
+        """Publish ``resend`` (reliable publishes ``(monotonic s, subject, payload, headers)``, in order) again after a
+        reconnect, each with its own message id (the stream drops a copy it has), counted ``resent``; a refusal by
+        the client (connection closed again) is logged and ends it. Returns once they are in nats-py's buffer."""
+        for _t, subject, data, hdr in resend:
+            try:
+                await self.nc.publish(subject, data, headers=hdr)
+                self.counters["resent"] += 1
+            except nats.errors.Error as e:
+                self.log.warning("resend after reconnect failed", error=repr(e))
+                break
 
     def _reconnect_check(self) -> Callable[[], bool]:
         """A reconnect's stream check begins (:meth:`_after_reconnect`) and takes over from any earlier one's: returns
