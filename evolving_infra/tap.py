@@ -147,6 +147,10 @@ async def _tap(args: argparse.Namespace) -> int:
         nonlocal count
         if reader_gone or any(msg.subject.startswith(e.rstrip(">*")) for e in excluded):
             return
+        if args.max and count >= args.max:
+            # --max reached: the drain still hands this callback every message already received (a burst); before,
+            # each was printed (2,000 published, --max 1 printed 2,000 lines: tests/integration/test_tap_max_live.py)
+            return
         try:
             if args.json:
                 print(render_json(subjects, msg.subject, msg.data, msg.headers, full=args.full), flush=True)
