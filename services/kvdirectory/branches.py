@@ -1467,7 +1467,8 @@ class _CountRuns:
     block per node; a block enters ``where`` once when first counted anywhere and leaves it when
     counted nowhere. Relies on chained paths (a hash names its whole prefix, so a block's path
     position is the same in every path naming it, and the blocks counted anywhere are closed
-    under parents): a run found where a path does not continue it raises ValueError.
+    under parents): a run found where a path does not continue it raises ValueError, with no
+    count changed (:meth:`_take_back`).
 
     ``total[n]``: blocks counted > 0 on node n (``len(R[n])``), kept per run crossing 0;
     ``runs``: every run, in the order made (a node's counted blocks are listed run by run).
@@ -1555,7 +1556,9 @@ class _CountRuns:
             n (left unchanged and out of ``after``: ``count.negative_prevented``).
 
         Raises:
-            ValueError: a run found does not follow the path (the paths are not chains).
+            ValueError: a run found does not follow the path (the paths are not chains); the
+                counts it changed before are taken back first (:meth:`_take_back`), so none
+                of the slice has changed.
         """
         where = self.where
         total = self.total
@@ -1577,6 +1580,7 @@ class _CountRuns:
             o = i - r.depth
             keys = r.keys
             if not 0 <= o < len(keys) or keys[o] != h:
+                self._take_back(n, path, a, i, k, step, refused)
                 raise ValueError(f"block {h} at path position {i} lies elsewhere in a counted run: paths are not chains")
             L = len(keys) - o
             if L > k - i:
@@ -1630,6 +1634,42 @@ class _CountRuns:
                 after = [new] * L
             i += L
         return after, crossed, refused
+
+    def _take_back(self, n: int, path: list[int], a: int, i: int, k: int, step: int, refused: list[int]) -> None:
+        """Undo a :meth:`count` of ``path[a:k]`` that found at path position ``i`` a run the path
+        does not follow: ``-step`` on the stretches of ``path[a:i]`` it changed (those not in
+        ``refused``), blocks a -1 took out of the forest put back first as runs of their own, and
+        the run :meth:`ensure` made for the slice's tail (not reached: it starts after ``i``)
+        taken out again. Only on that error (non-chain input); O(runs of ``path[a:i]``) Python
+        steps + O(its blocks) C-level."""
+        where = self.where
+        changed: list[tuple[int, int]] = []
+        s = a
+        for x, y in zip(refused[::2], refused[1::2]):
+            if x > s:
+                changed.append((s, x))
+            s = y
+        if i > s:
+            changed.append((s, i))
+        for s, e in changed:
+            if step < 0:  # a -1 to 0 everywhere dropped those blocks: back, counted on no node yet
+                j = s
+                while j < e:
+                    if path[j] in where:
+                        j += 1
+                        continue
+                    x = j
+                    while j < e and path[j] not in where:
+                        j += 1
+                    r = _CRun(path[x:j], x, {})
+                    self.runs[r] = None
+                    where.update(zip(r.keys, repeat(r)))
+            self.count(n, path, s, e, -step)
+        if step > 0:
+            tail = where.get(path[k - 1])
+            if tail is not None and not tail.cnt:
+                _drain(map(where.pop, tail.keys))
+                del self.runs[tail]
 
     def drop_node(self, n: int) -> None:
         """Node n counts nothing any more (``BranchTable.reset_node``). O(counted blocks) C-level

@@ -87,6 +87,55 @@ def test_a_path_that_is_not_a_chain_is_refused() -> None:
         d.place("b", "p0", "prefill", [7, 3, 9], 1.0)
 
 
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [([1, 2, 3], [1, 3]), ([1, 2, 3], [1, 3, 4]), ([1, 2, 3, 4, 5], [1, 2, 4, 6, 7])],
+    ids=["fork-then-foreign", "foreign-then-new-tail", "longer-head"],
+)
+def test_a_path_refused_mid_walk_changes_no_count(first: list[int], second: list[int]) -> None:
+    """A path that is not a chain found only after the walk changed counts (its head follows a
+    counted run, a later block lies elsewhere in it): those counts are taken back, and the new
+    tail's run is taken out of the forest, so R and the branch table still agree (``check``)."""
+    d = KvDirectory(BS, chained=True)
+    n = d.node_id("p0")
+    d.branch_start("a", 0.0)
+    d.branch_start("b", 0.0)
+    d.place("a", "p0", "prefill", first, 1.0)
+    before = dict(d.branches.R[n])
+    with pytest.raises(ValueError, match="not chains"):
+        d.place("b", "p0", "prefill", second, 2.0)
+    assert dict(d.branches.R[n]) == before == {h: 1 for h in first}
+    assert d.branches.branches["b"].counted == {}
+    assert set(d.branches.runs.where) == set(first)
+    d.branches.check()
+
+
+def test_a_release_refused_mid_walk_is_taken_back() -> None:
+    """The same for a -1 walk (``_CountRuns.count``, step -1; a release names the slice its branch
+    counted, so only a caller's error meets this): blocks the walk took to 0 everywhere, and so out
+    of the forest, come back with their counts."""
+    from services.kvdirectory.branches import _CountRuns
+
+    runs = _CountRuns()
+    runs.total = [0, 0]
+    runs.count(0, [1, 2, 3], 0, 3, 1)
+    runs.count(1, [1, 2, 3], 0, 2, 1)
+    with pytest.raises(ValueError, match="not chains"):
+        runs.count(0, [1, 3], 0, 2, -1)
+    assert {h: dict(r.cnt) for h, r in runs.where.items()} == {1: {0: 1, 1: 1}, 2: {0: 1, 1: 1}, 3: {0: 1}}
+    assert runs.total == [3, 2]
+    runs.check()
+    runs.total = [0]
+    runs.where.clear()
+    runs.runs.clear()
+    runs.count(0, [1, 2, 3], 0, 3, 1)
+    with pytest.raises(ValueError, match="not chains"):
+        runs.count(0, [1, 3], 0, 2, -1)  # block 1 went to 0 everywhere before the error
+    assert {h: dict(r.cnt) for h, r in runs.where.items()} == {1: {0: 1}, 2: {0: 1}, 3: {0: 1}}
+    assert runs.total == [3]
+    runs.check()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_runs_give_the_per_block_counts_messages_and_counters(seed: int) -> None:
     """Random chained paths (forks, extensions, rewrites), placements on 4 nodes of two phases,
