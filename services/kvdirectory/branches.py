@@ -300,7 +300,8 @@ class BranchTable:
         pending moves, as target and as source, dropped), no branch names it as its last prefill
         node (lost-reuse attribution would blame the new one), its outbox and message number
         (``out_seq``) back to empty and 0, its phases unknown. O(branches) Python steps +
-        O(blocks counted there) C-level."""
+        O(blocks counted there) C-level; with ``chained``: + O(runs of all nodes) Python steps
+        (:meth:`_CountRuns.drop_node` looks at every run of the forest)."""
         for b in self.branches.values():
             if n in b.counted:
                 del b.counted[n]
