@@ -322,7 +322,7 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
         f"({r['out_of_service_node_s']:,.0f} node-s), "
         f"reroutes {r['reroutes']}, unfinished {r['requests_unfinished']}"
     )
-    if late := warmup_outlasted_note("the run", warmup_outlasted(res.stats.planner_decisions, r["simulated_s"]), r["simulated_s"]):
+    if late := warmup_outlasted_note("the run", warmup_outlasted(res.stats.planner_decisions, r["simulated_s"], r.get("switches") or 0), r["simulated_s"]):
         print(f"note: {late}")
     if r.get("closed_loop_exhausted_at_s") is not None:
         print(f"note: the input ran out of agents at {r['closed_loop_exhausted_at_s']:.0f} s (closed loop: concurrency "

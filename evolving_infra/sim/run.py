@@ -66,8 +66,9 @@ def write_decisions(out_dir: Any, decisions: Sequence[dict[str, Any]]) -> Any:
     return path
 
 
-def warmup_outlasted(decisions: Sequence[dict[str, Any]], end_s: float) -> float | None:
-    """The end (simulated s) of a planner warm-up the run never left, else None.
+def warmup_outlasted(decisions: Sequence[dict[str, Any]], end_s: float, switches: int = 0) -> float | None:
+    """The end (simulated s) of a planner warm-up the run never left while serving every node
+    collocated, else None.
 
     The evolving planner serves every node collocated for its warm-up (``t_learn_s``, 1,800 s by
     default; paper §5.1) and states its end in each warm-up decision (``metrics.warmup_end``, later
@@ -75,10 +76,19 @@ def warmup_outlasted(decisions: Sequence[dict[str, Any]], end_s: float) -> float
     an adapted split; ``simulate --duration 900`` of the README's sample did so and said nothing,
     its "PD split final collocated" read as the planner's choice.
 
+    The planner switches no node during its warm-up, so a run with node phase switches had them
+    forced (``--switch-every``, ``--switch-at``): its nodes did not serve both phases throughout
+    and it measured the forced splits, so None (``simulate --split 3P1D --switch-every 60
+    --switch-to 1P3D`` printed "node phase switches 30" and then that every node served both
+    phases). ``--split`` alone does not: the planner still serves collocated until the warm-up ends.
+
     Args:
         decisions: ``SimStats.planner_decisions`` (every evaluation, in time order).
         end_s: the run's end, simulated seconds (``report["simulated_s"]``).
+        switches: the run's node phase switches (``report["switches"]``).
     """
+    if switches:
+        return None
     ends = [float(m["warmup_end"]) for d in decisions if isinstance(m := d.get("metrics"), dict) and "warmup_end" in m]
     return ends[-1] if ends and ends[-1] > end_s + 1e-9 else None
 

@@ -140,7 +140,8 @@ def _simulate_item(
         raise
     row = {k: res.report.get(k) for k in SUMMARY_KEYS}
     row.update(label=label, dir=str(d), simulated_s=res.report["simulated_s"],
-               warmup_outlasted_until_s=warmup_outlasted(res.stats.planner_decisions, res.report["simulated_s"]))
+               warmup_outlasted_until_s=warmup_outlasted(res.stats.planner_decisions, res.report["simulated_s"],
+                                                          res.report.get("switches") or 0))
     return row
 
 

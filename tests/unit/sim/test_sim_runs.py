@@ -246,6 +246,34 @@ def test_a_run_that_ends_inside_the_evolving_warm_up_says_so(tmp_path, capsys):
     assert warmup_outlasted([{"action": "switch", "metrics": {}}], 10.0) is None
 
 
+def test_forced_switches_inside_the_warm_up_get_no_collocated_note(tmp_path, capsys):
+    """``simulate --split 3P1D --switch-every 60 --switch-to 1P3D`` printed "node phase switches 30" and then
+    "note: ... every node served both phases throughout": the forced switches did what the planner's warm-up
+    does not, so the note is left out when the run switched phases (``--switch-every``, ``--switch-at``; the
+    sweep too), and kept with ``--split`` alone (the warm-up still serves every node collocated) or a
+    ``--switch-at`` after the run's end."""
+    path = tmp_path / "t.jsonl"
+    write_trace(path, TraceHeader(format=FORMAT, block_size=BS, source="test"), small_trace(4, 3, pause=0.5))
+    common = ["simulate", "--trace", str(path), "--profile", "tiny", "--nodes", "3", "--concurrency", "2", "--no-plots"]
+    note = "within its planner's collocated warm-up"
+    for i, extra in enumerate((["--split", "2P1D", "--switch-every", "2", "--switch-to", "1P2D"], ["--switch-at", "1:w0:decode"])):
+        assert main([*common, "--out", str(tmp_path / f"f{i}"), *extra]) == 0
+        out = capsys.readouterr().out
+        switches = int(out.split("node phase switches ")[1].split()[0])
+        assert switches > 0 and note not in out, out
+    assert main([*common, "--out", str(tmp_path / "s"), "--split", "2P1D"]) == 0
+    assert note in capsys.readouterr().out
+    assert main([*common, "--out", str(tmp_path / "late"), "--switch-at", "100000:w0:decode"]) == 0
+    out = capsys.readouterr().out
+    assert " node phase switches 0 " in out and note in out, out
+    assert main([*common, "--out", str(tmp_path / "sw"), "--switch-at", "1:w0:decode", "--sweep", "policies", "evolving"]) == 0
+    assert note not in capsys.readouterr().out
+    from evolving_infra.sim.run import warmup_outlasted
+
+    assert warmup_outlasted([{"metrics": {"warmup_end": 1800.0}}], 100.0, switches=3) is None
+    assert warmup_outlasted([{"metrics": {"warmup_end": 1800.0}}], 100.0, switches=0) == 1800.0
+
+
 def test_the_summary_says_a_node_was_out_of_service_not_the_cluster(tmp_path, capsys):
     """One of 9 nodes relaunching (dynamo, 180 s to the end of a 600-s run) read 'out of service 87.5% of the
     time', as if the cluster had been: out_of_service_share is the share of the time with at least one node
