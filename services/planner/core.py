@@ -9,7 +9,8 @@ s), and publishes what they return or what the outboxes hold:
 * ``tick(now)`` at ``next_tick()`` → a new :class:`SplitCommand` (new epoch) when
   the policy changes the phases;
 * ``set_split`` is the operator's override (``split.set``), laid over the live nodes first;
-  a phase left on dead nodes only is swapped with a live node at the next ``tick``, and a
+  a phase left on dead nodes only is swapped with a live node at the next ``tick`` (one live
+  node left there: it serves ``both`` until the dead nodes are back, the outage rule), and a
   policy's switch that would leave one so is applied with that swap made (``silent_after``;
   "Splits and dead nodes" in ``README.md``);
 * adoption (``adopt_until``): a (re)started planner first observes the node states
@@ -183,6 +184,11 @@ class PlannerCore:
         self.wall_per_s = wall_per_s
         self._rescue_checked = -float("inf")
         """``now`` of the last :meth:`_rescue` check (:meth:`_rescue_at` asks for none at or before it)."""
+        self.outage: tuple[int, dict[str, Phase], float, tuple[str, ...]] | None = None
+        """The outage split in force, or None: (its epoch, the phases it replaced, when (``now``), the dead
+        nodes). A phase was left on dead nodes only with one live node to take it, which serves ``both``
+        (:meth:`_dead_swap`); :meth:`_rescue` issues the replaced phases again once those nodes are back
+        (:meth:`_back`), unless a later command replaced it (then it is forgotten)."""
         self.heard: dict[str, float] = {}
         """node → when (``now``) its latest ``node.state`` arrived: who is live (:meth:`_place`)."""
         self.steady: set[str] = set()
@@ -287,9 +293,11 @@ class PlannerCore:
             self._replace(msgspec.structs.replace(self.command, phases=phases))
 
     def _replace(self, cmd: SplitCommand) -> None:
-        """Make ``cmd`` the current command; the one it replaces is kept in ``_echo``. O(N)."""
+        """Make ``cmd`` the current command; the one it replaces is kept in ``_echo``, and the outage split
+        (:attr:`outage`) is forgotten (:meth:`_rescue` sets it again when ``cmd`` is one). O(N)."""
         self._echo = [*self._echo[-(2 * len(self.nodes) + 7) :], self.command]
         self.command = cmd
+        self.outage = None
 
     def on_token_chunk(self, chunk: TokenChunk, now: float) -> RequestDone | None:
         """Feed a token chunk; a finished request goes to the policy and is returned."""
@@ -405,14 +413,17 @@ class PlannerCore:
                 raise ValueError(f"policy {self.policy.name} returned phases for {sorted(d.phases)}, nodes are {self.nodes}")
             phases: dict[str, Phase] = dict(d.phases)
             swap = self._dead_swap(phases, now, self.command.phases)
+            wanted = phases
             if swap is not None:  # the policy placed a phase on dead nodes only: laid over the live ones, one switch
-                phases, why = swap
+                phases, why, dead_nodes = swap
                 placed = f"laid over the live nodes: {why}"
                 hook = getattr(self.policy, "on_placed", None)
                 if hook is not None:
                     hook(dict(phases), now)
             if phases != dict(self.command.phases):
                 cmd = self._adopt(phases, now, f"{d.reason} ({placed})" if placed else d.reason)
+                if swap is not None and any(ph == "both" and wanted[n] != "both" for n, ph in phases.items()):
+                    self.outage = (cmd.epoch, wanted, now, dead_nodes)  # the policy's split, once its nodes are back
             elif placed:  # laid over the live nodes, the policy's switch is the split served: nothing switches
                 placed += ": the split served"
         take_note = getattr(self.policy, "take_split_note", None)
@@ -502,38 +513,88 @@ class PlannerCore:
 
     def _rescue_at(self) -> float | None:
         """When (``now``) a phase of the current command may be left on silent nodes only, for
-        :meth:`next_tick`: the latest state of its nodes + ``silent_after``, the earliest over the
-        phases whose nodes have all reported; None without liveness, or once that time has been
+        :meth:`next_tick`: the latest state of the nodes that serve it (its own and the ``both`` ones) +
+        ``silent_after``, the earliest over the phases whose nodes have all reported, or when an outage
+        split may be undone (:meth:`_restore_at`); None without liveness, or once that time has been
         checked (:meth:`_rescue` ran after it: nothing to do then until a node reports again). O(N)."""
         if self.silent_after is None:
             return None
         at: float | None = None
         for phase in ("prefill", "decode"):
-            nodes = [n for n, ph in self.command.phases.items() if ph == phase]
+            nodes = [n for n, ph in self.command.phases.items() if ph == phase or ph == "both"]
             if not nodes or any(n not in self.heard for n in nodes):
                 continue
             t = max(self.heard[n] for n in nodes) + self.silent_after
             if t > self._rescue_checked and (at is None or t < at):
                 at = t
+        back = self._restore_at()
+        if back is not None and (at is None or back < at):
+            at = back
         return at
 
-    def _rescue(self, now: float) -> SplitCommand | None:
-        """A new command when a phase of the current one is left on dead nodes only, else None. O(N).
+    def _restore_at(self) -> float | None:
+        """When to check the outage split (:attr:`outage`) again, if that time has not been checked yet: the
+        latest comeback of any node (its run of states began: the split the outage replaced may be laid over
+        the live nodes again), every node the outage found dead back for ``silent_after`` (the split undone),
+        or — that time checked and the split not undone (a node not yet steady) — the latest state of those
+        nodes. None without an outage split in force. O(N)."""
+        out = self.outage
+        if out is None or out[0] != self.command.epoch:
+            return None
+        checked, since = self._rescue_checked, self.since
+        times = [max(since.values(), default=-float("inf"))]
+        if all(since.get(n, -float("inf")) > out[2] for n in out[3]):
+            t = max(since[n] for n in out[3]) + self.silent_after  # type: ignore[operator]
+            times.append(t if t > checked else max(self.heard[n] for n in out[3]))
+        due = [t for t in times if t > checked]
+        return min(due) if due else None
 
-        The swap is :meth:`_dead_swap`'s over the current phases: the phase's first node (cluster order)
-        swaps phases with a live node of the other phase, the first one for prefill, the last one for
-        decode (as ``assign_min_change`` takes them). The split (``xPyD``) stays as it was; one live node
-        switches. The command's reason and a decision (policy ``liveness``) name the silent nodes and the taker;
-        the policy is told (its ``on_placed``), as of a switch of its own laid over the live nodes.
+    def _rescue(self, now: float) -> SplitCommand | None:
+        """A new command when a phase of the current one is left on dead nodes only, or when the outage split
+        may be undone; else None. O(N).
+
+        The swap is :meth:`_dead_swap`'s over the current phases: with two or more live nodes of the other
+        phase, the phase's first node (cluster order) swaps phases with one of them, the first one for
+        prefill, the last one for decode (as ``assign_min_change`` takes them): the split (``xPyD``) stays
+        as it was; one live node switches. With one live node there (the outage rule: e.g. 1P1D and its
+        prefill node dead), that node serves ``both`` phases: the *outage split* (:attr:`outage`), undone —
+        the split before it issued again — once every node it found dead has sent states again for
+        ``silent_after`` (steady, live), unless a later command (a policy's, an operator's) replaced it. The
+        command's reason and a decision (policy ``liveness``) name the silent nodes and the taker; the
+        policy is told (its ``on_placed``), as of a switch of its own laid over the live nodes.
         """
         self._rescue_checked = now
         before = dict(self.command.phases)
+        outage = self.outage
+        if outage is not None and outage[0] != self.command.epoch:
+            outage = self.outage = None  # a later command (a policy's, an operator's) replaced the outage split
         swap = self._dead_swap(before, now, before)
-        if swap is None:
+        alt = None if swap is not None or outage is None else self._dead_swap(outage[1], now, before)
+        if swap is not None:
+            phases, why, dead = swap
+            reason = why.replace(" would have been on ", " was left on ", 1)
+        elif outage is not None and alt is None and self._back(outage[3], now):
+            phases, dead = dict(outage[1]), ()
+            reason = (
+                f"{', '.join(outage[3])} serving again ({self.silent_after * self.wall_per_s:g} s of states; dead at "  # type: ignore[operator]
+                f"t={outage[2]:.1f} s): the split before the outage restored"
+            )
+            self.outage = None
+        elif outage is not None and alt is not None and "both" not in (alt[0][n] for n in self.nodes if outage[1][n] != "both"):
+            # a node back (not one the outage found dead) lets the split the outage replaced be laid over the
+            # live nodes as a PD split (a swap, its split count): that ends the outage split
+            phases, why, dead = alt
+            reason = why.replace(" would have been on ", " was left on ", 1) + " (the outage split ends: a PD split again)"
+            self.outage = None
+        else:
             return None
-        phases, why = swap
-        reason = why.replace(" would have been on ", " was left on ", 1)
         cmd = self._adopt(phases, now, reason)
+        if swap is not None and any(ph == "both" and before[n] != "both" for n, ph in phases.items()):
+            # kept to be undone (the outage split); a swap that keeps a PD split is a split like any other
+            if outage is None:
+                self.outage = (cmd.epoch, before, now, dead)
+            else:  # an outage on an outage split: the first split comes back once every dead node is
+                self.outage = (cmd.epoch, outage[1], outage[2], tuple(dict.fromkeys((*outage[3], *dead))))
         hook = getattr(self.policy, "on_placed", None)
         if hook is not None:  # the planner's own change, not an operator's (the evolving planner logged 'externally')
             hook(dict(phases), now)
@@ -543,28 +604,41 @@ class PlannerCore:
         )
         return cmd
 
+    def _back(self, nodes: Sequence[str], now: float) -> bool:
+        """Every one of ``nodes`` live (a state within ``silent_after``), ``steady``, and its run of states
+        ``silent_after`` long or more (its latest state that long after the run's first): back for good, not a
+        state or two of a flapping node. O(k)."""
+        after = self.silent_after
+        if after is None:
+            return False
+        heard, since = self.heard, self.since
+        return all(n in heard and now - heard[n] < after and n in self.steady and heard[n] - since[n] >= after - 1e-9 for n in nodes)
+
     def _dead_swap(
         self, phases: dict[str, Phase], now: float, base: dict[str, Phase]
-    ) -> tuple[dict[str, Phase], str] | None:
-        """``phases`` with a phase left on dead nodes only swapped with a live node, and why; None when no
-        phase is (or no swap may be made). ``base``: the phases the nodes serve now. O(N).
+    ) -> tuple[dict[str, Phase], str, tuple[str, ...]] | None:
+        """``phases`` with a phase left on dead nodes only given to a live node, why, and those dead nodes; None
+        when no phase is (or no node may take it). ``base``: the phases the nodes serve now. O(N).
 
-        Dead: every node of the phase has reported and none within ``silent_after`` (a node that
-        never reported, e.g. at a cold start, does not count: it may only be late). Then one of its
-        nodes swaps phases with a live node of the other phase, if that phase keeps a live node (2 or
-        more live), among the ``steady`` ones (not just back from a silence of their own: a stall of the
-        planner's bus silences every node, and the first ones back must not take the phase of the others)
-        whose run of states began before the phase went silent (``since``: a node back first after a stall
-        longer than ``silent_after`` is steady by its second state, 0.05 wall s later when busy, yet was
-        not live when the others fell silent). Of those pairs, the one that leaves the fewest live nodes
-        switching from ``base``, then the fewest nodes: a taker that serves that phase in ``base`` (a policy
-        moved it off), a dead node that serves the other phase in ``base``; else the dead phase's first node
-        (cluster order) and the first taker for prefill, the last one for decode (as ``assign_min_change``
-        takes them). With ``phases`` = ``base`` (:meth:`_rescue`) every pair switches one live node: that
-        order decides. A ``both`` node serves either phase, so phases with one are left alone.
+        A phase is served by its nodes and the ``both`` ones. Dead: every node that serves it has reported
+        and none within ``silent_after`` (a node that never reported, e.g. at a cold start, does not count:
+        it may only be late). A taker is a live node of the other phase among the ``steady`` ones (not just
+        back from a silence of their own: a stall of the planner's bus silences every node, and the first
+        ones back must not take the phase of the others) whose run of states began before the phase went
+        silent (``since``: a node back first after a stall longer than ``silent_after`` is steady by its
+        second state, 0.05 wall s later when busy, yet was not live when the others fell silent).
+
+        With 2 or more live nodes of the other phase, one of the dead ones swaps phases with a taker (the
+        split count stays). Of those pairs, the one that leaves the fewest live nodes switching from
+        ``base``, then the fewest nodes: a taker that serves that phase in ``base`` (a policy moved it
+        off), a dead node that serves the other phase in ``base``; else the dead phase's first node (cluster
+        order) and the first taker for prefill, the last one for decode (as ``assign_min_change`` takes
+        them). With ``phases`` = ``base`` (:meth:`_rescue`) every pair switches one live node: that order
+        decides. With one live node of the other phase (the outage rule), the taker serves ``both`` (the
+        dead nodes keep their phases): the smallest change that serves every phase again.
         Deterministic: the same states and ``now`` give the same phases.
         """
-        if self.silent_after is None or any(ph == "both" for ph in phases.values()):
+        if self.silent_after is None:
             return None
         heard = self.heard
 
@@ -573,22 +647,26 @@ class PlannerCore:
 
         pairs: tuple[tuple[Phase, Phase], ...] = (("prefill", "decode"), ("decode", "prefill"))
         for phase, other in pairs:
-            mine = [n for n in self.nodes if phases[n] == phase]
+            mine = [n for n in self.nodes if phases[n] == phase or phases[n] == "both"]
             if not mine or any(n not in heard or live(n) for n in mine):
                 continue
             theirs = [n for n in self.nodes if phases[n] == other and live(n)]
             went_silent = max(heard[n] for n in mine) + self.silent_after
             takers = [n for n in theirs if n in self.steady and self.since[n] < went_silent]
-            if len(theirs) < 2 or not takers:
+            if not takers:
                 return None
+            silence = ", ".join(f"{n} silent {(now - heard[n]) * self.wall_per_s:.1f} s" for n in mine)
+            out = dict(phases)
+            if len(theirs) < 2:
+                taker = takers[0]
+                out[taker] = "both"
+                return out, f"{phase} would have been on silent nodes only ({silence}): {taker} serves both phases until they are back", tuple(mine)
             if phase == "decode":
                 takers.reverse()
             taker = next((n for n in takers if base.get(n) == phase), takers[0])
             dead = next((n for n in mine if base.get(n) == other), mine[0])
-            out = dict(phases)
             out[dead], out[taker] = other, phase
-            silence = ", ".join(f"{n} silent {(now - heard[n]) * self.wall_per_s:.1f} s" for n in mine)
-            return out, f"{phase} would have been on silent nodes only ({silence}): {taker} takes it from {dead}"
+            return out, f"{phase} would have been on silent nodes only ({silence}): {taker} takes it from {dead}", tuple(mine)
         return None
 
     def on_foreign_command(self, cmd: SplitCommand, now: float, max_step: int) -> SplitCommand | None:

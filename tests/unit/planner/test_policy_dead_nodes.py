@@ -147,9 +147,10 @@ def test_a_liveness_swap_does_not_hold_dynamos_adjustments_back() -> None:
     liveness swap at t=103 (prefill w0, w1 dead since 100: w0 → decode, w3 → prefill) gave the dead w0
     a phase it never confirms: it counted as busy until ``busy_timeout_s`` (900 s), and dynamo's next
     adjustment came at t=1180 instead of 180. A dead node is not switching: now it does not count as busy,
-    and dynamo adjusts at 180 and 360 as scheduled (w3 confirmed before its next tick). An early policy tick
-    at a deadline of the swap that swaps nothing (decode dead, one live prefill node left) leaves the
-    schedule alone, as before: dynamo's interval restarts only at an adjustment or while a node is busy."""
+    and dynamo adjusts at 180 and 360 as scheduled (w3 confirmed before its next tick). A tick at a deadline
+    of the swap between dynamo's own (decode dead, one live prefill node left: the outage rule makes it serve
+    both, session 48; before, nothing was swapped and every request failed) leaves the schedule alone:
+    dynamo's interval restarts only at an adjustment or while a node is busy."""
     core = PlannerCore(NODES, "2P2D", policy=make_planner("dynamo", NODES, TINY), silent_after=3.0)
     cmds = _drive(core, 400.0, {"w0": 100.0, "w1": 100.0}, kv_used=0.6)
     assert [(t, r.split(" (")[0]) for t, _, r in cmds] == [(103.0, "prefill was left on silent nodes only")]
@@ -159,8 +160,9 @@ def test_a_liveness_swap_does_not_hold_dynamos_adjustments_back() -> None:
     ticks = []
     tick = early.tick
     early.tick = lambda now: ticks.append(now) or tick(now)  # type: ignore[method-assign]
-    assert _drive(early, 400.0, {"w1": 95.0, "w2": 100.0, "w3": 100.0}, kv_used=0.7, queue=1) == []  # one live node
-    assert 103.0 in ticks  # decode's deadline: a policy tick between dynamo's own (every 10 s)
+    cmds = _drive(early, 400.0, {"w1": 95.0, "w2": 100.0, "w3": 100.0}, kv_used=0.7, queue=1)  # one live node
+    assert [(t, ph) for t, ph, _ in cmds] == [(103.0, {"w0": "both", "w1": "prefill", "w2": "decode", "w3": "decode"})]
+    assert 103.0 in ticks  # decode's deadline: a tick between dynamo's own (every 10 s)
     adjusted = [d for d in early.take_decisions() if d.policy == "dynamo" and "relaunching" not in d.reason]
     assert [d.ts for d in adjusted] == [180.0, 360.0]  # on schedule; with w0 the only live node, no PD split to adjust
     assert all(d.reason == "not a PD split (live nodes only; dead: w1, w2, w3)" for d in adjusted), adjusted

@@ -123,7 +123,7 @@ def test_decode_left_on_dead_nodes_takes_the_last_live_prefill_node() -> None:
     assert cmd is not None and dict(cmd.phases) == {"w0": "prefill", "w1": "prefill", "w2": "decode", "w3": "prefill"}
 
 
-def test_no_swap_for_a_node_never_heard_or_without_a_spare_live_node() -> None:
+def test_no_swap_for_a_node_never_heard_and_both_phases_on_a_lone_live_node() -> None:
     late = PlannerCore(NODES, "1P3D", silent_after=3.0)  # w0 never reported (a cold start): it may be late
     _states(late, 8.0, "w1", "w2", "w3")
     _states(late, 9.0, "w1", "w2", "w3")
@@ -133,11 +133,16 @@ def test_no_swap_for_a_node_never_heard_or_without_a_spare_live_node() -> None:
     _states(alone, 2.0, "w3")
     _states(alone, 4.5, "w3")
     assert alone.next_tick() == 4.0
-    assert alone.tick(4.5) is None and alone.command.epoch == 1
-    assert alone.next_tick() == 7.5  # checked: not 4.0 again (no busy loop); decode's w3 silent at 7.5
-    _states(alone, 5.0, "w2")  # w2 back (after 4 s: not steady): w3, steady, takes prefill
+    cmd = alone.tick(4.5)  # the outage rule (session 48; before, nothing: no prefill node until w0 or w1 came back)
+    assert cmd is not None and cmd.epoch == 2
+    assert dict(cmd.phases) == {"w0": "prefill", "w1": "prefill", "w2": "decode", "w3": "both"}
+    assert alone.next_tick() == 7.5  # checked: not 4.0 again (no busy loop); w3 silent at 7.5
+    _states(alone, 5.0, "w2")  # w2 back (after 4 s: not steady): the 2P2D laid over w2, w3 as a swap; w3 takes prefill
+    assert alone.next_tick() == 5.0  # w2's comeback
     cmd = alone.tick(5.0)
     assert cmd is not None and dict(cmd.phases) == {"w0": "decode", "w1": "prefill", "w2": "decode", "w3": "prefill"}
+    assert cmd.reason.endswith("w3 takes it from w0 (the outage split ends: a PD split again)")
+    assert alone.outage is None
 
 
 def test_the_first_nodes_back_after_a_stall_of_the_bus_take_no_phase() -> None:
