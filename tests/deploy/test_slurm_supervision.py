@@ -38,27 +38,45 @@ case "$1 $2" in
 esac
 """
 
-SRUN = """#!/bin/bash
+SRUN = """#!{python}
 # srun stand-in: the command after the options, once per task on this machine (SLURM_PROCID 0..n-1);
-# --kill-on-bad-exit=1: a task that exits non-zero ends the others and the step exits with its status
-n=1 kob=0
-while [ $# -gt 0 ]; do
-    case $1 in --ntasks=*) n=${1#*=} ;; --kill-on-bad-exit=*) kob=${1#*=} ;; --*) ;; *) break ;; esac
-    shift
-done
-pids=() stop=""
-for ((i = 0; i < n; i++)); do SLURM_PROCID=$i "$@" & pids+=($!); done
-trap 'stop=1; kill -TERM "${pids[@]}" 2>/dev/null' TERM
-rc=0
-while :; do
-    live=(); for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && live+=("$p"); done
-    [ ${#live[@]} -eq 0 ] && break
-    wait -n "${live[@]}"; r=$?
-    if [ -z "$stop" ] && [ "$r" -ne 0 ] && [ "$r" -lt 128 ] && [ "$kob" = 1 ]; then
-        rc=$r; stop=1; kill -TERM "${pids[@]}" 2>/dev/null
-    fi
-done
-exit $rc
+# --kill-on-bad-exit=1: a task that exits non-zero ends the others and the step exits with its status;
+# SIGINT (with --disable-status, as the job runs it) and SIGTERM forwarded to every task. Python, not bash: started
+# in the background by a shell, it inherits SIGINT ignored, which a bash script cannot trap (real srun resets it)
+import os, signal, subprocess, sys
+args, n, kob = sys.argv[1:], 1, 0
+while args and args[0].startswith("--"):
+    opt = args.pop(0)
+    if opt.startswith("--ntasks="):
+        n = int(opt.split("=", 1)[1])
+    elif opt.startswith("--kill-on-bad-exit="):
+        kob = int(opt.split("=", 1)[1])
+tasks: list = []
+stop = False
+
+
+def forward(sig, _frame=None):
+    global stop
+    stop = True
+    for t in tasks:
+        if t.poll() is None:
+            t.send_signal(sig)
+
+
+signal.signal(signal.SIGINT, forward)
+signal.signal(signal.SIGTERM, forward)
+# after the handlers: a task started before would inherit SIGINT ignored (a handler is reset to the default at exec)
+tasks += [subprocess.Popen(args, env=dict(os.environ, SLURM_PROCID=str(i))) for i in range(n)]
+rc = 0
+while any(t.returncode is None for t in tasks):
+    pid, status = os.wait()
+    for t in tasks:
+        if t.pid == pid:
+            t.returncode = os.waitstatus_to_exitcode(status)
+            if not stop and 0 < t.returncode < 128 and kob == 1:
+                rc = t.returncode
+                forward(signal.SIGTERM)
+sys.exit(rc)
 """
 
 
@@ -104,7 +122,7 @@ class Job:
     def __init__(self, tmp: Path, **env: str) -> None:
         bin_dir = tmp / "bin"
         bin_dir.mkdir()
-        for name, text in (("scontrol", SCONTROL), ("srun", SRUN)):
+        for name, text in (("scontrol", SCONTROL), ("srun", SRUN.format(python=sys.executable))):
             (bin_dir / name).write_text(text)
             (bin_dir / name).chmod(0o755)
         self.run = tmp / "run"
@@ -297,10 +315,11 @@ def test_the_job_runs_up_s_policy_set_and_each_service_has_its_own_metrics_port(
 
 
 # EI_PYTHON for test_a_service_that_ignores_sigterm_...: the planner and worker w1 run under a shell that ignores
-# SIGTERM (the service itself, its child, serves and never gets one), everything else is the real Python
+# SIGTERM and SIGINT (the worker step's stop; the service itself, its child, serves and never gets one), everything
+# else is the real Python
 IGNORES_TERM = """#!/bin/bash
 case " $* " in
-  *" -m services.planner "*|*" -m services.worker "*" --node w1 "*) trap '' TERM; {python} "$@" & wait; exit ;;
+  *" -m services.planner "*|*" -m services.worker "*" --node w1 "*) trap '' TERM INT; {python} "$@" & wait; exit ;;
 esac
 exec {python} "$@"
 """
