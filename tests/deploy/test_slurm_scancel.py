@@ -111,11 +111,24 @@ PartitionName=ei Nodes=n[1-3] Default=YES MaxTime=INFINITE State=UP
             time.sleep(0.3)
         yield env
     finally:
+        # a job still there (a test that failed) first: shut down under it, its slurmstepds stayed, orphaned
+        subprocess.run(["scancel", "--partition=ei"], env=env, capture_output=True, timeout=30)
+        deadline = time.monotonic() + 45  # KillWait (30 s) and a margin
+        while time.monotonic() < deadline and subprocess.run(
+            ["squeue", "-h", "-p", "ei"], env=env, capture_output=True, text=True, timeout=30
+        ).stdout.strip():
+            time.sleep(0.5)
         subprocess.run(["scontrol", "shutdown"], env=env, capture_output=True, timeout=30)
         time.sleep(1)
         for pidfile in d.glob("*.pid"):
             with contextlib.suppress(ValueError, OSError):
                 os.kill(int(pidfile.read_text()), signal.SIGTERM)
+        # what is left of this cluster (a slurmstepd, a job's process: all have its SLURM_CONF), as smoke.sh's cleanup
+        mark = f"SLURM_CONF={conf}".encode()
+        for proc in Path("/proc").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                if proc.name.isdigit() and mark in (proc / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(proc.name), signal.SIGKILL)
 
 
 def _submit(env: dict[str, str], tmp: Path, name: str) -> tuple[str, Path, Path, int]:
