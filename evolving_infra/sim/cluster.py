@@ -528,6 +528,7 @@ class ClusterSim:
         self.directory = KvDirectory(
             self.bs, held_counts_only=self.track_branches and not self.skip_decode_kv, chained=True
         )
+        self.directory.branches.chain_depths = self.track_branches  # the chains of count messages (_flush_counts)
         for n in names:
             self.nodes[n].kv_id = self.directory.node_id(n)
         self._by_kv_id = sorted(self.nodes.values(), key=lambda n: n.kv_id)
@@ -1233,9 +1234,11 @@ class ClusterSim:
             self.directory.drop_count_updates()
             return
         by_id = self._by_kv_id
-        for n, _, hashes, counts in self.directory.take_count_lists():  # take_count_updates, no message objects
+        # take_count_updates, no message objects; each message with its chains (path position, length), by
+        # which the host pool finds the queued pages it names run by run (BranchRunHostPool.update_counts)
+        for n, _, hashes, counts, chains in self.directory.branches.take_count_lists(chains=True):
             if n < len(by_id):  # (a node the directory heard of from a placement alone has no engine here)
-                by_id[n].sched.update_counts(hashes, counts)
+                by_id[n].sched.update_counts(hashes, counts, chains)
 
     # ------------------------------------------------------------------ #
     # planner and phase switches

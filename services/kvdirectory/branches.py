@@ -257,6 +257,15 @@ class BranchTable:
         run), so no list of them is built per change."""
         self.out_len: list[int] = []
         """[node]: blocks listed in its outbox (a block changed twice is listed twice)."""
+        self.chain_depths = False
+        """Keep the path position of each outbox change that is a chain (a Count's path slice, a
+        host store's counted head; with :attr:`chained` only), for :meth:`take_count_lists`'
+        ``chains``: an in-process caller (the simulator) hands them to the worker's host pool,
+        which then finds a message's queued pages run by run (``BranchRunHostPool.update_counts``).
+        False (the default): none kept."""
+        self.out_depth: list[dict[int, tuple[list[int], int]]] = []
+        """[node]: with :attr:`chain_depths`, ``id(blocks) → (blocks, path position of blocks[0])``
+        for the outbox's chains (the list itself kept: its id names it while it is held)."""
         self.out_nodes: list[int] = []
         """Nodes whose outbox is not empty, each once, in the order they got their first change
         since the last drain: a drain visits only them (sorted), not every node (an empty
@@ -285,6 +294,7 @@ class BranchTable:
         self._cc.append([0, 0])
         self.node_branches.append({})
         self.outbox.append([])
+        self.out_depth.append({})
         self.watch.append({})
         self.out_len.append(0)
         self.out_seq.append(0)
@@ -322,6 +332,7 @@ class BranchTable:
         self._cc[n] = [0, 0]
         self.node_branches[n] = {}
         self.watch[n] = {}
+        self.out_depth[n].clear()
         if self.out_len[n] or self.outbox[n]:
             self.outbox[n] = []
             self.out_len[n] = 0
@@ -434,6 +445,8 @@ class BranchTable:
             blocks = list(compress(path[a:k], keep))
         else:
             blocks = path[a:k]
+            if self.chain_depths:
+                self.out_depth[n][id(blocks)] = (blocks, a)
         if self.keep_counted_copies and crossed:
             self._crossed(n, chain.from_iterable(path[i:j] for i, j in zip(crossed[::2], crossed[1::2])), step)
         out = self.outbox[n]
@@ -707,6 +720,8 @@ class BranchTable:
             if j < len(hit):
                 hit = hit[:j]
             counts = _chain_values(R, hit)
+            if self.chain_depths:
+                self._keep_depth(n, hit)
         else:
             try:
                 counts = _values(R, newly)
@@ -721,11 +736,38 @@ class BranchTable:
             cc[HOST] += len(hit)
             if tiers == 2:
                 cc[GPU] += len(hit)
+        elif self.chain_depths and self.chained and len(hit) == len(newly):  # all counted: the store's chain
+            self._keep_depth(n, hit)
         out = self.outbox[n]
         if not out:
             self.out_nodes.append(n)
         out.append((hit, None, counts))
         self.out_len[n] += len(hit)
+
+    def _keep_depth(self, n: int, hit: list[int]) -> None:
+        """:attr:`out_depth` of a host store's counted blocks ``hit`` (counted on n, so in
+        :attr:`runs`), if they are a chain: each block's parent is the block before it, as the
+        index's runs show (one probe and slice comparison per index run, each run's first block
+        checked against its recorded parent); its first block's path position from the counted
+        run holding it. Nothing kept for a list that is not shown a chain. O(index runs) Python
+        steps, C-level scans of the runs it starts in."""
+        where = self.index.where
+        L = len(hit)
+        i = 0
+        while i < L:
+            h = hit[i]
+            r = where.get(h)
+            if r is None:
+                return
+            keys = r.keys
+            o = 0 if keys[0] == h else keys.index(h)
+            if i and (keys[o - 1] if o else r.parent) != hit[i - 1]:
+                return  # not the child of the block before it
+            i += _match(keys, o, hit, i)
+        c = self.runs.where.get(hit[0])
+        if c is not None:
+            ck = c.keys
+            self.out_depth[n][id(hit)] = (hit, c.depth + (0 if ck[0] == hit[0] else ck.index(hit[0])))
 
     def _moves_came(self, n: int, bit: int, newly: Sequence[int]) -> None:
         """Finish the moves to n whose watched block is among ``newly``, which just became
@@ -1141,6 +1183,7 @@ class BranchTable:
         dropped = sum(self.out_len)
         for n in self.out_nodes:
             self.outbox[n].clear()
+            self.out_depth[n].clear()
             self.out_len[n] = 0
         self.out_nodes.clear()
         return dropped
@@ -1181,17 +1224,23 @@ class BranchTable:
         names = self.node_names
         return [CountUpdates(node=names[n], seq=seq, hashes=h, counts=c) for n, seq, h, c in self.take_count_lists()]
 
-    def take_count_lists(self) -> list[tuple[int, int, list[int], list[int]]]:
+    def take_count_lists(self, chains: bool = False) -> list[Any]:
         """:meth:`take_count_updates` as ``(node index, seq, hashes, counts)`` per message, the
         message objects not built: the same drain (outbox emptied, ``out_seq`` advanced per
         message), for an in-process caller that hands each node's lists to its engine (the
-        simulator, ``ClusterSim._flush_counts``). O(1) per message more than the drain."""
+        simulator, ``ClusterSim._flush_counts``). O(1) per message more than the drain.
+
+        ``chains`` (with :attr:`chain_depths`): each message gets a fifth item, the message as
+        chains ``[(path position of the first block, length), ...]`` covering ``hashes`` in order
+        (each a path slice or a store's counted head, parent first), or None where a change has no
+        depth kept or the message is not the changes' lists end to end (merged changes to the same
+        blocks). O(changes) more per message."""
         nodes = self.out_nodes
         if not nodes:
             return []
         if len(nodes) > 1:
             nodes.sort()  # node order, as every node's outbox was once visited in turn
-        msgs: list[tuple[int, int, list[int], list[int]]] = []
+        msgs: list[Any] = []
         cap = self.max_updates_per_msg
         outbox = self.outbox
         held = self.held_counts_only and not self.index.counters["cap.rejected_blocks"]
@@ -1200,8 +1249,10 @@ class BranchTable:
             out = self._held_changes(n, box) if held else box
             if held and not out:  # the node holds none of their blocks
                 box.clear()
+                self.out_depth[n].clear()
                 self.out_len[n] = 0
                 continue
+            ch = self._chains(n, out) if chains else None
             if len(box) == 1:  # one change: every block listed once, each count changed
                 hashes, _, counts = out[0]
             else:
@@ -1210,6 +1261,7 @@ class BranchTable:
                 if len(first) == len(hashes):  # distinct blocks: each changed once
                     counts = list(chain.from_iterable([o[2] for o in out]))
                 else:
+                    ch = None
                     before: dict[int, int] = {}
                     for blocks, step, after in reversed(out):  # the count before the first change wins
                         before.update(zip(blocks, _REPEAT_M1 if step is None else map(_sub, after, repeat(step))))
@@ -1221,16 +1273,34 @@ class BranchTable:
                         now = list(compress(now, changed))
                     counts = now
             box.clear()
+            self.out_depth[n].clear()
             self.out_len[n] = 0
             if len(hashes) <= cap:  # one message: the lists themselves (new lists the outbox held alone)
                 self.out_seq[n] = seq = self.out_seq[n] + 1
-                msgs.append((n, seq, hashes, counts))
+                msgs.append((n, seq, hashes, counts, ch) if chains else (n, seq, hashes, counts))
                 continue
             for i in range(0, len(hashes), cap):
                 self.out_seq[n] = seq = self.out_seq[n] + 1
-                msgs.append((n, seq, hashes[i : i + cap], counts[i : i + cap]))
+                if chains:
+                    msgs.append((n, seq, hashes[i : i + cap], counts[i : i + cap], _cut_chains(ch, i, i + cap)))
+                else:
+                    msgs.append((n, seq, hashes[i : i + cap], counts[i : i + cap]))
         nodes.clear()
         return msgs
+
+    def _chains(self, n: int, out: list[tuple[list[int], int | None, list[int]]]) -> list[tuple[int, int]] | None:
+        """The changes ``out`` of node n as ``[(path position of the first block, length), ...]``
+        (:attr:`out_depth`), or None if one has no depth kept; empties n's :attr:`out_depth`."""
+        deps = self.out_depth[n]
+        ch: list[tuple[int, int]] | None = []
+        for blocks, _step, _after in out:
+            d = deps.get(id(blocks))
+            if d is None or d[0] is not blocks:
+                ch = None
+                break
+            ch.append((d[1], len(blocks)))  # type: ignore[union-attr]
+        deps.clear()
+        return ch
 
     def _held_changes(
         self, n: int, out: list[tuple[list[int], int | None, list[int]]]
@@ -1249,7 +1319,12 @@ class BranchTable:
             if kept is None:
                 kept = out[:i]
             if k:
-                kept.append((blocks[:k], step, after[:k]))
+                cut = blocks[:k]
+                if self.chain_depths:
+                    d = self.out_depth[n].get(id(blocks))
+                    if d is not None and d[0] is blocks:
+                        self.out_depth[n][id(cut)] = (cut, d[1])
+                kept.append((cut, step, after[:k]))
         return out if kept is None else kept
 
     def _held_cut(self, n: int, blocks: list[int]) -> int:
@@ -1316,6 +1391,22 @@ class BranchTable:
         read (dict probes; ``kv.resyncs`` is the directory's)."""
         ic = self.index.counters
         return not (ic["stored.without_parent"] or ic["stored.parent_conflict"] or self.counters.get("kv.resyncs"))
+
+
+def _cut_chains(ch: list[tuple[int, int]] | None, lo: int, hi: int) -> list[tuple[int, int]] | None:
+    """Chains ``ch`` (``(first block's path position, length)`` end to end) cut to the message
+    entries ``[lo, hi)``: the chains of that piece of the message (None stays None)."""
+    if ch is None:
+        return None
+    out = []
+    i = 0
+    for d, k in ch:
+        a = max(i, lo)
+        b = min(i + k, hi)
+        if a < b:
+            out.append((d + a - i, b - a))
+        i += k
+    return out
 
 
 _CUT_RUNS = 32

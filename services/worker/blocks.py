@@ -1352,9 +1352,9 @@ class RunHostPool:
             self._take_shallow(r, e - s)  # type: ignore[arg-type]
         self._push(list(path[y:x]), y, path[y - 1] if y else None, g)
 
-    def update_counts(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
+    def update_counts(self, hashes: Sequence[int], counts: Sequence[int], chains: Sequence[tuple[int, int]] | None = None) -> int:
         """Branch counts from the KV directory: under a one-group policy they move nothing
-        (and nothing reads them), so they are only validated. Returns 0.
+        (and nothing reads them), so they are only validated (``chains`` is not read). Returns 0.
 
         Raises:
             ValueError: if ``hashes`` and ``counts`` differ in length.
@@ -1512,9 +1512,10 @@ class BranchRunHostPool(RunHostPool):
         if not isinstance(policy, BranchCountPolicy):
             raise ValueError(f"BranchRunHostPool serves the branch-count policy, not {policy.name!r}")
         super().__init__(capacity, block_size, events, gpu, policy)
-        self._queued: set[int] = set()
+        self._queued: set[int] | None = set()
         """Every queued (unpinned) page but those of the runs in :attr:`_lazy` (:attr:`queued`
-        is the whole set). A set, not a page → run map: a page moving between runs (a count
+        is the whole set); None once count messages come with their chains (:meth:`update_counts`:
+        no set kept, a count message's queued pages are found run by run). A set, not a page → run map: a page moving between runs (a count
         message's moves, a lift, a cut run) stays in it untouched; a run is found by its first
         hash (most stretches of a directory message start one), else by a scan of the runs
         (:meth:`_run_of`, :meth:`_run_at`)."""
@@ -1546,12 +1547,15 @@ class BranchRunHostPool(RunHostPool):
     # -- run bookkeeping with the queued-page set -------------------------- #
 
     def _take_shallow(self, r: _HostRun, c: int) -> None:
-        if not r.lazy:
+        queued = self._queued
+        if queued is not None and not r.lazy:
             keys = r.keys
-            self._queued.difference_update(keys if c >= len(keys) else islice(keys, c))
+            queued.difference_update(keys if c >= len(keys) else islice(keys, c))
         super()._take_shallow(r, c)
 
     def _index(self, r: _HostRun) -> None:
+        if self._queued is None:
+            return
         lazy = self._lazy
         n = self._lazy_pages + len(r.keys)
         # bounded while the set goes unread: in runs (dead ones) and in the pages they keep
@@ -1563,7 +1567,8 @@ class BranchRunHostPool(RunHostPool):
         lazy.append(r)
 
     def _evicted(self, evicted: list[int]) -> None:
-        self._queued.difference_update(evicted)  # a page of a lazy run is not in it: no change
+        if self._queued is not None:
+            self._queued.difference_update(evicted)  # a page of a lazy run is not in it: no change
 
     def _evict_holes(self, r: _HostRun, c: int, lim: int, out: list[int]) -> int:
         if r.lazy:  # the pieces left are new runs: give them their pages in the set first
@@ -1576,6 +1581,7 @@ class BranchRunHostPool(RunHostPool):
         are those it had when it left). O(their pages) in C."""
         first = self.first
         queued = self._queued
+        assert queued is not None  # runs are listed lazy only while the set is kept
         for r in self._lazy:
             if r.lazy:
                 r.lazy = False
@@ -1588,10 +1594,14 @@ class BranchRunHostPool(RunHostPool):
     @property
     def queued(self) -> set[int]:
         """Every queued (unpinned) page: the set itself, once the runs queued since it was
-        last read are put in (:meth:`_flush`); not to be changed."""
+        last read are put in (:meth:`_flush`); not to be changed. Where no set is kept (count
+        messages come with chains): a new set of the queued runs' pages, O(queued pages)."""
+        queued = self._queued
+        if queued is None:
+            return {h for q in self.queues for r in q for h in r.keys}
         if self._lazy:
             self._flush()
-        return self._queued
+        return queued
 
     def _added(self, run: list[int]) -> None:
         self._counted.difference_update(run)  # fetched pages: none is in a run of :attr:`_fresh` (pinned)
@@ -1751,11 +1761,11 @@ class BranchRunHostPool(RunHostPool):
         nearest first, up to the first one that is pinned, absent or in the other group
         (every such ancestor is older than ``run``). O(runs)."""
         g = run.group
-        queued = self._queued  # read after :meth:`_flush` (:meth:`update_counts`)
+        queued = self._queued  # read after :meth:`_flush` (:meth:`update_counts`); None: no set, runs scanned
         p = run.parent
         d = run.depth - 1
         pieces: list[tuple[_HostRun, int]] = []
-        while p is not None and p in queued:
+        while p is not None and (queued is None or p in queued):
             r = self._run_at(p, d, g)
             if r is None:
                 break
@@ -1847,7 +1857,7 @@ class BranchRunHostPool(RunHostPool):
         self.counted.clear()
         return moved
 
-    def update_counts(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
+    def update_counts(self, hashes: Sequence[int], counts: Sequence[int], chains: Sequence[tuple[int, int]] | None = None) -> int:
         """Apply branch counts R[b, node] from the KV directory (``CountUpdates``).
 
         The move rule (worker README; the reference model's ``HostBlockPool.update_counts``
@@ -1865,12 +1875,26 @@ class BranchRunHostPool(RunHostPool):
         O(stretches + chains + runs lifted) Python steps; per named block only C-level work
         (an index lookup, set updates, slice compares).
 
+        ``chains`` (an in-process directory with chained ids: the simulator, ``ClusterSim._flush_counts``):
+        the message as chains ``[(path position of the first entry, length), ...]`` end to end, each
+        consecutive pages of one sequence, parent first. Then a chain's queued pages are found run by
+        run (:meth:`_chain_moves`: its first entry by the run it starts or a scan of the runs by
+        depth, each later one as a run start, since a queued page whose parent is the entry before it
+        continues that entry's run), so the pool keeps no queued-page set from the first such message
+        on (:attr:`queued` is built when read). The moves are those of the message without ``chains``
+        when the chains are right (as the directory's are: a wrong depth of a chain's first entry
+        inside a run is not seen); a message whose chains name a queued page twice, or give an entry
+        that starts a run another depth, goes the per-entry way.
+
         Raises:
-            ValueError: if ``hashes`` and ``counts`` differ in length.
+            ValueError: if ``hashes`` and ``counts`` differ in length, or ``chains`` do not cover
+                ``hashes``.
         """
         n = len(hashes)
         if n != len(counts):
             raise ValueError(f"{n} hashes but {len(counts)} counts")
+        if chains is not None and sum(k for _, k in chains) != n:
+            raise ValueError(f"chains cover {sum(k for _, k in chains)} entries of {n}")
         if not n:
             return 0
         pinned = self._settle(hashes) if self._fresh else False  # a run just written through: every page named is pinned
@@ -1886,6 +1910,27 @@ class BranchRunHostPool(RunHostPool):
         m = self._l1_prefix(hashes, n) if hashes[0] in self.gpu.roots else 0
         if m == n or (hashes[-1] in self.gpu.ends and self._l1_suffix(hashes, m, n)):
             return 0
+        if chains is not None:
+            if self._queued is not None:  # no queued-page set from now on
+                for r in self._lazy:
+                    r.lazy = False
+                self._lazy.clear()
+                self._lazy_pages = 0
+                self._queued = None
+            found = self._chain_moves(hashes, counts, chains, m)
+            if found is not None:
+                return self._apply_moves(hashes, found)
+        if self._queued is None:  # the per-entry way, with a set of the queued pages for this message
+            self._queued = self.queued
+            try:
+                return self._entry_moves(hashes, counts, n, m)
+            finally:
+                self._queued = None
+        return self._entry_moves(hashes, counts, n, m)
+
+    def _entry_moves(self, hashes: list[int], counts: Sequence[int], n: int, m: int) -> int:
+        """:meth:`update_counts` past the L1 prefix ``hashes[:m]``: the queued entries found one by
+        one in the queued-page set, the moves made. Returns the blocks moved."""
         if self.queued.isdisjoint(islice(hashes, m, None) if m else hashes):
             return 0
         moves = self._moves(hashes, counts, n)
@@ -1894,6 +1939,11 @@ class BranchRunHostPool(RunHostPool):
             hashes, counts = list(last), list(last.values())
             moves = self._moves(hashes, counts, len(hashes))
             assert moves is not None
+        return self._apply_moves(hashes, moves)
+
+    def _apply_moves(self, hashes: list[int], moves: list[tuple[int, int, int, int, int | None, int, int]]) -> int:
+        """Make the moves of a count message (:meth:`_moves`' stretches, in message order), chain by
+        chain, each then lifted (:meth:`update_counts`' rule). Returns the blocks moved."""
         if not moves:
             return 0
         moved = 0
@@ -1930,6 +1980,88 @@ class BranchRunHostPool(RunHostPool):
                 moved += sum(x[2] for x in chain)
             self._lift_above(run)
         return moved
+
+    def _chain_moves(
+        self, hashes: list[int], counts: Sequence[int], chains: Sequence[tuple[int, int]], start: int
+    ) -> list[tuple[int, int, int, int, int | None, int, int]] | None:
+        """:meth:`_moves` of the entries ``hashes[start:]`` of a message given as ``chains`` (see
+        :meth:`update_counts`), found run by run with no queued-page set: in each chain, its first
+        entry (from ``start``) is queued if it starts a run (a dict probe) or lies in one at its
+        depth (a scan of the runs, O(runs) Python steps); every later queued entry either continues
+        the run of the entry before it (its parent: compared in a slice, :func:`_agree`) or starts
+        a run, found in C (``first`` probes, the entries of a stretch not probed). None if an entry
+        does not lie at its chain's depth in the run it starts (the chains do not fit the pool) or
+        a queued page is named twice: the caller takes the per-entry way. Only reads the pool."""
+        first = self.first
+        moves: list[tuple[int, int, int, int, int | None, int, int]] = []
+        spans: dict[_HostRun, list[tuple[int, int]]] = {}
+        i = 0
+        for d0, size in chains:
+            end = i + size
+            if end <= start:
+                i = end
+                continue
+            pos = start if i < start else i
+            h = hashes[pos]
+            r = first.get(h)
+            if r is None:  # inside a run, if queued: the run holding it at its depth
+                d = d0 + pos - i
+                for q in self.queues:
+                    for x in q:
+                        o = d - x.depth
+                        if 0 <= o < len(x.keys) and x.keys[o] == h:
+                            r = x
+                            break
+                    if r is not None:
+                        break
+            while True:
+                if r is None:  # hashes[pos] is not queued: the next entry that starts a run
+                    pos = next(compress(count(pos + 1), map(first.__contains__, islice(hashes, pos + 1, end))), end)
+                    if pos >= end:
+                        break
+                    r = first[hashes[pos]]
+                keys = r.keys
+                off = d0 + pos - i - r.depth
+                if not 0 <= off < len(keys) or keys[off] != hashes[pos]:
+                    return None
+                k = _agree(keys, off, hashes, pos, end)
+                span = spans.get(r)
+                if span is None:
+                    spans[r] = [(off, k)]
+                else:
+                    span.append((off, k))
+                g = r.group
+                seg = counts[pos : pos + k]
+                if not g and all(seg):
+                    z = 0
+                else:
+                    z = seg.count(0)
+                if z == (k if g else 0):  # every block of the stretch crosses 0
+                    moves.append((hashes[pos], r.depth + off, k, 1 - g, keys[off - 1] if off else r.parent, hashes[pos + k - 1], pos))
+                elif z != (0 if g else k):  # some do: their sub-stretches, block by block
+                    a = -1
+                    for x in range(k + 1):
+                        crosses = x < k and (counts[pos + x] == 0) == bool(g)
+                        if crosses and a < 0:
+                            a = x
+                        elif not crosses and a >= 0:
+                            o = off + a
+                            moves.append(
+                                (keys[o], r.depth + o, x - a, 1 - g, keys[o - 1] if o else r.parent, keys[off + x - 1], pos + a)
+                            )
+                            a = -1
+                pos += k
+                if pos >= end:
+                    break
+                r = first.get(hashes[pos])  # a queued page after the stretch starts a run (its parent ends one or is not queued)
+            i = end
+        for span in spans.values():
+            if len(span) > 1:
+                span.sort()
+                for (o1, k1), (o2, _k2) in zip(span, span[1:]):
+                    if o1 + k1 > o2:
+                        return None
+        return moves
 
     def _l1_prefix(self, hashes: list[int], n: int) -> int:
         """A count of leading entries of count message ``hashes[:n]`` that are L1 pages (so pinned
@@ -2001,7 +2133,8 @@ class BranchRunHostPool(RunHostPool):
         set of the whole message (~1.16M entries per 300 s of the 64-token evolving run)."""
         # stretches of moved blocks: (first hash, its depth, length, new group, parent hash, last hash,
         # its index in the message)
-        queued_set = self._queued  # read after :meth:`_flush` (:meth:`update_counts`)
+        queued_set = self._queued  # read after :meth:`_flush` (:meth:`update_counts`; kept for the message)
+        assert queued_set is not None
         moves: list[tuple[int, int, int, int, int | None, int, int]] = []
         places: dict[_HostRun, dict[int, int]] = {}
         spans: dict[_HostRun, list[tuple[int, int]]] = {}  # each run's stretches: (offset, length)
@@ -2092,17 +2225,18 @@ class BranchRunHostPool(RunHostPool):
         """
         super().check_structure()
         counted = self.counted
+        queued = self.queued
         n = 0
         for q in self.queues:
             for r in q:
                 for h in r.keys:
                     n += 1
-                    if h not in self.queued:
+                    if h not in queued:
                         raise KvInvariantError(f"L2 page {h} queued but not in the queued set")
                     if (h in counted) != (r.group == 1):
                         raise KvInvariantError(f"L2 page {h} in group {r.group}, counted={h in counted}")
-        if len(self.queued) != n:
-            raise KvInvariantError(f"L2 queued set holds {len(self.queued)} pages, {n} queued")
+        if len(queued) != n:
+            raise KvInvariantError(f"L2 queued set holds {len(queued)} pages, {n} queued")
 
 
 # --------------------------------------------------------------------------- #
@@ -2253,9 +2387,9 @@ class KvBlockManager:
         self.gpu.release(path, n_held)
         self.gpu.unreserve(reserved)
 
-    def update_counts(self, hashes: Sequence[int], counts: Sequence[int]) -> int:
+    def update_counts(self, hashes: Sequence[int], counts: Sequence[int], chains: Sequence[tuple[int, int]] | None = None) -> int:
         """Branch counts for host eviction; see :meth:`BranchRunHostPool.update_counts`."""
-        return self.host.update_counts(hashes, counts)
+        return self.host.update_counts(hashes, counts, chains)
 
     def reset_counts(self) -> int:
         """Every host block's branch count back to 0 (the KV directory restarted); see

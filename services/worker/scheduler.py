@@ -558,12 +558,14 @@ class EngineScheduler:
         r.state = DONE
         return True
 
-    def update_counts(self, hashes: list[int], counts: list[int]) -> int:
-        """Branch counts from the KV directory (``kv.counts.<node>``); see
-        :meth:`BranchRunHostPool.update_counts`. Returns the host blocks moved. (The host pool's
-        method itself, as :meth:`KvBlockManager.update_counts` would call it: one call less per
-        message.)"""
-        return self.kv.host.update_counts(hashes, counts)
+    def update_counts(self, hashes: list[int], counts: list[int], chains: list[tuple[int, int]] | None = None) -> int:
+        """Branch counts from the KV directory (``kv.counts.<node>``; ``chains``: the message as
+        chains, from an in-process directory); see :meth:`BranchRunHostPool.update_counts`. Returns
+        the host blocks moved. (The host pool's method itself, as :meth:`KvBlockManager.update_counts`
+        would call it: one call less per message.)"""
+        if chains is None:
+            return self.kv.host.update_counts(hashes, counts)
+        return self.kv.host.update_counts(hashes, counts, chains)
 
     def reset_counts(self) -> int:
         """Every host block's branch count back to 0 (the KV directory restarted; see
