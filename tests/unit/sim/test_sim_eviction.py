@@ -74,9 +74,9 @@ def pushed(monkeypatch):
     calls: list[tuple[str, dict[int, int]]] = []
     orig = EngineScheduler.update_counts
 
-    def spy(self, hashes, counts):
+    def spy(self, hashes, counts, chains=None):
         calls.append((self.node, dict(zip(hashes, counts))))
-        return orig(self, hashes, counts)
+        return orig(self, hashes, counts, chains)
 
     monkeypatch.setattr(EngineScheduler, "update_counts", spy)
     return calls

@@ -25,9 +25,9 @@ def _tally(monkeypatch: pytest.MonkeyPatch, sent: dict[str, int]) -> None:
     ``take_count_lists``, which ``take_count_updates`` builds its messages from)."""
     take = branches.BranchTable.take_count_lists
 
-    def counted(self: branches.BranchTable) -> list:
-        msgs = take(self)
-        sent["entries"] += sum(len(hashes) for _, _, hashes, _ in msgs)
+    def counted(self: branches.BranchTable, chains: bool = False) -> list:
+        msgs = take(self, chains)
+        sent["entries"] += sum(len(m[2]) for m in msgs)
         sent["held_only"] += self.held_counts_only
         return msgs
 
