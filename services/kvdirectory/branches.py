@@ -258,14 +258,16 @@ class BranchTable:
         self.out_len: list[int] = []
         """[node]: blocks listed in its outbox (a block changed twice is listed twice)."""
         self.chain_depths = False
-        """Keep the path position of each outbox change that is a chain (a Count's path slice, a
-        host store's counted head; with :attr:`chained` only), for :meth:`take_count_lists`'
+        """Keep the path position of each outbox change that is a chain (a Count's path slice; a
+        host store's counted head, position None: the store's; with :attr:`chained` only), for :meth:`take_count_lists`'
         ``chains``: an in-process caller (the simulator) hands them to the worker's host pool,
         which then finds a message's queued pages run by run (``BranchRunHostPool.update_counts``).
         False (the default): none kept."""
-        self.out_depth: list[dict[int, tuple[list[int], int]]] = []
+        self.out_depth: list[dict[int, tuple[list[int], int | None]]] = []
         """[node]: with :attr:`chain_depths`, ``id(blocks) → (blocks, path position of blocks[0])``
-        for the outbox's chains (the list itself kept: its id names it while it is held)."""
+        for the outbox's chains (the list itself kept: its id names it while it is held); position
+        None for a host store's counted blocks (the store's chain or its head: the worker knows where
+        it stored them, the directory would have to scan its runs)."""
         self.out_nodes: list[int] = []
         """Nodes whose outbox is not empty, each once, in the order they got their first change
         since the last drain: a drain visits only them (sorted), not every node (an empty
@@ -720,8 +722,8 @@ class BranchTable:
             if j < len(hit):
                 hit = hit[:j]
             counts = _chain_values(R, hit)
-            if self.chain_depths:
-                self._keep_depth(n, hit)
+            if self.chain_depths:  # the store's chain, or its head: at the store's position, which the worker knows
+                self.out_depth[n][id(hit)] = (hit, None)
         else:
             try:
                 counts = _values(R, newly)
@@ -737,37 +739,12 @@ class BranchTable:
             if tiers == 2:
                 cc[GPU] += len(hit)
         elif self.chain_depths and self.chained and len(hit) == len(newly):  # all counted: the store's chain
-            self._keep_depth(n, hit)
+            self.out_depth[n][id(hit)] = (hit, None)
         out = self.outbox[n]
         if not out:
             self.out_nodes.append(n)
         out.append((hit, None, counts))
         self.out_len[n] += len(hit)
-
-    def _keep_depth(self, n: int, hit: list[int]) -> None:
-        """:attr:`out_depth` of a host store's counted blocks ``hit`` (counted on n, so in
-        :attr:`runs`), if they are a chain: each block's parent is the block before it, as the
-        index's runs show (one probe and slice comparison per index run, each run's first block
-        checked against its recorded parent); its first block's path position from the counted
-        run holding it. Nothing kept for a list that is not shown a chain. O(index runs) Python
-        steps, C-level scans of the runs it starts in."""
-        where = self.index.where
-        L = len(hit)
-        i = 0
-        while i < L:
-            h = hit[i]
-            r = where.get(h)
-            if r is None:
-                return
-            keys = r.keys
-            o = 0 if keys[0] == h else keys.index(h)
-            if i and (keys[o - 1] if o else r.parent) != hit[i - 1]:
-                return  # not the child of the block before it
-            i += _match(keys, o, hit, i)
-        c = self.runs.where.get(hit[0])
-        if c is not None:
-            ck = c.keys
-            self.out_depth[n][id(hit)] = (hit, c.depth + (0 if ck[0] == hit[0] else ck.index(hit[0])))
 
     def _moves_came(self, n: int, bit: int, newly: Sequence[int]) -> None:
         """Finish the moves to n whose watched block is among ``newly``, which just became
@@ -1232,9 +1209,10 @@ class BranchTable:
 
         ``chains`` (with :attr:`chain_depths`): each message gets a fifth item, the message as
         chains ``[(path position of the first block, length), ...]`` covering ``hashes`` in order
-        (each a path slice or a store's counted head, parent first), or None where a change has no
-        depth kept or the message is not the changes' lists end to end (merged changes to the same
-        blocks). O(changes) more per message."""
+        (each a path slice or a host store's counted blocks, parent first; position None for the
+        latter: the store's, known to the worker), or None where a change has no position kept, the
+        message is not the changes' lists end to end (merged changes to the same blocks) or a cut
+        into messages takes a store's chain's head. O(changes) more per message."""
         nodes = self.out_nodes
         if not nodes:
             return []
@@ -1288,11 +1266,11 @@ class BranchTable:
         nodes.clear()
         return msgs
 
-    def _chains(self, n: int, out: list[tuple[list[int], int | None, list[int]]]) -> list[tuple[int, int]] | None:
+    def _chains(self, n: int, out: list[tuple[list[int], int | None, list[int]]]) -> list[tuple[int | None, int]] | None:
         """The changes ``out`` of node n as ``[(path position of the first block, length), ...]``
         (:attr:`out_depth`), or None if one has no depth kept; empties n's :attr:`out_depth`."""
         deps = self.out_depth[n]
-        ch: list[tuple[int, int]] | None = []
+        ch: list[tuple[int | None, int]] | None = []
         for blocks, _step, _after in out:
             d = deps.get(id(blocks))
             if d is None or d[0] is not blocks:
@@ -1393,18 +1371,21 @@ class BranchTable:
         return not (ic["stored.without_parent"] or ic["stored.parent_conflict"] or self.counters.get("kv.resyncs"))
 
 
-def _cut_chains(ch: list[tuple[int, int]] | None, lo: int, hi: int) -> list[tuple[int, int]] | None:
+def _cut_chains(ch: list[tuple[int | None, int]] | None, lo: int, hi: int) -> list[tuple[int | None, int]] | None:
     """Chains ``ch`` (``(first block's path position, length)`` end to end) cut to the message
-    entries ``[lo, hi)``: the chains of that piece of the message (None stays None)."""
+    entries ``[lo, hi)``: the chains of that piece of the message; None if a store's chain (position
+    None) loses its head to the cut (its position is then nobody's to give), or ``ch`` is None."""
     if ch is None:
         return None
-    out = []
+    out: list[tuple[int | None, int]] = []
     i = 0
     for d, k in ch:
         a = max(i, lo)
         b = min(i + k, hi)
         if a < b:
-            out.append((d + a - i, b - a))
+            if d is None and a > i:
+                return None
+            out.append((None if d is None else d + a - i, b - a))
         i += k
     return out
 

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 from collections import _count_elements, deque  # type: ignore[attr-defined]
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import compress, count, islice
+from itertools import chain, compress, count, islice
 from operator import ne
 from typing import Any
 
@@ -1045,14 +1045,14 @@ class RunHostPool:
         """The pages ``evicted`` left L2."""
         self.members.difference_update(evicted)
 
-    def _added(self, run: list[int]) -> None:
-        """The pages ``run`` (new, parent first) entered L2."""
+    def _added(self, run: list[int], depth: int) -> None:
+        """The pages ``run`` (new, parent first, the first at path position ``depth``) entered L2."""
         self.members.update(run)
 
-    def _written(self, run: list[int]) -> None:
-        """The pages ``run`` (new, parent first) entered L2 by a write-through (pinned); the list
-        is the one the ``BlockStored(host)`` event carries."""
-        self._added(run)
+    def _written(self, run: list[int], depth: int) -> None:
+        """The pages ``run`` (new, parent first, the first at path position ``depth``) entered L2
+        by a write-through (pinned); the list is the one the ``BlockStored(host)`` event carries."""
+        self._added(run, depth)
 
     def _members(self) -> set[int]:
         """Every L2 page (pinned or not): :attr:`members` itself, O(1); not to be changed."""
@@ -1254,7 +1254,7 @@ class RunHostPool:
             run = path[s:e]
             if type(run) is not list:
                 run = list(run)
-            self._written(run)
+            self._written(run, s)
             self.events.append(_stored(run, path[s - 1] if s else None, "host", bs))
 
     def unpin_runs(self, runs: Sequence[tuple[list[int], int, int | None]]) -> None:
@@ -1325,7 +1325,7 @@ class RunHostPool:
         bs = self.block_size
         for s, e in ranges:
             run = list(path[s:e])
-            self._added(run)
+            self._added(run, s)
             self.events.append(_stored(run, path[s - 1] if s else None, "host", bs))
         return stored
 
@@ -1352,7 +1352,7 @@ class RunHostPool:
             self._take_shallow(r, e - s)  # type: ignore[arg-type]
         self._push(list(path[y:x]), y, path[y - 1] if y else None, g)
 
-    def update_counts(self, hashes: Sequence[int], counts: Sequence[int], chains: Sequence[tuple[int, int]] | None = None) -> int:
+    def update_counts(self, hashes: Sequence[int], counts: Sequence[int], chains: Sequence[tuple[int | None, int]] | None = None) -> int:
         """Branch counts from the KV directory: under a one-group policy they move nothing
         (and nothing reads them), so they are only validated (``chains`` is not read). Returns 0.
 
@@ -1477,6 +1477,11 @@ def _stretches(flags: list[bool]) -> Iterator[tuple[int, int, bool]]:
         i = j
 
 
+_STORES_KEPT = 4096
+"""Stored runs :class:`BranchRunHostPool` keeps the path positions of (then forgets them all): the
+directory re-sends a store's counts in the drain right after it (``ClusterSim._flush_kv``), so a
+few are enough; a re-send found in none goes the per-entry way."""
+
 _RESTART = 24
 """A queued stretch of a count message at least this long is skipped by restarting the lookup
 after it (O(1), a list iterator set to its end) instead of looking its entries up (~45 ns each)."""
@@ -1542,6 +1547,9 @@ class BranchRunHostPool(RunHostPool):
         are pinned (L1 evicted nothing since), so it names no queued page either. In a 300-s
         evolving run at 64-token blocks, 4,118 of 8,027 messages (384K of 4.38M entries; 1.02M
         pages written through) were such a run."""
+        self._stored: dict[int, tuple[list[int], int]] = {}
+        """Once count messages come with chains (no queued-page set): the runs stored in L2 lately
+        (written through or fetched) by first hash, with their path positions (:meth:`_store_depth`)."""
         del self.members  # not kept: L2's pages are :attr:`queued` and L1's (:meth:`_members`)
 
     # -- run bookkeeping with the queued-page set -------------------------- #
@@ -1603,11 +1611,25 @@ class BranchRunHostPool(RunHostPool):
             self._flush()
         return queued
 
-    def _added(self, run: list[int]) -> None:
+    def _added(self, run: list[int], depth: int) -> None:
         self._counted.difference_update(run)  # fetched pages: none is in a run of :attr:`_fresh` (pinned)
+        if self._queued is None:
+            self._store_depth(run, depth)
 
-    def _written(self, run: list[int]) -> None:
-        self._fresh.append(run[:])  # a copy: the event's list is the consumers' too
+    def _written(self, run: list[int], depth: int) -> None:
+        fresh = run[:]  # a copy: the event's list is the consumers' too
+        self._fresh.append(fresh)
+        if self._queued is None:
+            self._store_depth(fresh, depth)
+
+    def _store_depth(self, run: list[int], depth: int) -> None:
+        """Keep the path position of a run just stored (by its first hash, with the list, not to be
+        changed) for the directory's re-send of its counts (a chain of unknown position in a count
+        message's chains, :meth:`_chain_moves`); at most :data:`_STORES_KEPT` kept."""
+        stored = self._stored
+        if len(stored) >= _STORES_KEPT:
+            stored.clear()
+        stored[run[0]] = (run, depth)
 
     @property
     def counted(self) -> set[int]:
@@ -1857,7 +1879,7 @@ class BranchRunHostPool(RunHostPool):
         self.counted.clear()
         return moved
 
-    def update_counts(self, hashes: Sequence[int], counts: Sequence[int], chains: Sequence[tuple[int, int]] | None = None) -> int:
+    def update_counts(self, hashes: Sequence[int], counts: Sequence[int], chains: Sequence[tuple[int | None, int]] | None = None) -> int:
         """Apply branch counts R[b, node] from the KV directory (``CountUpdates``).
 
         The move rule (worker README; the reference model's ``HostBlockPool.update_counts``
@@ -1920,24 +1942,22 @@ class BranchRunHostPool(RunHostPool):
             found = self._chain_moves(hashes, counts, chains, m)
             if found is not None:
                 return self._apply_moves(hashes, found)
-        if self._queued is None:  # the per-entry way, with a set of the queued pages for this message
-            self._queued = self.queued
-            try:
-                return self._entry_moves(hashes, counts, n, m)
-            finally:
-                self._queued = None
-        return self._entry_moves(hashes, counts, n, m)
+        if self._queued is None:  # the per-entry way, with the set of the message's queued entries
+            named = set(islice(hashes, m, None) if m else hashes)
+            return self._entry_moves(hashes, counts, n, m, named.intersection(chain.from_iterable([r.keys for q in self.queues for r in q])))
+        return self._entry_moves(hashes, counts, n, m, self.queued)
 
-    def _entry_moves(self, hashes: list[int], counts: Sequence[int], n: int, m: int) -> int:
+    def _entry_moves(self, hashes: list[int], counts: Sequence[int], n: int, m: int, queued: set[int]) -> int:
         """:meth:`update_counts` past the L1 prefix ``hashes[:m]``: the queued entries found one by
-        one in the queued-page set, the moves made. Returns the blocks moved."""
-        if self.queued.isdisjoint(islice(hashes, m, None) if m else hashes):
+        one in ``queued`` (the queued-page set, or where none is kept the message's queued entries:
+        O(queued pages) probes in C), the moves made. Returns the blocks moved."""
+        if queued.isdisjoint(islice(hashes, m, None) if m else hashes):
             return 0
-        moves = self._moves(hashes, counts, n)
+        moves = self._moves(hashes, counts, n, queued)
         if moves is None:  # a queued page named twice: the last count, at its first place
             last = dict(zip(hashes, counts))
             hashes, counts = list(last), list(last.values())
-            moves = self._moves(hashes, counts, len(hashes))
+            moves = self._moves(hashes, counts, len(hashes), queued)
             assert moves is not None
         return self._apply_moves(hashes, moves)
 
@@ -1982,12 +2002,14 @@ class BranchRunHostPool(RunHostPool):
         return moved
 
     def _chain_moves(
-        self, hashes: list[int], counts: Sequence[int], chains: Sequence[tuple[int, int]], start: int
+        self, hashes: list[int], counts: Sequence[int], chains: Sequence[tuple[int | None, int]], start: int
     ) -> list[tuple[int, int, int, int, int | None, int, int]] | None:
         """:meth:`_moves` of the entries ``hashes[start:]`` of a message given as ``chains`` (see
         :meth:`update_counts`), found run by run with no queued-page set: in each chain, its first
         entry (from ``start``) is queued if it starts a run (a dict probe) or lies in one at its
-        depth (a scan of the runs, O(runs) Python steps); every later queued entry either continues
+        depth (a scan of the runs, O(runs) Python steps; a chain at position None is a store's
+        re-sent head, at the store's position if the pool still knows the store and the chain is
+        its pages, else None is returned); every later queued entry either continues
         the run of the entry before it (its parent: compared in a slice, :func:`_agree`) or starts
         a run, found in C (``first`` probes, the entries of a stretch not probed). None if an entry
         does not lie at its chain's depth in the run it starts (the chains do not fit the pool) or
@@ -2001,6 +2023,11 @@ class BranchRunHostPool(RunHostPool):
             if end <= start:
                 i = end
                 continue
+            if d0 is None:  # a store's counted head: its position from the store
+                rec = self._stored.get(hashes[i])
+                if rec is None or (rec[0] if len(rec[0]) == size else rec[0][:size]) != hashes[i:end]:
+                    return None
+                d0 = rec[1]
             pos = start if i < start else i
             h = hashes[pos]
             r = first.get(h)
@@ -2117,13 +2144,16 @@ class BranchRunHostPool(RunHostPool):
             r = r.parent
         return False
 
-    def _moves(self, hashes: list[int], counts: Sequence[int], n: int) -> list[tuple[int, int, int, int, int | None, int, int]] | None:
+    def _moves(
+        self, hashes: list[int], counts: Sequence[int], n: int, queued_set: set[int]
+    ) -> list[tuple[int, int, int, int, int | None, int, int]] | None:
         """The stretches of queued pages a count message moves (their group changes), in
         message order, as ``(first hash, its depth, length, new group, parent hash, last hash,
         index of the first in the message)``; None if the message names a queued page twice
         (the caller keeps each page's last count at its first place and asks again).
 
-        Only reads the pool. The queued entries are found lazily in C (set probes), each
+        Only reads the pool. The queued entries are found lazily in C (probes of ``queued_set``: the
+        queued pages, or at least the message's queued entries), each
         stretch (consecutive entries that are consecutive pages of one run) as the run its first
         entry starts or lies in (:meth:`_run_of`) and a slice compare (:func:`_agree`); a
         stretch of at least :data:`_RESTART` entries restarts the probes after it. A page named
@@ -2133,8 +2163,6 @@ class BranchRunHostPool(RunHostPool):
         set of the whole message (~1.16M entries per 300 s of the 64-token evolving run)."""
         # stretches of moved blocks: (first hash, its depth, length, new group, parent hash, last hash,
         # its index in the message)
-        queued_set = self._queued  # read after :meth:`_flush` (:meth:`update_counts`; kept for the message)
-        assert queued_set is not None
         moves: list[tuple[int, int, int, int, int | None, int, int]] = []
         places: dict[_HostRun, dict[int, int]] = {}
         spans: dict[_HostRun, list[tuple[int, int]]] = {}  # each run's stretches: (offset, length)
@@ -2387,7 +2415,7 @@ class KvBlockManager:
         self.gpu.release(path, n_held)
         self.gpu.unreserve(reserved)
 
-    def update_counts(self, hashes: Sequence[int], counts: Sequence[int], chains: Sequence[tuple[int, int]] | None = None) -> int:
+    def update_counts(self, hashes: Sequence[int], counts: Sequence[int], chains: Sequence[tuple[int | None, int]] | None = None) -> int:
         """Branch counts for host eviction; see :meth:`BranchRunHostPool.update_counts`."""
         return self.host.update_counts(hashes, counts, chains)
 

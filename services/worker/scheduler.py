@@ -558,7 +558,7 @@ class EngineScheduler:
         r.state = DONE
         return True
 
-    def update_counts(self, hashes: list[int], counts: list[int], chains: list[tuple[int, int]] | None = None) -> int:
+    def update_counts(self, hashes: list[int], counts: list[int], chains: list[tuple[int | None, int]] | None = None) -> int:
         """Branch counts from the KV directory (``kv.counts.<node>``; ``chains``: the message as
         chains, from an in-process directory); see :meth:`BranchRunHostPool.update_counts`. Returns
         the host blocks moved. (The host pool's method itself, as :meth:`KvBlockManager.update_counts`

@@ -106,3 +106,22 @@ def test_chains_must_cover_the_message():
     kv = KvBlockManager(4, 32, 4, "branch-count")
     with pytest.raises(ValueError, match="chains cover 1 entries of 2"):
         kv.update_counts([1, 2], [1, 1], [(0, 1)])
+
+
+def test_a_stores_resent_counts_take_the_stores_position():
+    """A chain at position None (the directory's re-send of a host store's counts) is placed where
+    the pool stored it; one the pool does not know goes the per-entry way. Same moves either way."""
+    def pool():
+        kv = KvBlockManager(8, 64, 4, "branch-count")
+        assert kv.update_counts([99], [1], [(0, 1)]) == 0  # chains from here on: stores keep their positions
+        compute(kv, [1, 2, 3, 4])
+        compute(kv, [1, 2, 3, 4, 5, 6, 7])  # 5, 6, 7 written through at positions 4..6
+        compute(kv, list(range(10, 18)))  # all of it unpinned in L2
+        assert kv.host._stored[5][1] == 4
+        return kv
+
+    for hashes, chains in (([5, 6, 7], [(None, 3)]), ([6, 7], [(None, 2)]), ([2, 3, 5, 6, 7], [(1, 2), (None, 3)])):
+        a, b = pool(), pool()
+        assert a.update_counts(hashes, [1] * len(hashes), chains) == b.update_counts(hashes, [1] * len(hashes))
+        assert order(a) == order(b)
+        a.check([])
