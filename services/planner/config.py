@@ -68,7 +68,11 @@ class PlannerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fiel
             "split set lays its phases over the live nodes first (the first x live nodes prefill; with x or fewer "
             "live, the last live node decode), so no phase is left only on dead nodes, and refuses an xPyD when one "
             "node alone is live; a phase of the current split left on nodes that all reported and are all silent "
-            "swaps its first node with a live node of the other phase (when that phase has two or more)",
+            "swaps its first node with a live node of the other phase (when that phase has two or more; with one, that "
+            "node serves both phases: the outage split). The split the outage replaced is issued again once each of "
+            "its phases has a node that has reported for this long without a silence and was heard within half of "
+            "it, though a dead node may never return (laid over the live nodes as a swap when its own nodes for a "
+            "phase are still silent)",
         ),
     ] = 3.0
     adopt_grace_s: Annotated[

@@ -10,7 +10,7 @@ s), and publishes what they return or what the outboxes hold:
   the policy changes the phases;
 * ``set_split`` is the operator's override (``split.set``), laid over the live nodes first;
   a phase left on dead nodes only is swapped with a live node at the next ``tick`` (one live
-  node left there: it serves ``both`` until the dead nodes are back, the outage rule), and a
+  node left there: it serves ``both`` until each phase of the split before has a node back, the outage rule), and a
   policy's switch that would leave one so is applied with that swap made (``silent_after``;
   "Splits and dead nodes" in ``README.md``);
 * adoption (``adopt_until``): a (re)started planner first observes the node states
@@ -187,8 +187,15 @@ class PlannerCore:
         self.outage: tuple[int, dict[str, Phase], float, tuple[str, ...]] | None = None
         """The outage split in force, or None: (its epoch, the phases it replaced, when (``now``), the dead
         nodes). A phase was left on dead nodes only with one live node to take it, which serves ``both``
-        (:meth:`_dead_swap`); :meth:`_rescue` issues the replaced phases again once those nodes are back
-        (:meth:`_back`), unless a later command replaced it (then it is forgotten)."""
+        (:meth:`_dead_swap`); :meth:`_rescue` issues the replaced phases again once each has a node back
+        (:meth:`_settled`), unless a later command replaced it (then it is forgotten)."""
+        self._adopted_outage = ""
+        """The ``--split`` spec whose phases :attr:`outage` holds when the core took the outage split over at its start
+        (:meth:`_adopt_outage`), else empty (the command's reason says so)."""
+        self._stirred = -float("inf")
+        """``now`` of the latest state that may let a node take a phase or a split come back: a node's first state,
+        its first after a gap of half of ``silent_after`` or more, or the one its run of states reaches
+        ``silent_after`` with (:meth:`_back`, :meth:`_settled`, :meth:`_witness`); other states change neither."""
         self.heard: dict[str, float] = {}
         """node → when (``now``) its latest ``node.state`` arrived: who is live (:meth:`_place`)."""
         self.steady: set[str] = set()
@@ -268,6 +275,9 @@ class PlannerCore:
             else:
                 self.steady.discard(node)
                 self.since[node] = now
+            start, after = self.since[node], self.silent_after
+            if prev is None or now - prev >= after / 2 or prev - start < after - 1e-9 <= now - start:
+                self._stirred = now
         self.heard[node] = now
         if self.adopt_until is None:
             if node in self._unsure and state.accepting:
@@ -298,6 +308,7 @@ class PlannerCore:
         self._echo = [*self._echo[-(2 * len(self.nodes) + 7) :], self.command]
         self.command = cmd
         self.outage = None
+        self._adopted_outage = ""
 
     def on_token_chunk(self, chunk: TokenChunk, now: float) -> RequestDone | None:
         """Feed a token chunk; a finished request goes to the policy and is returned."""
@@ -349,11 +360,10 @@ class PlannerCore:
         if self.silent_after is None:
             return set()
         heard, after = self.heard, self.silent_after
-        # the earliest start of a witness's run of states (a live, steady node), None without one
-        first = min((self.since[m] for m in self.steady if m in heard and now - heard[m] < after), default=None)
-        if first is None:
+        witnesses = [m for m in self.steady if m in heard and now - heard[m] < after]
+        if not witnesses:
             return set()
-        return {n for n in self.nodes if n in heard and now - heard[n] >= after and first < heard[n] + after}
+        return {n for n in self.nodes if n in heard and now - heard[n] >= after and any(self._witness(m, heard[n] + after) for m in witnesses)}
 
     # -- decisions ------------------------------------------------------------ #
 
@@ -525,6 +535,10 @@ class PlannerCore:
             if not nodes or any(n not in self.heard for n in nodes):
                 continue
             t = max(self.heard[n] for n in nodes) + self.silent_after
+            if t <= self._rescue_checked:
+                # silent when last checked and no taker then: a node's state may make one (its run of states
+                # ``silent_after`` long, :meth:`_witness`)
+                t = self._stirred
             if t > self._rescue_checked and (at is None or t < at):
                 at = t
         back = self._restore_at()
@@ -533,21 +547,31 @@ class PlannerCore:
         return at
 
     def _restore_at(self) -> float | None:
-        """When to check the outage split (:attr:`outage`) again, if that time has not been checked yet: the
-        latest comeback of any node (its run of states began: the split the outage replaced may be laid over
-        the live nodes again), every node the outage found dead back for ``silent_after`` (the split undone),
-        or — that time checked and the split not undone (a node not yet steady) — the latest state of those
-        nodes. None without an outage split in force. O(N)."""
+        """When to check the outage split (:attr:`outage`) again: the latest state that may let it be undone
+        (:attr:`_stirred`: a node's run of states reaching ``silent_after``, a node quiet for half of it reporting
+        again, :meth:`_settled`), if that time has not been checked yet; the steady states of nodes back for good
+        change nothing and are not checked. None without an outage split in force. O(1)."""
         out = self.outage
         if out is None or out[0] != self.command.epoch:
             return None
-        checked, since = self._rescue_checked, self.since
-        times = [max(since.values(), default=-float("inf"))]
-        if all(since.get(n, -float("inf")) > out[2] for n in out[3]):
-            t = max(since[n] for n in out[3]) + self.silent_after  # type: ignore[operator]
-            times.append(t if t > checked else max(self.heard[n] for n in out[3]))
-        due = [t for t in times if t > checked]
-        return min(due) if due else None
+        return self._stirred if self._stirred > self._rescue_checked else None
+
+    def _settled(self, phases: dict[str, Phase], now: float) -> bool:
+        """Every phase of ``phases`` has a node (its own or a ``both`` one) that is :meth:`_back` and whose latest
+        state is less than half of ``silent_after`` old: the nodes a restore relies on are back for good and not
+        going quiet. A restore is elective (the outage split serves every phase), so it waits for a node in doubt
+        — silent for half of ``silent_after``, not yet dead — rather than give it a phase and, once it is dead,
+        switch the survivor again. O(N)."""
+        after = self.silent_after
+        if after is None:
+            return False
+        for phase in ("prefill", "decode"):
+            if not any(
+                (ph == phase or ph == "both") and now - self.heard.get(n, -float("inf")) < after / 2 and self._back((n,), now)
+                for n, ph in phases.items()
+            ):
+                return False
+        return True
 
     def _rescue(self, now: float) -> SplitCommand | None:
         """A new command when a phase of the current one is left on dead nodes only, or when the outage split
@@ -558,8 +582,9 @@ class PlannerCore:
         prefill, the last one for decode (as ``assign_min_change`` takes them): the split (``xPyD``) stays
         as it was; one live node switches. With one live node there (the outage rule: e.g. 1P1D and its
         prefill node dead), that node serves ``both`` phases: the *outage split* (:attr:`outage`), undone —
-        the split before it issued again — once every node it found dead has sent states again for
-        ``silent_after`` (steady, live), unless a later command (a policy's, an operator's) replaced it. The
+        the split before it issued again — once each of its phases has a node back for good and heard lately
+        (:meth:`_settled`; a node it found dead may never return), or laid over the live nodes as a PD split
+        (a swap) whose phases have such nodes, unless a later command (a policy's, an operator's) replaced it. The
         command's reason and a decision (policy ``liveness``) name the silent nodes and the taker; the
         policy is told (its ``on_placed``), as of a switch of its own laid over the live nodes.
         """
@@ -569,32 +594,51 @@ class PlannerCore:
         if outage is not None and outage[0] != self.command.epoch:
             outage = self.outage = None  # a later command (a policy's, an operator's) replaced the outage split
         swap = self._dead_swap(before, now, before)
-        alt = None if swap is not None or outage is None else self._dead_swap(outage[1], now, before)
+        settled = swap is None and outage is not None and self._settled(outage[1], now)
+        alt = None if swap is not None or outage is None or settled else self._dead_swap(outage[1], now, before)
         if swap is not None:
             phases, why, dead = swap
             reason = why.replace(" would have been on ", " was left on ", 1)
-        elif outage is not None and alt is None and self._back(outage[3], now):
+        elif outage is not None and settled:
+            # each phase of the split the outage replaced has a node back for good: that split again, though a
+            # node the outage found dead may never return (its phase is served by the others)
             phases, dead = dict(outage[1]), ()
-            reason = (
-                f"{', '.join(outage[3])} serving again ({self.silent_after * self.wall_per_s:g} s of states; dead at "  # type: ignore[operator]
-                f"t={outage[2]:.1f} s): the split before the outage restored"
-            )
+            back = [n for n in outage[3] if self._back((n,), now)]
+            still = [n for n in outage[3] if n not in back]
+            states = f"{self.silent_after * self.wall_per_s:g} s of states"  # type: ignore[operator]
+            if self._adopted_outage:
+                reason = (
+                    f"{', '.join(back) or 'every phase'} serving again ({states}; an outage split adopted at "
+                    f"t={outage[2]:.1f} s): the planner's --split {self._adopted_outage} laid over the live nodes restored"
+                )
+            else:
+                reason = f"{', '.join(back) or 'the live nodes'} serving again ({states}; dead at t={outage[2]:.1f} s): the split before the outage restored"
+            reason += f" ({', '.join(still)} still silent)" if still else ""
             self.outage = None
-        elif outage is not None and alt is not None and "both" not in (alt[0][n] for n in self.nodes if outage[1][n] != "both"):
-            # a node back (not one the outage found dead) lets the split the outage replaced be laid over the
-            # live nodes as a PD split (a swap, its split count): that ends the outage split
+        elif (
+            outage is not None
+            and alt is not None
+            and "both" not in (alt[0][n] for n in self.nodes if outage[1][n] != "both")
+            and self._settled(alt[0], now)
+        ):
+            # the split the outage replaced laid over the live nodes as a PD split (a swap, its split count), each
+            # of its phases on a node back for good (not a state or two of a flapping node): the outage split ends
             phases, why, dead = alt
             reason = why.replace(" would have been on ", " was left on ", 1) + " (the outage split ends: a PD split again)"
             self.outage = None
         else:
             return None
+        adopted = self._adopted_outage
         cmd = self._adopt(phases, now, reason)
         if swap is not None and any(ph == "both" and before[n] != "both" for n, ph in phases.items()):
             # kept to be undone (the outage split); a swap that keeps a PD split is a split like any other
-            if outage is None:
-                self.outage = (cmd.epoch, before, now, dead)
-            else:  # an outage on an outage split: the first split comes back once every dead node is
-                self.outage = (cmd.epoch, outage[1], outage[2], tuple(dict.fromkeys((*outage[3], *dead))))
+            gone = [] if outage is None else [n for n in outage[3] if n not in self.heard or now - self.heard[n] >= self.silent_after]  # type: ignore[operator]
+            if not gone:  # a new outage (or one on an outage split whose dead nodes are all live again)
+                self.outage = (cmd.epoch, before if outage is None else outage[1], now, dead)
+            else:  # an outage on an outage split: the first split comes back once its phases have nodes back
+                self.outage = (cmd.epoch, outage[1], outage[2], tuple(dict.fromkeys((*gone, *dead))))  # type: ignore[index]
+            if outage is not None:  # its replaced split still the one adopted at the start (the reason says so)
+                self._adopted_outage = adopted
         hook = getattr(self.policy, "on_placed", None)
         if hook is not None:  # the planner's own change, not an operator's (the evolving planner logged 'externally')
             hook(dict(phases), now)
@@ -614,6 +658,14 @@ class PlannerCore:
         heard, since = self.heard, self.since
         return all(n in heard and now - heard[n] < after and n in self.steady and heard[n] - since[n] >= after - 1e-9 for n in nodes)
 
+    def _witness(self, n: str, went_silent: float) -> bool:
+        """Whether the ``steady`` node ``n`` may take the phase of nodes (or count them dead) that went silent at
+        ``went_silent`` (their latest state + ``silent_after``): its run of states began before then, or has lasted
+        ``silent_after`` (a node back alone after every node went silent: the others are dead by then, not a moment
+        behind it after a stall). O(1)."""
+        since = self.since[n]
+        return since < went_silent or self.heard[n] - since >= self.silent_after - 1e-9  # type: ignore[operator]
+
     def _dead_swap(
         self, phases: dict[str, Phase], now: float, base: dict[str, Phase]
     ) -> tuple[dict[str, Phase], str, tuple[str, ...]] | None:
@@ -631,7 +683,7 @@ class PlannerCore:
         With 2 or more live nodes of the other phase, one of the dead ones swaps phases with a taker (the
         split count stays). Of those pairs, the one that leaves the fewest live nodes switching from
         ``base``, then the fewest nodes: a taker that serves that phase in ``base`` (a policy moved it
-        off), a dead node that serves the other phase in ``base``; else the dead phase's first node (cluster
+        off), else one that serves ``both`` there (an outage split's survivor, :meth:`_rescue`), a dead node that serves the other phase in ``base``; else the dead phase's first node (cluster
         order) and the first taker for prefill, the last one for decode (as ``assign_min_change`` takes
         them). With ``phases`` = ``base`` (:meth:`_rescue`) every pair switches one live node: that order
         decides. With one live node of the other phase (the outage rule), the taker serves ``both`` (the
@@ -652,7 +704,7 @@ class PlannerCore:
                 continue
             theirs = [n for n in self.nodes if phases[n] == other and live(n)]
             went_silent = max(heard[n] for n in mine) + self.silent_after
-            takers = [n for n in theirs if n in self.steady and self.since[n] < went_silent]
+            takers = [n for n in theirs if n in self.steady and self._witness(n, went_silent)]
             if not takers:
                 return None
             silence = ", ".join(f"{n} silent {(now - heard[n]) * self.wall_per_s:.1f} s" for n in mine)
@@ -663,7 +715,7 @@ class PlannerCore:
                 return out, f"{phase} would have been on silent nodes only ({silence}): {taker} serves both phases until they are back", tuple(mine)
             if phase == "decode":
                 takers.reverse()
-            taker = next((n for n in takers if base.get(n) == phase), takers[0])
+            taker = next((n for n in takers if base.get(n) == phase), next((n for n in takers if base.get(n) == "both"), takers[0]))
             dead = next((n for n in mine if base.get(n) == other), mine[0])
             out[dead], out[taker] = other, phase
             return out, f"{phase} would have been on silent nodes only ({silence}): {taker} takes it from {dead}", tuple(mine)
@@ -764,6 +816,8 @@ class PlannerCore:
             hook = getattr(self.policy, "on_adopted", None)
             if hook is not None:
                 hook(dict(phases), now)
+            if start and not draining:
+                self._adopt_outage(phases, before, now)
         else:
             reason = f"the nodes' phases at epoch {epoch} are no split ({why}): the planner's split re-issued above it"
             self._replace(SplitCommand(epoch=epoch + 1, phases=before, reason=reason, decided_at=now))
@@ -783,6 +837,27 @@ class PlannerCore:
             )
         )
         return self.command
+
+    def _adopt_outage(self, phases: dict[str, Phase], configured: dict[str, Phase], now: float) -> None:
+        """At the start, an adopted split with a ``both`` node beside single-phase ones (none draining) is an outage
+        split (no policy or split spec makes one; the planner that issued it kept what it replaced in its memory):
+        :attr:`outage` is set, the split it replaced being the ``configured`` one (``--split``) laid over the live
+        nodes (:meth:`_place`), so :meth:`_rescue` restores it as its own. Nothing when ``configured`` is no PD split
+        (``collocated``: it says nothing of the split before the outage) or ``silent_after`` is None. O(N)."""
+        if self.silent_after is None or "both" in configured.values():
+            return
+        if "both" not in phases.values() or all(ph == "both" for ph in phases.values()):
+            return
+        spec = split_name(configured)
+        try:
+            replaced = self._place(spec, now)[0]
+        except SplitError:  # one node live: --split by position (the restore waits for a node per phase)
+            replaced = dict(configured)
+        if replaced == phases:
+            return
+        silent = tuple(n for n in self.nodes if n not in self.heard or now - self.heard[n] >= self.silent_after)
+        self.outage = (self.command.epoch, replaced, now, silent)
+        self._adopted_outage = spec
 
     def _adopt(self, phases: dict[str, Phase], now: float, reason: str) -> SplitCommand:
         old = self.command.phases

@@ -93,15 +93,19 @@ def test_the_split_comes_back_once_the_dead_node_has_reported_for_silent_after()
 
 
 def test_the_restore_is_scheduled_for_a_policy_that_never_ticks() -> None:
-    """``static`` has no ticks of its own: the core's ``next_tick`` names the restore time."""
+    """``static`` has no ticks of its own: the core's ``next_tick`` names the state that may undo the outage split
+    (w0's comeback, the state its run of states reaches 3 s with); not the steady states between (w1's, and w0's
+    at 21: no tick per state during an outage)."""
     core = _static()
     _run(core, 0.0, 10.0, PD)
     _run(core, 10.5, 20.0, ["w1"])
     _states(core, 20.5, *PD)
     assert core.next_tick() == 20.5 and core.tick(20.5) is None  # w0's comeback: checked, too early
+    assert core.next_tick() == 23.5  # nothing due before w1 is silent 3 s (or a state that may change something)
     _states(core, 21.0, *PD)
-    assert core.next_tick() == 23.5
+    assert core.next_tick() == 24.0  # w1's silence, moved by its state
     _states(core, 23.5, *PD)
+    assert core.next_tick() == 23.5  # w0's run of states reaches 3 s
     cmd = core.tick(23.5)
     assert cmd is not None and dict(cmd.phases) == {"w0": "prefill", "w1": "decode"}
 
@@ -178,3 +182,133 @@ def test_the_evolving_planner_past_its_warm_up_resumes_its_windows_after_the_out
     assert [(t, ph) for t, ph, _ in cmds] == [(703.5, {"w0": "prefill", "w1": "decode"})]
     after = [d for d in core.take_decisions() if d.policy == "evolving"]
     assert after and not [d for d in after if "externally" in d.reason or "not a PD split" in d.reason], after
+
+
+# -- the review of the outage rule (session 48): each test failed before its fix --------------------------------- #
+
+N3 = ["w0", "w1", "w2"]
+
+
+def test_the_split_comes_back_once_its_phases_have_live_nodes_though_a_dead_node_never_returns() -> None:
+    """1P2D, w1 dead at 10, w2 at 20: w0 serves both at 23. w1 back at 40, w2 never. Before, the outage split
+    stayed until every node it found dead was back ({w0: both, w1: decode, w2: decode} for good: w1 idle, dynamo
+    skipping "not a PD split" forever); now 1P2D is issued again once w1 has reported for 3 s (decode has a live
+    node), the reason naming w2 still silent."""
+    core = _static("1P2D", N3)
+    _run(core, 0.0, 10.0, N3)
+    _run(core, 10.5, 20.0, ["w0", "w2"])
+    assert [(t, ph) for t, ph, _ in _run(core, 20.5, 40.0, ["w0"])] == [(23.0, {"w0": "both", "w1": "decode", "w2": "decode"})]
+    cmds = _run(core, 40.5, 200.0, ["w0", "w1"])
+    assert [(t, ph) for t, ph, _ in cmds] == [(43.5, {"w0": "prefill", "w1": "decode", "w2": "decode"})]
+    assert cmds[0][2].startswith("w1 serving again (3 s of states; dead at t=23.0 s): the split before the outage restored")
+    assert "w2 still silent" in cmds[0][2]
+    assert core.outage is None
+
+
+def test_dynamo_plans_again_once_the_split_is_restored_though_a_dead_node_never_returns() -> None:
+    core = PlannerCore(N3, "1P2D", policy=make_planner("dynamo", N3, TINY), silent_after=3.0)
+    _run(core, 0.0, 10.0, N3)
+    _run(core, 10.5, 20.0, ["w0", "w2"])
+    _run(core, 20.5, 40.0, ["w0"])
+    core.take_decisions()
+    _run(core, 40.5, 1000.0, ["w0", "w1"])
+    assert core.split == "1P2D"
+    skips = [d.reason for d in core.take_decisions() if d.policy == "dynamo" and d.reason.startswith("not a PD split")]
+    assert skips == [], skips
+
+
+def test_the_restore_gives_no_phase_to_a_silent_node_and_the_lone_survivor_serves_both() -> None:
+    """1P1D: w0 dies at 10 (w1 both at 13), w1 dies at 20, w0 back at 40, w1 never. Before, at 43.5 the core
+    issued {w0: prefill, w1: decode} with w1 silent 23.5 s (decode on a dead node only), and w0 never took both:
+    its run of states began after w1 went silent. Now w0, steady for 3 s, serves both at 43.5 and nothing is
+    restored while w1 stays silent."""
+    core = _static()
+    _run(core, 0.0, 10.0, PD)
+    _run(core, 10.5, 20.0, ["w1"])
+    assert _run(core, 20.5, 40.0, []) == []
+    cmds = _run(core, 40.5, 400.0, ["w0"])
+    assert [(t, ph) for t, ph, _ in cmds] == [(43.5, {"w0": "both", "w1": "both"})]
+    assert "decode was left on silent nodes only (w1 silent 23.5 s): w0 serves both phases" in cmds[0][2]
+    assert core.dead(400.0) == {"w1"}
+    # w1 back: the split before the first outage is restored once it has reported for 3 s
+    cmds = _run(core, 400.5, 420.0, PD)
+    assert [(t, ph) for t, ph, _ in cmds] == [(403.5, {"w0": "prefill", "w1": "decode"})]
+    assert core.outage is None
+
+
+def test_a_node_silent_for_half_of_silent_after_gets_no_restore_so_the_only_live_node_switches_once() -> None:
+    """w0 dies (w1 both at 13), w0 back at 20.5, w1's last state at 21. At 23.5 w0 has reported for 3 s but w1 is
+    silent 2.5 s: before, 1P1D was restored onto w1 and 0.5 s later w0 switched to both; now nothing is restored
+    onto a node silent for half of ``silent_after`` or more: one command, w0 serving both at 24."""
+    core = _static()
+    _run(core, 0.0, 10.0, PD)
+    _run(core, 10.5, 20.0, ["w1"])
+    cmds = _run(core, 20.5, 21.0, PD) + _run(core, 21.5, 40.0, ["w0"])
+    assert [(t, ph) for t, ph, _ in cmds] == [(24.0, {"w0": "both", "w1": "both"})]
+    cmds = _run(core, 40.5, 60.0, PD)
+    assert [(t, ph) for t, ph, _ in cmds] == [(43.5, {"w0": "prefill", "w1": "decode"})]
+    assert cmds[0][2].startswith("w1 serving again (3 s of states; dead at t=24.0 s)"), cmds[0][2]
+
+
+def test_a_single_state_of_a_returning_node_ends_no_outage() -> None:
+    """1P2D, w2 dead at 5, w0 dead at 10: w1 serves both at 13. w2 sends one state at 30 and is silent again.
+    Before, that state ended the outage with a swap ({w0: D, w1: P, w2: D} at 30: decode on w2 alone) and w1
+    served both again at 33; now the swap waits until w2 has reported for 3 s, as the restore does."""
+    core = PlannerCore(N3, "1P2D", silent_after=3.0)
+    _run(core, 0.0, 5.0, N3)
+    _run(core, 5.5, 10.0, ["w0", "w1"])
+    assert [(t, ph) for t, ph, _ in _run(core, 10.5, 29.5, ["w1"])] == [(13.0, {"w0": "prefill", "w1": "both", "w2": "decode"})]
+    assert _run(core, 30.0, 30.0, ["w1", "w2"]) == []
+    assert _run(core, 30.5, 60.0, ["w1"]) == []
+    # w2 back for good: the swap ends the outage once w2 has reported for 3 s
+    cmds = _run(core, 60.5, 80.0, ["w1", "w2"])
+    assert [(t, ph) for t, ph, _ in cmds] == [(63.5, {"w0": "decode", "w1": "prefill", "w2": "decode"})]
+    assert core.outage is None
+
+
+def _restarted_during_the_outage(split: str) -> tuple[PlannerCore, int]:
+    """A 1P1D cluster in the outage split ({w0: prefill, w1: both}, epoch 2); a planner started with ``--split``
+    ``split`` adopts it at 21 (w0 back at 20.5, w1 live)."""
+    core = _static()
+    _run(core, 0.0, 10.0, PD)
+    _run(core, 10.5, 20.0, ["w1"])
+    epoch, phases = core.command.epoch, dict(core.command.phases)
+    assert phases == {"w0": "prefill", "w1": "both"}
+    new = PlannerCore(PD, split, silent_after=3.0, adopt_until=25.0)
+    for t in (20.5, 21.0):
+        for n in PD:
+            new.on_node_state(NodeState(node=n, phase=phases[n], epoch=epoch), t)
+    cmd = new.tick(21.0)
+    assert cmd is not None and dict(cmd.phases) == phases and cmd.epoch == epoch
+    return new, epoch
+
+
+def test_a_planner_restarted_during_the_outage_restores_its_split_once_the_nodes_are_back() -> None:
+    """Before, the outage split was in the old planner's memory only: the restarted one adopted {w0: prefill,
+    w1: both} and kept it for good (w0 back, the policies skipping "not a PD split"). A split with a ``both`` node
+    beside single-phase ones comes from the outage rule only, so the adoption takes it as one, the split it
+    replaced being ``--split`` laid over the live nodes: 1P1D once w0 has reported for 3 s."""
+    new, epoch = _restarted_during_the_outage("1P1D")
+    assert new.outage is not None and new.outage[1] == {"w0": "prefill", "w1": "decode"}
+    cmds = _run(new, 21.5, 80.0, PD)
+    assert [(t, ph) for t, ph, _ in cmds] == [(23.5, {"w0": "prefill", "w1": "decode"})]
+    assert "the planner's --split 1P1D laid over the live nodes restored" in cmds[0][2], cmds[0][2]
+    assert new.command.epoch == epoch + 1 and new.outage is None
+
+
+def test_a_planner_restarted_during_the_outage_with_a_collocated_split_keeps_the_split_served() -> None:
+    """``--split collocated`` (the default) says nothing of the PD split before the outage: the adopted split stays."""
+    new, _ = _restarted_during_the_outage("collocated")
+    assert new.outage is None
+    assert _run(new, 21.5, 80.0, PD) == []
+
+
+def test_an_outage_on_an_adopted_outage_split_still_restores_the_planner_s_split() -> None:
+    """The restarted planner's adopted outage split, then w1 (serving both) dies before w0 has reported for 3 s:
+    w0 serves both; once w1 is back the planner's --split comes back, named as such."""
+    new, _ = _restarted_during_the_outage("1P1D")
+    cmds = _run(new, 21.5, 22.0, PD) + _run(new, 22.5, 40.0, ["w0"])
+    assert [(t, ph) for t, ph, _ in cmds] == [(25.0, {"w0": "both", "w1": "both"})]
+    cmds = _run(new, 40.5, 60.0, PD)
+    assert [(t, ph) for t, ph, _ in cmds] == [(43.5, {"w0": "prefill", "w1": "decode"})]
+    assert "the planner's --split 1P1D laid over the live nodes restored" in cmds[0][2], cmds[0][2]

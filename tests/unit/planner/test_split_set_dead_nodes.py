@@ -137,9 +137,17 @@ def test_no_swap_for_a_node_never_heard_and_both_phases_on_a_lone_live_node() ->
     assert cmd is not None and cmd.epoch == 2
     assert dict(cmd.phases) == {"w0": "prefill", "w1": "prefill", "w2": "decode", "w3": "both"}
     assert alone.next_tick() == 7.5  # checked: not 4.0 again (no busy loop); w3 silent at 7.5
-    _states(alone, 5.0, "w2")  # w2 back (after 4 s: not steady): the 2P2D laid over w2, w3 as a swap; w3 takes prefill
-    assert alone.next_tick() == 5.0  # w2's comeback
-    cmd = alone.tick(5.0)
+    _states(alone, 5.0, "w2")  # w2 back (after 4 s): one state ends no outage (a flap would switch w3 twice)
+    assert alone.next_tick() == 5.0 and alone.tick(5.0) is None
+    cmds = []
+    for k in range(1, 7):  # w2 back for good: once it has reported for 3 s, the 2P2D laid over w2, w3 as a swap
+        t = 5.0 + 0.5 * k
+        _states(alone, t, "w2", "w3")
+        nxt = alone.next_tick()
+        if nxt is not None and nxt <= t:
+            cmds.append((t, alone.tick(t)))
+    assert [t for t, c in cmds if c is not None] == [8.0]
+    cmd = cmds[-1][1]  # w3 (serving both) takes prefill: one live node switches
     assert cmd is not None and dict(cmd.phases) == {"w0": "decode", "w1": "prefill", "w2": "decode", "w3": "prefill"}
     assert cmd.reason.endswith("w3 takes it from w0 (the outage split ends: a PD split again)")
     assert alone.outage is None
