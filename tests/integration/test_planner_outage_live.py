@@ -68,22 +68,28 @@ async def test_the_only_prefill_node_killed_the_survivor_serves_both_until_it_is
 
                 fc.signal("worker-w0", signal.SIGKILL)
                 killed = time.monotonic()
-                served_at = None
-                statuses: list[int] = []
+                first_ok = served_at = None
+                statuses: list[tuple[float, int]] = []
                 i = 0
                 while time.monotonic() - killed < RECOVER_S:
                     i += 1
                     code = await _complete(http, i)
-                    statuses.append(code)
+                    at = time.monotonic() - killed
+                    statuses.append((round(at, 2), code))
+                    if code == 200 and first_ok is None:
+                        first_ok = at  # the first request served after the kill, whenever it came
                     # served after the fence: w0 is dead, so w1 ran prefill (w0's last state is 1.5 s old at the fence)
-                    if code == 200 and time.monotonic() - killed > 3.0:
-                        served_at = time.monotonic() - killed
+                    if code == 200 and at > 3.0:
+                        served_at = at
                         break
                     await asyncio.sleep(0.25)
-                assert served_at is not None, (
-                    f"no request served within {RECOVER_S} s of the kill: {statuses[-5:]}; "
-                    f"/health {(await http.get('/health')).text[:300]}; decisions {[d.reason for d in decisions][-3:]}"
+                why = (
+                    f"(wall s since the kill, status) {statuses[-8:]}; /health {(await http.get('/health')).text[:300]}; "
+                    f"decisions {[d.reason for d in decisions][-3:]}"
                 )
+                assert first_ok is not None, f"no request served within {RECOVER_S} s of the kill: {why}"
+                # separately: one served past the fence and the planner's silence (3 s), surely by w1 serving both
+                assert served_at is not None, f"first served at {first_ok:.2f} s, none past 3 s within {RECOVER_S} s: {why}"
                 outage = [c for c in commands if c.phases.get("w1") == "both"]
                 assert outage and outage[0].phases == {"w0": "prefill", "w1": "both"}, commands
                 assert "w0 silent" in outage[0].reason and "w1 serves both phases" in outage[0].reason
