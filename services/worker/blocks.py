@@ -1478,7 +1478,8 @@ def _stretches(flags: list[bool]) -> Iterator[tuple[int, int, bool]]:
 
 
 _STORES_KEPT = 4096
-"""Stored runs :class:`BranchRunHostPool` keeps the path positions of (then forgets them all): the
+"""Stored runs :class:`BranchRunHostPool` keeps the path positions and lengths of (then forgets them
+all; no page list is kept, so the record is O(this) whatever the runs' lengths): the
 directory re-sends a store's counts in the drain right after it (``ClusterSim._flush_kv``), so a
 few are enough; a re-send found in none goes the per-entry way."""
 
@@ -1547,9 +1548,10 @@ class BranchRunHostPool(RunHostPool):
         are pinned (L1 evicted nothing since), so it names no queued page either. In a 300-s
         evolving run at 64-token blocks, 4,118 of 8,027 messages (384K of 4.38M entries; 1.02M
         pages written through) were such a run."""
-        self._stored: dict[int, tuple[list[int], int]] = {}
+        self._stored: dict[int, tuple[int, int]] = {}
         """Once count messages come with chains (no queued-page set): the runs stored in L2 lately
-        (written through or fetched) by first hash, with their path positions (:meth:`_store_depth`)."""
+        (written through or fetched) as first hash → (path position, length) (:meth:`_store_depth`);
+        no page list is kept, so a record holds no evicted page's id alive."""
         del self.members  # not kept: L2's pages are :attr:`queued` and L1's (:meth:`_members`)
 
     # -- run bookkeeping with the queued-page set -------------------------- #
@@ -1623,13 +1625,16 @@ class BranchRunHostPool(RunHostPool):
             self._store_depth(fresh, depth)
 
     def _store_depth(self, run: list[int], depth: int) -> None:
-        """Keep the path position of a run just stored (by its first hash, with the list, not to be
-        changed) for the directory's re-send of its counts (a chain of unknown position in a count
-        message's chains, :meth:`_chain_moves`); at most :data:`_STORES_KEPT` kept."""
+        """Keep the path position and length of a run just stored, by its first hash, for the
+        directory's re-send of its counts (a chain of unknown position in a count message's chains,
+        :meth:`_chain_moves`); at most :data:`_STORES_KEPT` kept (O(1) space each). The pages
+        themselves are not kept: the chains come only from a directory with chained ids, where a
+        page's id fixes its whole path, so a chain starting at the run's first page lies at the
+        run's position."""
         stored = self._stored
         if len(stored) >= _STORES_KEPT:
             stored.clear()
-        stored[run[0]] = (run, depth)
+        stored[run[0]] = (depth, len(run))
 
     @property
     def counted(self) -> set[int]:
@@ -1668,12 +1673,16 @@ class BranchRunHostPool(RunHostPool):
         return self.queued | self.gpu.pages()
 
     def __contains__(self, h: int) -> bool:
-        """O(1) for a queued page, else O(L1 pages) (a walk of L1's runs)."""
+        """O(1) for a queued page while the queued-page set is kept, else O(queued pages) (once
+        count messages come with chains, :attr:`queued` is built per read); plus O(L1 pages) for a
+        page not queued (a walk of L1's runs)."""
         return h in self.queued or h in self.gpu
 
     def absent(self, hashes: Iterable[int]) -> list[int]:
         """The pages of ``hashes`` not in L2 (pinned or not), in their order. O(pages) set probes,
-        plus O(L1 pages) once if any is not queued (L1's pages gathered into a set)."""
+        plus O(queued pages) once where no queued-page set is kept (count messages with chains:
+        :attr:`queued` is built), plus O(L1 pages) once if any is not queued (L1's pages gathered
+        into a set)."""
         queued = self.queued
         rest = [h for h in hashes if h not in queued]
         if rest:
@@ -2008,8 +2017,8 @@ class BranchRunHostPool(RunHostPool):
         :meth:`update_counts`), found run by run with no queued-page set: in each chain, its first
         entry (from ``start``) is queued if it starts a run (a dict probe) or lies in one at its
         depth (a scan of the runs, O(runs) Python steps; a chain at position None is a store's
-        re-sent head, at the store's position if the pool still knows the store and the chain is
-        its pages, else None is returned); every later queued entry either continues
+        re-sent head, at the store's position if the pool still knows a store starting at its first
+        entry at least as long as the chain, else None is returned); every later queued entry either continues
         the run of the entry before it (its parent: compared in a slice, :func:`_agree`) or starts
         a run, found in C (``first`` probes, the entries of a stretch not probed). None if an entry
         does not lie at its chain's depth in the run it starts (the chains do not fit the pool) or
@@ -2025,9 +2034,9 @@ class BranchRunHostPool(RunHostPool):
                 continue
             if d0 is None:  # a store's counted head: its position from the store
                 rec = self._stored.get(hashes[i])
-                if rec is None or (rec[0] if len(rec[0]) == size else rec[0][:size]) != hashes[i:end]:
+                if rec is None or size > rec[1]:
                     return None
-                d0 = rec[1]
+                d0 = rec[0]
             pos = start if i < start else i
             h = hashes[pos]
             r = first.get(h)

@@ -117,7 +117,7 @@ def test_a_stores_resent_counts_take_the_stores_position():
         compute(kv, [1, 2, 3, 4])
         compute(kv, [1, 2, 3, 4, 5, 6, 7])  # 5, 6, 7 written through at positions 4..6
         compute(kv, list(range(10, 18)))  # all of it unpinned in L2
-        assert kv.host._stored[5][1] == 4
+        assert kv.host._stored[5] == (4, 3)  # position and length, no page list
         return kv
 
     for hashes, chains in (([5, 6, 7], [(None, 3)]), ([6, 7], [(None, 2)]), ([2, 3, 5, 6, 7], [(1, 2), (None, 3)])):
