@@ -9,9 +9,27 @@ import random
 
 import pytest
 
-from services.worker.blocks import KvBlockManager
+from services.worker.blocks import BranchRunHostPool, KvBlockManager
 from tests.unit.worker import ref_blocks
 from tests.unit.worker.test_count_message_cut import _forest, compute, order
+
+
+@pytest.fixture
+def fallbacks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``[chained messages, of them gone the per-entry way]``: counts each call of the pool's
+    ``_chain_moves`` and each None it returns (the fallback gives the same moves, so only the
+    count tells that the chains were used)."""
+    seen = [0, 0]
+    real = BranchRunHostPool._chain_moves
+
+    def spy(self, *a, **k):
+        found = real(self, *a, **k)
+        seen[0] += 1
+        seen[1] += found is None
+        return found
+
+    monkeypatch.setattr(BranchRunHostPool, "_chain_moves", spy)
+    return seen
 
 
 def _message(rng: random.Random, paths: list[list[int]]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
@@ -58,7 +76,7 @@ def _run(seed: int, with_chains: bool, impl=KvBlockManager):
     return moved, order(kv), kv.host.snapshot()
 
 
-def test_chains_move_as_the_plain_message_and_as_the_model():
+def test_chains_move_as_the_plain_message_and_as_the_model(fallbacks: list[int]):
     moves = 0
     for seed in range(80):
         want = _run(seed, False)
@@ -67,6 +85,7 @@ def test_chains_move_as_the_plain_message_and_as_the_model():
         assert model[:2] == want[:2], f"seed {seed}: pool and model differ"
         moves += sum(want[0])
     assert moves > 200  # the messages did move pages
+    assert fallbacks[0] > 200 and fallbacks[1] == 0  # every chained message found its moves run by run
 
 
 def test_the_pool_drops_its_queued_page_set_with_the_first_chained_message():
@@ -81,7 +100,7 @@ def test_the_pool_drops_its_queued_page_set_with_the_first_chained_message():
     kv.check([])
 
 
-def test_chains_that_do_not_fit_the_pool_go_the_per_entry_way():
+def test_chains_that_do_not_fit_the_pool_go_the_per_entry_way(fallbacks: list[int]):
     """A depth that is not that of the run an entry starts, or a queued page named twice: the
     per-entry rule, as without chains. (A wrong depth of a chain's first entry inside a run is
     not seen: the chains must be right, as the directory's are.)"""
@@ -100,6 +119,7 @@ def test_chains_that_do_not_fit_the_pool_go_the_per_entry_way():
         assert a.update_counts(hashes, counts, chains) == b.update_counts(hashes, counts)
         assert order(a) == order(b)
         a.check([])
+    assert fallbacks == [2, 2]
 
 
 def test_chains_must_cover_the_message():
@@ -108,9 +128,10 @@ def test_chains_must_cover_the_message():
         kv.update_counts([1, 2], [1, 1], [(0, 1)])
 
 
-def test_a_stores_resent_counts_take_the_stores_position():
+def test_a_stores_resent_counts_take_the_stores_position(fallbacks: list[int]):
     """A chain at position None (the directory's re-send of a host store's counts) is placed where
-    the pool stored it; one the pool does not know goes the per-entry way. Same moves either way."""
+    the pool stored it (found through its record, no fallback); one the pool does not know (not a
+    store's first page, or longer than the store) goes the per-entry way. Same moves either way."""
     def pool():
         kv = KvBlockManager(8, 64, 4, "branch-count")
         assert kv.update_counts([99], [1], [(0, 1)]) == 0  # chains from here on: stores keep their positions
@@ -120,8 +141,17 @@ def test_a_stores_resent_counts_take_the_stores_position():
         assert kv.host._stored[5] == (4, 3)  # position and length, no page list
         return kv
 
-    for hashes, chains in (([5, 6, 7], [(None, 3)]), ([6, 7], [(None, 2)]), ([2, 3, 5, 6, 7], [(1, 2), (None, 3)])):
+    cases = (
+        ([5, 6, 7], [(None, 3)], 0),
+        ([5, 6], [(None, 2)], 0),  # a head shorter than the store
+        ([2, 3, 5, 6, 7], [(1, 2), (None, 3)], 0),
+        ([6, 7], [(None, 2)], 1),  # 6 starts no store
+        ([5, 6, 7, 16], [(None, 4)], 1),  # longer than the store
+    )
+    for hashes, chains, fell in cases:
         a, b = pool(), pool()
-        assert a.update_counts(hashes, [1] * len(hashes), chains) == b.update_counts(hashes, [1] * len(hashes))
+        before = list(fallbacks)
+        assert a.update_counts(hashes, [1] * len(hashes), chains) == b.update_counts(hashes, [1] * len(hashes)) > 0
         assert order(a) == order(b)
         a.check([])
+        assert [fallbacks[0] - before[0], fallbacks[1] - before[1]] == [1, fell], hashes
