@@ -4,7 +4,9 @@
 or the listed ones (``--sweep splits 3P6D,4P5D``); under a ``static`` policy set
 each item is ``static:xPyD``, under an adaptive set the split is its initial
 one. ``--sweep policies dynamo,arrow,static:4P5D`` runs each named set; the
-explicit flags of the command (e.g. ``--eviction``) apply to every item.
+explicit flags of the command (e.g. ``--eviction``) apply to every item, but a
+``--planner-opt`` item only to the items whose planner takes it (a note says which
+were left out, :func:`fit_planner_options`).
 
 Each item is a full run written to ``OUT/<label>/`` (``:`` becomes ``_``);
 ``OUT/compare/`` holds ``evolving-infra report compare`` of all of them, and
@@ -105,6 +107,52 @@ def sweep_items(cfg: SimConfig, spec: Sequence[str]) -> list[tuple[str, SimConfi
     return items
 
 
+def _planner_fields(planner: str) -> frozenset[str] | None:
+    """The ``--planner-opt`` names planner ``planner`` accepts (its parameter dataclass's fields;
+    none for ``static``), or None for a planner this does not know (its options left as given)."""
+    from dataclasses import fields
+
+    if planner == "static":
+        return frozenset()
+    from services.planner.baselines import ArrowParams, DynamoParams
+    from services.planner.evolving import EvolvingParams
+
+    cls: Any = {"evolving": EvolvingParams, "dynamo": DynamoParams, "arrow": ArrowParams}.get(planner)
+    return None if cls is None else frozenset(f.name for f in fields(cls))
+
+
+def fit_planner_options(items: list[tuple[str, SimConfig]]) -> tuple[list[tuple[str, SimConfig]], list[str]]:
+    """Give each sweep item only the ``--planner-opt`` items its planner accepts (as ``bench/sim_ab.py
+    --vs-policy`` does): ``policies evolving,static:3P1D --planner-opt t_learn_s=240`` gives
+    ``t_learn_s`` to ``evolving`` alone (``static`` takes no parameters). An option that no item's
+    planner accepts is left to every item, so that a misspelt name is still refused with its
+    reason. Returns the items and one note per item that had options left out (to print).
+
+    An item whose policy set does not resolve keeps its options (its error comes from the run's
+    checks)."""
+    from evolving_infra.sim.config import resolve
+
+    planners: list[str | None] = []
+    for _, c in items:
+        try:
+            planners.append(resolve(c).policy.planner if c.planner_options else None)
+        except SimConfigError:
+            planners.append(None)
+    accepted: list[frozenset[str] | None] = [None if p is None else _planner_fields(p) for p in planners]
+    anyone = set().union(*(a for a in accepted if a is not None))
+    out: list[tuple[str, SimConfig]] = []
+    notes: list[str] = []
+    for (label, c), planner, ok in zip(items, planners, accepted):
+        if ok is not None:
+            dropped = sorted(k for k in c.planner_options if k not in ok and k in anyone)
+            if dropped:
+                kept = {k: v for k, v in c.planner_options.items() if k not in dropped}
+                c = replace(c, planner_options=kept)
+                notes.append(f"{label}: --planner-opt {', '.join(dropped)} not given (planner {planner!r} does not take it)")
+        out.append((label, c))
+    return out, notes
+
+
 def safe_dir(label: str) -> str:
     """A directory name for a label (``static:4P5D`` → ``static_4P5D``)."""
     return re.sub(r"[^A-Za-z0-9._@-]+", "_", label)
@@ -175,7 +223,9 @@ def run_sweep(
 
     if parallel < 1:
         raise SimConfigError(f"--sweep-workers must be >= 1, not {parallel}")
-    items = sweep_items(cfg, spec)
+    items, notes = fit_planner_options(sweep_items(cfg, spec))
+    for note in notes:
+        print(f"note: {note}", flush=True)
     sizes = {resolve(c).profile.block_size for _, c in items}  # fails before any run
     if len(sizes) == 1:  # convert the trace's blocks once, not once per item
         from evolving_infra.sim.run import convert_block_size

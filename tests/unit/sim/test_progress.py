@@ -133,3 +133,21 @@ def test_parallel_partitions_on_a_terminal_write_whole_lines(monkeypatch, tmp_pa
             assert "\r" not in text and all(line.startswith("partition ") for line in text.splitlines()), text
         else:
             assert "\r" in text
+
+
+def test_a_policies_sweep_gives_planner_options_only_to_planners_that_take_them(tmp_path, capsys):
+    """``--sweep policies evolving,static:... --planner-opt t_learn_s=240`` failed on the static item
+    (``planner 'static' takes no parameters``): each item now gets the options its planner takes, and the
+    output says which were left out. A name no item's planner takes is still refused."""
+    from evolving_infra.sim.sweep import fit_planner_options, run_sweep, sweep_items
+
+    reqs = small_trace(6, 4, pause=0.02)
+    cfg = SimConfig(nodes=3, profile="tiny", policy="static", concurrency=6, planner_options={"t_learn_s": 240.0})
+    assert run_sweep(cfg, reqs, BS, ["policies", "evolving,static:2P1D"], tmp_path, plots=False) == 0
+    out = capsys.readouterr().out
+    assert "note: static:2P1D: --planner-opt t_learn_s not given (planner 'static' does not take it)" in out, out
+    items, notes = fit_planner_options(sweep_items(cfg, ["policies", "evolving,static:2P1D,dynamo"]))
+    assert [c.planner_options for _, c in items] == [{"t_learn_s": 240.0}, {}, {}] and len(notes) == 2
+    typo = SimConfig(nodes=3, profile="tiny", policy="static", planner_options={"t_lern_s": 1.0})
+    items, notes = fit_planner_options(sweep_items(typo, ["policies", "evolving,static:2P1D"]))
+    assert [c.planner_options for _, c in items] == [{"t_lern_s": 1.0}] * 2 and not notes
