@@ -23,8 +23,10 @@ loses only the streams it held.
 (closed loop, N concurrent agents), writes ``OUT/report.json`` plus
 ``OUT/requests.jsonl`` and prints a summary; SIGINT / SIGTERM / SIGHUP stop it as
 they stop ``up`` (cluster, nats-server store and state file gone; one line on
-stderr; status 128 + the signal; no report); once its cluster has stopped they act
-as their defaults (Ctrl-C while the report is written: "interrupted", status 130).
+stderr; status 128 + the signal); during the replay they stop it (no new request; those in flight cancelled) and the
+demo writes and prints the report of what was answered, headed ``PARTIAL REPORT: the replay was stopped by SIGINT ...``
+(``meta.partial`` with the signal, and ``meta.interrupted`` as ``replay`` writes it); during start-up no report. Once
+its cluster has stopped they act as their defaults (Ctrl-C while the report is written: "interrupted", status 130).
 A cluster that ends for good during the replay (``--no-restart``: a service or the nats-server exited; else a
 service whose restarts gave up) stops the replay at once (no new request; those in flight cancelled) and the
 cluster; the demo then writes and prints the report of what was answered, headed ``PARTIAL REPORT: ...`` (the
@@ -1303,9 +1305,7 @@ async def _demo(args: argparse.Namespace) -> int:
         await cluster.stop()
         cluster.remove_generated_creds(own_log_dir=own_logs)
         _default_signals()  # nothing left to stop: Ctrl-C while the report and plots are written interrupts them
-    if signals:
-        return _demo_interrupted(signals, Path(log_dir))
-    if ended is not None:  # its line first (and a crash's log tail), then the partial report of what the replay got
+    if ended is not None and not signals:  # its line first (and a crash's log tail), then the partial report of what the replay got
         _demo_ended_line(ended)
     by_id = {r.id: r for r in requests}
     ideal = annotate_ideal(result.records, by_id, token_block)
@@ -1331,17 +1331,27 @@ async def _demo(args: argparse.Namespace) -> int:
         "notes": notes,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    partial = None if ended is None else demo_partial(ended, total=len(requests), answered=len(result.records),
+    # a signal stopped the replay (or the cluster ended under it): the report of what was answered, marked partial
+    cause: ClusterError | signal.Signals | None = signal.Signals(signals[0]) if signals and result.interrupted else ended
+    partial = None if cause is None else demo_partial(cause, total=len(requests), answered=len(result.records),
                                                       in_flight=result.in_flight_at_stop)
     if partial is not None:
         meta["partial"] = partial
         notes.append(f"partial report: {partial_line(partial)}")
+    if isinstance(cause, signal.Signals):  # as `replay` marks its interrupted report
+        meta["interrupted"] = {"signal": cause.name, "in_flight_cancelled": partial["in_flight_cancelled"] if partial else 0}
     # duration: the replay's own window (wall x speedup), not the span of the answered requests
     report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, timeline=timeline, start=result.start, end=result.end)
     path = write_report(out, report, sorted(result.records, key=lambda r: r.sent_at))
     if partial is not None:
         print(f"PARTIAL REPORT: {partial_line(partial)}", flush=True)
     print_summary(report)
+    if signals:  # the signal's status, as before; the report is what was answered until it came
+        print(report_line(path))
+        written = "partial report written" if partial is not None else "report written (the replay had ended)"
+        print(f"demo: {signal.Signals(signals[0]).name}: stopped the replay and the cluster (its state file and NATS store "
+              f"removed); {written}; logs in {log_dir}", file=sys.stderr, flush=True)
+        return 128 + signals[0]
     if ended is not None:
         print(report_line(path))
         print(f"demo: partial report written (the cluster ended during the replay: {ended.reason}); logs in {log_dir}",
@@ -1432,7 +1442,8 @@ def _default_signals() -> None:
 
 
 def _demo_interrupted(signals: list[int], log_dir: Path) -> int:
-    """The line and status of a demo a signal stopped (its cluster already stopped): 130 for Ctrl-C
+    """The line and status of a demo a signal stopped during its start-up (its cluster already stopped; a signal during
+    the replay gets a partial report instead, :func:`demo_partial`): 130 for Ctrl-C
     (:data:`evolving_infra.cli.INTERRUPTED`), 143 for SIGTERM, 129 for SIGHUP, as a shell reports them. The line
     names ``log_dir``, the services' logs, which stay (a newcomer found ``demo-out/`` holding only ``logs/``)."""
     name = signal.Signals(signals[0]).name
@@ -1474,9 +1485,10 @@ def _demo_ended_line(ended: ClusterError) -> None:
         print(f"error: {ended}", file=sys.stderr, flush=True)
 
 
-def demo_partial(ended: ClusterError, *, total: int, answered: int, in_flight: int) -> dict[str, object]:
-    """``meta.partial`` of a demo whose cluster ended during the replay: the replay stopped there (no new request;
-    those in flight cancelled, as a signal's stop cancels them), so the report covers what was answered before. A
+def demo_partial(ended: ClusterError | signal.Signals, *, total: int, answered: int, in_flight: int) -> dict[str, object]:
+    """``meta.partial`` of a demo whose cluster ended during the replay, or that a signal (Ctrl-C, SIGTERM, SIGHUP)
+    stopped during it: the replay stopped there (no new request; those in flight cancelled), so the report covers
+    what was answered before. A
     benchmark client's figures when its server dies (vLLM's ``benchmark_serving``, genai-perf): what was answered
     (completed or failed: the report's own ``requests_sent``), cancelled in flight and never sent, and why the run
     stopped.
@@ -1486,15 +1498,17 @@ def demo_partial(ended: ClusterError, *, total: int, answered: int, in_flight: i
     the requests not answered; ``answered`` (the report's records) is kept.
 
     Args:
-        ended: why the cluster ended (:meth:`LocalCluster.wait_failed`; its ``service`` and ``reason``).
+        ended: why the cluster ended (:meth:`LocalCluster.wait_failed`; its ``service`` and ``reason``), or the
+            signal that stopped the replay.
         total: requests the demo meant to replay (>= 0).
         answered: records the replay returned (its requests answered, completed or failed; <= ``total``).
         in_flight: requests sent and cancelled unanswered at the stop (``ReplayResult.in_flight_at_stop``; not in
             the records; <= ``total - answered``).
 
     Returns:
-        ``service`` (None for no one service: a crashed supervisor), ``reason``, ``clean`` (the service exited 0:
-        ``--no-restart`` status 3), ``requests_total``, ``requests_answered`` (the report's ``requests_sent``),
+        ``service`` (None for no one service: a crashed supervisor, or a signal), ``reason``, ``clean`` (the service
+        exited 0: ``--no-restart`` status 3; False for a signal), ``signal`` (its name, e.g. ``SIGINT``; only for a
+        signal), ``requests_total``, ``requests_answered`` (the report's ``requests_sent``),
         ``in_flight_cancelled``, ``requests_not_sent`` (``total - answered - in_flight``, the three adding up to
         ``total`` when the counts are consistent).
     """
@@ -1502,10 +1516,13 @@ def demo_partial(ended: ClusterError, *, total: int, answered: int, in_flight: i
     if (t, a, f) != (total, answered, in_flight) or answered > total:
         print(f"warning: partial report counts do not add up ({answered} answered + {in_flight} in flight of {total} "
               f"requests): taken as {a} answered + {f} in flight of {t}", file=sys.stderr, flush=True)
+    why: dict[str, object] = (
+        {"service": None, "reason": f"stopped by {ended.name}", "clean": False, "signal": ended.name}
+        if isinstance(ended, signal.Signals)
+        else {"service": ended.service, "reason": ended.reason, "clean": isinstance(ended, ServiceStopped)}
+    )
     return {
-        "service": ended.service,
-        "reason": ended.reason,
-        "clean": isinstance(ended, ServiceStopped),
+        **why,
         "requests_total": t,
         "requests_answered": a,
         "in_flight_cancelled": f,
@@ -1516,8 +1533,11 @@ def demo_partial(ended: ClusterError, *, total: int, answered: int, in_flight: i
 def partial_line(partial: Mapping[str, Any]) -> str:
     """One line for :func:`demo_partial`'s dict: how the cluster ended (naming the service), then the requests
     answered (the summary's ``requests   sent``), those cancelled in flight (not in the report's counts) and those
-    never sent, of the total; the report's ``note`` and the line above the demo's summary (``PARTIAL REPORT: ...``)."""
-    return (f"the cluster ended during the replay ({partial['reason']}): {partial['requests_answered']} answered + "
+    never sent, of the total; the report's ``note`` and the line above the demo's summary (``PARTIAL REPORT: ...``).
+    A signal's stop says "the replay was stopped by SIGINT" instead of how the cluster ended."""
+    why = (f"the replay was stopped by {partial['signal']}" if partial.get("signal")
+           else f"the cluster ended during the replay ({partial['reason']})")
+    return (f"{why}: {partial['requests_answered']} answered + "
             f"{partial['in_flight_cancelled']} cancelled in flight (not in the counts) of {partial['requests_total']} "
             f"requests; {partial['requests_not_sent']} never sent")
 
@@ -1686,7 +1706,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="up + replay real Claude Code sessions + report",
         description="Start a local cluster, replay real Claude Code sessions (shipped sample) closed-loop through the "
         "router, and write OUT/report.json, OUT/requests.jsonl, the plots (OUT/*.png) with OUT/report.html that shows "
-        "them, and the services' logs under OUT/logs.",
+        "them, and the services' logs under OUT/logs. Ctrl-C, SIGTERM or SIGHUP during the replay stops it and the "
+        "cluster and writes the report of what was answered, marked partial (PARTIAL REPORT: ..., meta.partial and "
+        "meta.interrupted), then exits 128 + the signal (130 for Ctrl-C); during start-up it writes no report.",
     )
     _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0, log_dir="OUT/logs, whose *.log files a new demo replaces; the NATS credentials the demo generates in it are deleted when it stops",
                       warmup="900 s of simulated time in the demo, --engine torch 240 s", fence_after_s=DEMO_FENCE_S)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,15 @@ def test_a_clean_exit_is_marked_clean_and_an_error_without_reason_gives_its_firs
     bare = ClusterError("supervisor crashed: RuntimeError('x')\nmore")
     assert (bare.service, bare.reason) == (None, "supervisor crashed: RuntimeError('x')")
     assert demo_partial(bare, total=1, answered=0, in_flight=0)["service"] is None
+
+
+def test_a_signal_names_itself_and_no_service():
+    """Ctrl-C / SIGTERM during the demo's replay: the same figures, the signal as the cause (no service, not clean)."""
+    p = demo_partial(signal.SIGTERM, total=10, answered=4, in_flight=1)
+    assert p == {"service": None, "reason": "stopped by SIGTERM", "clean": False, "signal": "SIGTERM", "requests_total": 10,
+                 "requests_answered": 4, "in_flight_cancelled": 1, "requests_not_sent": 5}  # fmt: skip
+    assert partial_line(p) == ("the replay was stopped by SIGTERM: 4 answered + 1 cancelled in flight (not in the counts) "
+                               "of 10 requests; 5 never sent")  # fmt: skip
 
 
 @pytest.mark.parametrize(("total", "answered", "in_flight", "taken"),
