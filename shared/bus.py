@@ -659,43 +659,52 @@ class Bus:
         publish again is kept too), sends nothing and resumes no consumer. Before, it stopped holding and published into nats-py's
         reconnect buffer, and so did every reliable publish for the rest of that outage, unkept: the buffer is
         flushed into the next server before its check, and one back without its store lost them
-        (:meth:`_wait_over` keeps :attr:`stream_waiting` by the same test)."""
+        (:meth:`_wait_over` keeps :attr:`stream_waiting` by the same test).
+
+        Cancelled (:meth:`close`) before it published the window again, it puts what it took back in :attr:`_resend`
+        (with what a later disconnect took meanwhile), for the close to publish. Before, the window was taken off the
+        bus before the lookup and a close during it dropped it: reliable publishes that died unstored in a server
+        killed just before were lost though it came back (tests/integration/test_bus_close_cancels_reconnect_live.py)."""
         resend, self._resend = self._resend, []
-        go_on = self._reconnect_check()
-        # its end clears the waits' state, an earlier check's too, unless a later reconnect took over (_wait_over)
-        info = await self._stream_after_reconnect(go_on) if self.jetstream else None
-        # a disconnect since the latest check began (this one while go_on()): its answer may be the old server's
-        outlived = self._js_disconnects != self._check_disconnects
-        if not go_on() or outlived:  # a later reconnect took over, or will: its check ends the holding
-            for r in (resend if self._holding else ()):
-                self._hold(r)
-            if outlived:  # disconnected: nothing sent (nats-py's reconnect buffer), the consumers left to that check
-                return
-        elif info is not None and self._stream_created is not None and info.created is not None and info.created != self._stream_created:
-            # a new stream (the server came back without its store): what was published since the disconnect, before
-            # the stream was there, went nowhere: published again, in order, with the window (ids drop any copy).
-            # Before, only the last RESEND_WINDOW_S of it was: a longer wait for the stream lost the rest
-            self._stream_created = info.created
-            self.counters["stream_recreated"] += 1
-            resend = self._in_order([*resend, *self._stop_holding(), *self._recent])
-            first = max(0, int(info.state.first_seq) - 1)
-            self.log.warning("stream is new after the reconnect (the server lost its store); consumers resume at its start",
-                             consumers=len(self._js_subs), stream_first=first + 1)  # fmt: skip
-            for sub, pos in self._js_subs:
-                jsi = _ordered_state(sub)
-                if jsi is None:
-                    continue
-                pos.rewind(first)
-                jsi._sseq = first
-                await jsi.reset_ordered_consumer(first + 1)
-            info = None  # the consumers are placed
-        else:  # the same stream (what was published meanwhile is in it, unless only kept), or none to be found
-            unsent = self._held_unsent
-            held = self._stop_holding()
-            if info is not None and unsent:
-                # published while the server had no JetStream (or lacked the stream), only kept: the stream lacks
-                # them. Before, they were dropped here (ids drop a copy of any the stream has)
-                resend = self._in_order([*resend, *held])
+        try:
+            go_on = self._reconnect_check()
+            # its end clears the waits' state, an earlier check's too, unless a later reconnect took over (_wait_over)
+            info = await self._stream_after_reconnect(go_on) if self.jetstream else None
+            # a disconnect since the latest check began (this one while go_on()): its answer may be the old server's
+            outlived = self._js_disconnects != self._check_disconnects
+            if not go_on() or outlived:  # a later reconnect took over, or will: its check ends the holding
+                for r in (resend if self._holding else ()):
+                    self._hold(r)
+                if outlived:  # disconnected: nothing sent (nats-py's reconnect buffer), the consumers left to that check
+                    return
+            elif info is not None and self._stream_created is not None and info.created is not None and info.created != self._stream_created:
+                # a new stream (the server came back without its store): what was published since the disconnect, before
+                # the stream was there, went nowhere: published again, in order, with the window (ids drop any copy).
+                # Before, only the last RESEND_WINDOW_S of it was: a longer wait for the stream lost the rest
+                self._stream_created = info.created
+                self.counters["stream_recreated"] += 1
+                resend = self._in_order([*resend, *self._stop_holding(), *self._recent])
+                first = max(0, int(info.state.first_seq) - 1)
+                self.log.warning("stream is new after the reconnect (the server lost its store); consumers resume at its start",
+                                 consumers=len(self._js_subs), stream_first=first + 1)  # fmt: skip
+                for sub, pos in self._js_subs:
+                    jsi = _ordered_state(sub)
+                    if jsi is None:
+                        continue
+                    pos.rewind(first)
+                    jsi._sseq = first
+                    await jsi.reset_ordered_consumer(first + 1)
+                info = None  # the consumers are placed
+            else:  # the same stream (what was published meanwhile is in it, unless only kept), or none to be found
+                unsent = self._held_unsent
+                held = self._stop_holding()
+                if info is not None and unsent:
+                    # published while the server had no JetStream (or lacked the stream), only kept: the stream lacks
+                    # them. Before, they were dropped here (ids drop a copy of any the stream has)
+                    resend = self._in_order([*resend, *held])
+        except asyncio.CancelledError:
+            self._resend = self._in_order([*resend, *self._resend])
+            raise
         await self._publish_again(resend)
         if info is None:
             return
@@ -1645,9 +1654,26 @@ class Bus:
                 await cancel_until_done(tasks)
             except asyncio.CancelledError as e:  # the caller's: the tasks have ended; close first, then raise it
                 caller_cancel = e
+        drain_s = CLOSE_DRAIN_S
+        if self._resend and self.nc.is_connected:
+            # a reconnect's check cancelled above before it published the window again put it back (_after_reconnect):
+            # published here, before the drain, so its flush sends it (message ids drop a copy the stream has); while
+            # disconnected it stays for a reconnect during the close (reconnected_cb). Bounded with the drain: nats-py's
+            # publish only waits when its buffer is full, and the drain gets what is left of CLOSE_DRAIN_S (at least
+            # CLOSE_LOST_GRACE_S). Before, the cancel dropped it (tests/integration/test_bus_close_cancels_reconnect_live.py)
+            resend, self._resend = self._resend, []
+            self.log.warning("resend window published again at the close (its reconnect check was cancelled)", resend=len(resend))
+            t0 = time.monotonic()
+            try:
+                await asyncio.wait_for(self._publish_again(resend), CLOSE_DRAIN_S)
+            except asyncio.TimeoutError:
+                self.log.warning("resend at close timed out", timeout_s=CLOSE_DRAIN_S)
+            except asyncio.CancelledError as e:  # the caller's: the connection is closed below, then it is raised
+                caller_cancel = e
+            drain_s = max(CLOSE_LOST_GRACE_S, CLOSE_DRAIN_S - (time.monotonic() - t0))
         if not self.nc.is_closed:
             try:
-                await self._drain(CLOSE_DRAIN_S)
+                await self._drain(drain_s)
             except asyncio.CancelledError as e:  # the caller's cancel during the drain: the connection is closed below
                 caller_cancel = e
             if not self.nc.is_closed:
