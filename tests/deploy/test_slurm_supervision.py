@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -227,6 +228,9 @@ def test_a_router_and_a_worker_killed_are_restarted_and_sigterm_stops_everything
                 time.sleep(1)
         assert r["usage"]["completion_tokens"] == 4
         assert job.proc.poll() is None and "FAILED" not in job.text()
+        # the supervise loop's own line only: before, bash's job notice for the SIGKILLed child came first
+        # ('environment: line 8: 17660 Killed  "$@" >> "$logf" 2>&1'), for the router as for the worker
+        assert not re.search(r"line \d+: +\d+ Killed", job.text()), job.text()
 
         os.kill(job.proc.pid, signal.SIGTERM)  # scancel's signal to the batch script
         assert job.proc.wait(60) == 0, job.text()
