@@ -352,7 +352,7 @@ def test_a_service_that_ignores_sigterm_is_killed_after_stop_grace_and_the_job_e
         took = time.monotonic() - t0
         text = job.text()
         assert rc == 1, text
-        assert "still running 4 s after SIGTERM (STOP_GRACE): planner, worker step; SIGKILL" in text, text
+        assert "still running 4 s after their stop signal (STOP_GRACE): planner (SIGTERM), worker step (SIGINT); SIGKILL" in text, text
         assert took < 4 + 10, f"the stop took {took:.1f} s:\n{text}"
         assert text.index("SIGKILL to them") < text.index("] stopped"), text
         time.sleep(0.5)
