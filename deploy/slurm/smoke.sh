@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A three-node Slurm cluster on this machine (Debian's slurmctld + slurmd, node names n1..n3 on
 # localhost), the repository's sbatch script submitted with --nodes=3, a replay of real Claude Code
-# sessions against its router, then scancel: every process of the job must be gone.
+# sessions against its router, then `scancel --batch --signal=TERM` (the documented drain): every process of the
+# job must be gone.
 # Needs root and `apt-get install slurmctld slurmd slurm-client munge`; uses the project's .venv.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -110,9 +111,9 @@ job_pids() {  # every process started for the job (they inherit EI_RUN_DIR)
 pids=$(job_pids)
 n=$(echo $pids | wc -w)
 [ "$n" -ge 6 ] || { log "expected >= 6 job processes (nats, directory, planner, router, 2 workers), found $n: $pids"; exit 1; }
-log "scancel $JOB (job processes: $pids)"
+log "scancel --batch --signal=TERM $JOB, the drain (job processes: $pids)"
 named=$(ps -o pid=,args= -p "${pids// /,}" 2>/dev/null | sed 's/^ */  /' || true)  # to name any left behind
-scancel "$JOB"
+scancel --batch --signal=TERM "$JOB"
 for _ in $(seq 120); do [ -z "$(squeue -h -j "$JOB" 2>/dev/null)" ] && break; sleep 0.5; done
 [ -z "$(squeue -h -j "$JOB" 2>/dev/null)" ] || { log "job still queued"; exit 1; }
 log "job $JOB left the queue"
