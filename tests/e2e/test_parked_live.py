@@ -4,7 +4,13 @@ not after ``--request-timeout-s``. Real nats-server, every service its own proce
 (``evolving_infra.faultkit``), nothing supervised.
 
 Measured before the fix (``--request-timeout-s 20``): the client got ``no output for 20s`` (504) 20.0 s after
-the kill, and the router's ``parked`` gauge still said 1 once the request had ended."""
+the kill, and the router's ``parked`` gauge still said 1 once the request had ended.
+
+The planner is given ``--silent-after-s 30``: since the planner's outage rule (b5b7824) it puts the lone survivor w0
+to serve both phases once w1 has been silent for ``--silent-after-s`` (the fault kit's 1.5 s, the router's fence), and
+the parked request is then served there (tests/integration/test_planner_outage_live.py) — a race with the 2-s park
+that made this test fail 1 time in a full run (the stream completed). Here the park's own bound is under test, so
+the planner waits past it."""
 
 from __future__ import annotations
 
@@ -22,7 +28,10 @@ pytestmark = pytest.mark.timeout(120)
 
 
 async def test_a_stream_on_a_sigkilled_only_decode_node_ends_with_a_503_within_the_requeue_bound(tmp_path: Path) -> None:
-    spec = FaultSpec(nodes=2, split="1P1D", speedup=1.0, extra={"router": ["--request-timeout-s", "20", "--requeue-wait-s", "2"]})
+    spec = FaultSpec(
+        nodes=2, split="1P1D", speedup=1.0,
+        extra={"router": ["--request-timeout-s", "20", "--requeue-wait-s", "2"], "planner": ["--silent-after-s", "30"]},
+    )
     async with FaultCluster(spec, tmp_path / "cluster") as fc:
         events: list[bytes] = []
         t_kill = None
