@@ -75,5 +75,8 @@ def test_a_rate_limited_resync_waits_once_and_really_waits(loop, wait):
     for _ in range(5):  # where the wait ends within the loop's millisecond differs from run to run
         shell = _ResyncShell(1.0)
         allowed = run(resync(shell))
-        assert shell.counters["resync.rate_limited"] == 1, dict(shell.counters)
+        # once, never once per early wake (the uvloop defect: many); a wait of a few ms or less may be over before
+        # _resync reads the clock on a loaded machine (a full CI run saw 0 at 0.3 ms), then no wait is due at all
+        limited = shell.counters["resync.rate_limited"]
+        assert limited == 1 or (limited == 0 and wait <= 0.002), dict(shell.counters)
         assert shell.counters["resync.requests"] == 1 and len(shell.asked) == 1 and shell.asked[0] >= allowed
