@@ -1409,7 +1409,7 @@ _CHAIN_MIN = 8
 steps cost more than a few C-level probes)."""
 
 
-def _counted_head(R: dict[int, int], seq: Sequence[int], lo: int, hi: int) -> int:
+def _counted_head(R: Mapping[int, object], seq: Sequence[int], lo: int, hi: int) -> int:
     """``seq[lo:hi]`` (not empty), whose counted blocks are a head (R never grows along it):
     the end of that head, ``lo`` (none counted) … ``hi`` (all). Two probes when all or none
     are counted, else a bisection."""
@@ -1598,17 +1598,9 @@ class _CountRuns:
             ValueError: a block of that tail is counted already (the paths are not chains).
         """
         where = self.where
-        if path[k - 1] in where:
+        a = _counted_head(where, path, a, k)  # the first block counted nowhere: two probes, else a bisection
+        if a == k:
             return
-        if path[a] in where:  # the first block counted nowhere, by bisection
-            lo, hi = a + 1, k - 1
-            while lo < hi:
-                mid = (lo + hi) >> 1
-                if path[mid] in where:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            a = lo
         keys = path[a:k]
         if not where.keys().isdisjoint(keys):
             raise ValueError(f"path position {a} on names blocks counted elsewhere in a path: paths are not chains")
