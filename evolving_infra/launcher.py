@@ -21,7 +21,9 @@ loses only the streams it held.
 
 ``demo`` does the same, replays real Claude Code sessions through the router
 (closed loop, N concurrent agents), writes ``OUT/report.json`` plus
-``OUT/requests.jsonl`` and prints a summary; SIGINT / SIGTERM / SIGHUP stop it as
+``OUT/requests.jsonl`` and prints a summary (each answered request's record is appended to ``OUT/requests.jsonl`` as
+it completes, as ``replay`` does, so a SIGKILLed or OOM-killed demo keeps them; an earlier run's outputs are moved to
+``OUT/previous/`` once the cluster is ready); SIGINT / SIGTERM / SIGHUP stop it as
 they stop ``up`` (cluster, nats-server store and state file gone; one line on
 stderr; status 128 + the signal); during the replay they stop it (no new request; those in flight cancelled) and the
 demo writes and prints the report of what was answered, headed ``PARTIAL REPORT: the replay was stopped by SIGINT ...``
@@ -1170,9 +1172,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 async def _demo(args: argparse.Namespace) -> int:
     from evolving_infra.replay.core import Arrival
-    from evolving_infra.replay.live import LiveReplayer
+    from evolving_infra.replay.cli import PREVIOUS, set_aside_previous_run
+    from evolving_infra.replay.live import LiveReplayer, RecordAppender
     from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
-    from evolving_infra.report.write import build_report, print_summary, report_line, write_report
+    from evolving_infra.report.write import REQUESTS_JSONL, build_report, print_summary, report_line, write_report
     from evolving_infra.traces.io import NO_REQUESTS, TraceError, read_trace
     from evolving_infra.traces.sample import scale_description, scale_trace_for_model
     from shared.clock import SimClock
@@ -1284,11 +1287,24 @@ async def _demo(args: argparse.Namespace) -> int:
 
         cluster.on_restart = restarted
 
+        # each answered request's record appended to OUT/requests.jsonl as it completes, as `replay` does: a demo
+        # SIGKILLed or OOM-killed keeps them (write_report replaces the file, sorted, at the end); an earlier run's
+        # outputs go to OUT/previous/ first, so they are never read as this run's
+        moved = set_aside_previous_run(out)
+        if moved:
+            print(f"demo: an earlier run's outputs in {out} moved to {out / PREVIOUS}/ ({', '.join(moved)})", flush=True)
+        try:
+            append = RecordAppender(out / REQUESTS_JSONL)
+        except OSError as e:
+            print(f"error: --out {out}: cannot write {REQUESTS_JSONL}: {e}", file=sys.stderr, flush=True)
+            return 1
         # a cluster that ends for good stops the replay: nothing serves the rest
         watcher = asyncio.create_task(watch_cluster(cluster, stop))
         try:
-            result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency), stop=stop)
+            result = await replayer.run(requests, Arrival(kind="closed", concurrency=args.concurrency), stop=stop,
+                                        on_record=append)
         finally:
+            append.close()
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
         if not watcher.cancelled():

@@ -159,21 +159,15 @@ async def _replay(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
-    from evolving_infra.report.records import RequestRecord
+    from evolving_infra.replay.live import RecordAppender
     from evolving_infra.report.write import REQUESTS_JSONL
 
-    appender = open(out / REQUESTS_JSONL, "ab")
-    enc = msgspec.json.Encoder()
-
-    def append(rec: RequestRecord) -> None:
-        appender.write(enc.encode(rec) + b"\n")
-        appender.flush()
-
+    append = RecordAppender(out / REQUESTS_JSONL)
     wall0 = time.monotonic()
     try:
         result = await replayer.run(trace.requests, arrival, stop=stop, on_record=append)
     finally:
-        appender.close()
+        append.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     meta = {

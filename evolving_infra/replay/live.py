@@ -40,6 +40,7 @@ import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -80,6 +81,33 @@ class ReplayResult:
     """The run was stopped (``stop`` set: SIGINT / SIGTERM) before the trace was done."""
     in_flight_at_stop: int = 0
     """Requests sent and cancelled unanswered at the stop (not in ``records``); branch ends cancelled are not counted."""
+
+
+class RecordAppender:
+    """Appends each answered request's record to a run's ``requests.jsonl`` as it completes (``LiveReplayer.run``'s
+    ``on_record``): one JSON line per record, the same fields as the final file's, written and flushed to the OS
+    as one ``write`` each, so a run SIGKILLed or OOM-killed keeps every record completed before it (each line whole
+    JSON). The lines are in completion order; the run's final ``write_report`` replaces the file with the same
+    records sorted by ``sent_at``.
+
+    Args:
+        path: the file, opened for appending (created if absent).
+
+    Raises:
+        OSError: the file cannot be opened (at construction); a write that fails raises from the call, which
+            ``LiveReplayer.run`` logs (the record stays in the result and the final file).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "ab")  # noqa: SIM115 - held for the run, closed by close()
+
+    def __call__(self, rec: RequestRecord) -> None:
+        self._file.write(_JSON.encode(rec) + b"\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        self._file.close()
 
 
 _NOT_IN_RID = re.compile(r"[^A-Za-z0-9_-]")

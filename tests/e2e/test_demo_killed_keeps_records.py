@@ -1,0 +1,91 @@
+"""``demo`` SIGKILLed (or OOM-killed) during its replay keeps the record of every request answered before it: each is
+appended to ``OUT/requests.jsonl`` as it completes, one whole JSON line, as ``replay`` does. Before, the demo wrote
+``requests.jsonl`` only at its end, so a killed demo left none (every per-request figure lost). An earlier run's
+outputs in ``OUT`` are moved to ``OUT/previous/`` first, never mixed with this run's lines.
+
+A real cluster (``LocalCluster``: nats-server + every service as its own process, speed-up 25), as a user runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from evolving_infra.report.records import read_records
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _finished_ok(router_url: str) -> float:
+    """Requests the router finished with a completion (reason length or stop); 0 when it does not answer."""
+    try:
+        with urllib.request.urlopen(router_url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("ei_router_requests_finished_total{reason=\"length\"",
+                                   "ei_router_requests_finished_total{reason=\"stop\"")))  # fmt: skip
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_a_sigkilled_demo_leaves_the_answered_requests_records_each_a_whole_json_line(tmp_path):
+    state_dir = tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")} | {"EI_STATE_DIR": str(state_dir)}
+    out_dir = tmp_path / "demo"
+    out_dir.mkdir()
+    (out_dir / "report.json").write_text('{"earlier": true}\n')  # an earlier run's outputs
+    (out_dir / "requests.jsonl").write_text('{"id": "earlier"}\n')
+    cmd = [sys.executable, "-m", "evolving_infra.cli", "demo", "--sessions", "2", "--concurrency", "2",
+           "--speedup", "25", "--nodes", "1", "--out", str(out_dir)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    records = out_dir / "requests.jsonl"
+    pids: dict[str, int] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while not list(state_dir.glob("up-*.json")):  # written once the cluster is ready, before the replay
+            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+            time.sleep(0.05)
+        state = json.loads(next(state_dir.glob("up-*.json")).read_text())
+        pids = {k: int(v) for k, v in state["pids"].items()}
+        while _finished_ok(state["router_url"]) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+            time.sleep(0.1)
+        # the router's count leads the client's last chunk: give those answers 10 s to reach the file
+        until = time.monotonic() + 10
+        while len(_lines(records)) < 2 and time.monotonic() < until:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the demo ended before it was killed: make its replay longer"
+        proc.kill()  # SIGKILL: no handler, no final write
+        text, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in pids.values():  # its services get SIGTERM from the kernel (PR_SET_PDEATHSIG); any left: killed
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    lines = _lines(records)
+    assert len(lines) >= 2, f"{len(lines)} records after a SIGKILL with 2+ requests answered:\n{text[-3000:]}"
+    rows = [json.loads(line) for line in lines]  # each line whole JSON, even the last one written
+    assert all(set(r) >= {"id", "agent", "branch", "sent_at", "finished_at", "e2e_s"} for r in rows), rows[0]
+    assert len({r["id"] for r in rows}) == len(rows) and "earlier" not in {r["id"] for r in rows}
+    assert all(r["finished_at"] >= r["sent_at"] for r in rows)
+    assert [r.id for r in read_records(records)] == [r["id"] for r in rows]  # the report's reader takes them as they are
+    assert not (out_dir / "report.json").exists()  # the earlier run's, moved aside: never read as this run's
+    assert (out_dir / "previous" / "report.json").read_text() == '{"earlier": true}\n'
+    assert (out_dir / "previous" / "requests.jsonl").read_text() == '{"id": "earlier"}\n'
+    assert f"moved to {out_dir / 'previous'}/" in text, text[-3000:]
