@@ -478,3 +478,92 @@ def test_sigterm_at_any_moment_stops_supervise_and_its_child():
             os.killpg(p.pid, signal.SIGKILL)  # the sleep too, if it was left
         p.wait()
     assert not hung, f"supervise still running 1 s after SIGTERM in {len(hung)} of 300 runs"
+
+
+DRAINS = """import signal, sys, time
+name, out, drain = sys.argv[1], sys.argv[2], float(sys.argv[3])
+stop_at = None
+
+
+def on(sig, _frame):
+    global stop_at
+    with open(out, "a") as f:
+        f.write(f"{name} {signal.Signals(sig).name}\\n")
+    if stop_at is None:
+        stop_at = time.monotonic() + drain
+
+
+signal.signal(signal.SIGTERM, on)
+signal.signal(signal.SIGINT, on)
+with open(out + ".up", "a") as f:  # its stop signal handled from now on
+    f.write(name + "\\n")
+while stop_at is None or time.monotonic() < stop_at:
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_second_sigterm_or_sigint_while_stopping_is_logged_and_the_stop_goes_on(tmp_path):
+    """The script's stop (``stop_all`` from its ``on_signal`` trap, run with stand-in parts that each take 2 s to
+    drain after their stop signal) given SIGTERM, then SIGTERM and SIGINT again while the router drains: each later
+    one is logged and ignored, every part gets its stop signal once, the job's own ``stopped`` line comes and it
+    exits 0 with nothing left. Before, ``stop_all`` reset the traps to their defaults and the second SIGTERM killed
+    the script mid-drain (status -15): the planner and the worker step were never stopped, left running without it."""
+    text = SBATCH.read_text()
+    funcs = []
+    for name in ("log", "tree", "wait_bounded", "stop_worker_step", "stop_all", "again_while_stopping", "on_signal", "gone"):
+        func = re.search(rf"^{name}\(\) \{{.*?^\}}\n", text, re.S | re.M) or re.search(rf"^{name}\(\) \{{.*?\}}\n", text, re.M)
+        assert func, f"no {name}() in the sbatch"
+        funcs.append(func.group(0))
+    (tmp_path / "drains.py").write_text(DRAINS)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text("#!/bin/sh\necho RUNNING\n")  # a job Slurm is not ending (scancel --batch)
+    (bin_dir / "squeue").chmod(0o755)
+    sig_file = tmp_path / "signals"
+    part = f"{sys.executable} {tmp_path / 'drains.py'}"
+    script = "set -uo pipefail\n" + "".join(funcs) + f"""
+RUN={tmp_path} STOP_GRACE=20 SLURM_JOB_ID=4242
+PIDS=() NAMES=()
+for n in nats router planner; do {part} $n {sig_file} 2 & PIDS+=($!) NAMES+=($n); done
+{part} worker-step {sig_file} 2 &
+WORKER_STEP=$!
+trap on_signal TERM INT
+log READY
+while [ -z "$(gone)" ]; do wait -n "${{PIDS[@]}}" "$WORKER_STEP"; done
+log "FAILED: $(gone) ended"
+stop_all 1
+"""
+    out = tmp_path / "job.out"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    proc = subprocess.Popen(["bash", "-c", script], env=env, stdout=out.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        up = tmp_path / "signals.up"
+        while "READY" not in out.read_text() or len(up.read_text().splitlines() if up.exists() else []) < 4:
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        while "router SIGTERM" not in (sig_file.read_text() if sig_file.exists() else ""):  # the router drains (2 s)
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        os.kill(proc.pid, signal.SIGINT)
+        rc = proc.wait(30)
+        got = out.read_text()
+        assert rc == 0, f"status {rc}:\n{got}"
+        assert "SIGTERM again while stopping: ignored; the stop goes on" in got, got
+        assert "SIGINT again while stopping: ignored" in got, got
+        assert got.rstrip().endswith("] stopped"), got
+        # each part stopped once, by its own stop signal, nats-server last
+        lines = sig_file.read_text().splitlines()
+        assert sorted(lines) == ["nats SIGTERM", "planner SIGTERM", "router SIGTERM", "worker-step SIGINT"], lines
+        assert lines[0] == "router SIGTERM" and lines[-1] == "nats SIGTERM", lines
+        time.sleep(0.2)
+        with pytest.raises(ProcessLookupError):  # nothing of the job left running
+            os.killpg(proc.pid, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
