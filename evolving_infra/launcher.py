@@ -657,8 +657,8 @@ in TIME_WAIT and ``TransferEngine.initialize`` returned -1, restart after restar
 4 times in 31 s; two processes: 6 tries of 6 failed). With 32 a restart finds free ones, and takes its predecessor's
 RPC port 1 time in 31: a peer's transfer engine that read the dead process keeps its segment, so the peer reads the
 new process with another engine it makes (``kvpool.pool.READ_ENGINES_MAX``: 4 in all, each keeping 2 ports of the
-peer's own range); past that bound, or when one cannot start, the fetch is refused (``stale_session``) and the pages
-recomputed."""
+peer's own range); past that bound the fetch is refused (``stale_session``) and the pages recomputed, and so while an
+engine that could not start waits to be tried again (it takes no place under the bound)."""
 
 
 def kv_pool_max_bytes(environ: Mapping[str, str]) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
 import time
@@ -66,7 +67,14 @@ under 0.04 s on the event loop; ``tests/integration/test_kvpool_live.py``, the h
 session: 32 of 32 fetched, 32 ``stale_session`` before). Mooncake has no call to
 shut an engine down either: each one made stays for the process's life (two ports of ``--kv-pool-ports``, two
 threads), hence the bound. Past it, a fetch from a session every engine has read from another process is refused
-(``stale_session``) until this worker restarts."""
+(``stale_session``) until this worker restarts. An engine that could not start (``TransferEngine.initialize`` failed: e.g.
+no free port in the range, its ports in TIME_WAIT) takes no place under the bound: it is tried again on a later fetch,
+at most once per :data:`READ_ENGINE_RETRY_S`. One that started and could not register this pool's buffer keeps its
+place (it holds its ports and threads all the same) and its registration is tried again, as often."""
+READ_ENGINE_RETRY_S = 10.0
+"""Wall seconds after a transfer engine for a restarted peer failed to start or register this pool's buffer before a
+fetch tries again (:attr:`HostKvPool.read_engine_retry_s`); the fetches meanwhile are refused at once
+(``stale_session``), not each paying an engine start that fails."""
 STUCK_READS_WARN = 4
 """``kvpool.reads_stuck`` (reads past ``fetch_timeout_s`` that have not returned) at which the pool logs one warning:
 they hold their thread and their slots until they return, which Mooncake 0.3.13 does not do for a peer that died
@@ -156,13 +164,16 @@ class HostKvPool:
         read_engine: makes another transfer engine to read with, when a peer restarted on a session every engine
             read from before (:data:`READ_ENGINES_MAX`); default a :class:`MooncakeEndpoint` on ``host`` with the
             endpoint's protocol. It may raise :class:`TransferError` (no free port in the range): the fetch is then
-            refused (``stale_session``), as when the bound is reached.
+            refused (``stale_session``), and it is tried again on a fetch ``read_engine_retry_s`` later or after:
+            an engine that did not start takes no place under ``max_read_engines``.
         max_read_engines: transfer engines this pool reads with at most, its own included (>= 1; 1: none made).
+        read_engine_retry_s: wall seconds (on ``clock``) after a failed start or registration of such an engine
+            before another try (>= 0; :data:`READ_ENGINE_RETRY_S`).
 
     Raises:
         MooncakeUnavailable: Mooncake is not installed (names the install script).
         TransferError: the transfer engine failed to start or register the buffer.
-        ValueError: bad node id or sizes, or max_read_engines below 1.
+        ValueError: bad node id or sizes, max_read_engines below 1, or read_engine_retry_s negative or not finite.
     """
 
     def __init__(
@@ -182,10 +193,13 @@ class HostKvPool:
         clock: Callable[[], float] = time.monotonic,
         read_engine: Callable[[], MooncakeEndpoint] | None = None,
         max_read_engines: int = READ_ENGINES_MAX,
+        read_engine_retry_s: float = READ_ENGINE_RETRY_S,
     ) -> None:
         self.node = check_token(node, "node")
         if max_read_engines < 1:
             raise ValueError(f"max_read_engines must be >= 1 (the pool's own engine), got {max_read_engines}")
+        if not (math.isfinite(read_engine_retry_s) and read_engine_retry_s >= 0):
+            raise ValueError(f"read_engine_retry_s must be a finite number of seconds >= 0, got {read_engine_retry_s}")
         self.bus = bus
         self.buffer = HostKvBuffer(num_slots, slot_bytes, payload=payload)
         self.endpoint = endpoint if endpoint is not None else MooncakeEndpoint(host=host)
@@ -206,7 +220,14 @@ class HostKvPool:
         self._new_engine = read_engine or (lambda: MooncakeEndpoint(host=host, protocol=self.endpoint.protocol))
         self.max_read_engines = max_read_engines
         self._engines_made = 0
-        """Engines made or tried after the pool's own (a failed try counts: bounded all the same)."""
+        """Engines started after the pool's own (registered or not); one whose start failed is not counted: it holds
+        nothing (:data:`READ_ENGINES_MAX`)."""
+        self.read_engine_retry_s = read_engine_retry_s
+        self._unregistered: MooncakeEndpoint | None = None
+        """An engine that started and could not register this pool's buffer: its registration is tried again before
+        any other engine is made (it holds its ports and threads for the process's life)."""
+        self._engine_failure: tuple[float, str] | None = None
+        """The last failed start or registration of an engine for a restarted peer: when (``clock``), and what."""
         self._reads_in_flight = 0
         """Mooncake reads whose thread has not returned (:meth:`_in_own_thread`)."""
         self._reads_stuck = 0
@@ -604,33 +625,45 @@ class HostKvPool:
             f"restarted on Mooncake session {loc.session}, which this worker read from before (buffer at {first[0]:#x}, "
             f"instance {first[1] or '?'}; now {loc.base_addr:#x}, {loc.instance or '?'})"
         )
-        if 1 + self._engines_made >= self.max_read_engines:
+        if self._unregistered is None and 1 + self._engines_made >= self.max_read_engines:
             made = len(self._readers)
-            # engines tried and not kept (could not start or register): the cap counts them too
-            failed = 1 + self._engines_made - made
             stale = "this worker's transfer engine keeps" if made == 1 else f"each of this worker's {made} transfer engines keeps"
-            tried = f", and the {failed} more it tried to make could not start or register this pool's buffer" if failed else ""
             return (
-                f"{why}: {stale} an old process's segment for it{tried}; no more are made (max_read_engines "
+                f"{why}: {stale} an old process's segment for it; no more are made (max_read_engines "
                 f"{self.max_read_engines}), so no read from this session can succeed until this worker restarts"
             )
-        self._engines_made += 1
-        try:
-            endpoint = self._new_engine()
-        except (TransferError, MooncakeUnavailable) as e:
-            self.counters["read_engine_failed"] += 1
-            return f"{why}: another transfer engine to read it with could not start ({e})"
+        if self._engine_failure is not None:
+            at, what = self._engine_failure
+            wait = at + self.read_engine_retry_s - self.clock()
+            if wait > 0:
+                return f"{why}: {what}; tried again in {wait:.1f} s (read_engine_retry_s {self.read_engine_retry_s:g})"
+        endpoint = self._unregistered
+        if endpoint is None:
+            try:
+                endpoint = self._new_engine()
+            except (TransferError, MooncakeUnavailable) as e:  # nothing started: no place under the bound taken
+                return self._engine_failed(why, f"another transfer engine to read it with could not start ({e})")
+            self._engines_made += 1
         try:
             endpoint.register(self.buffer.memory)
-        except (TransferError, ValueError) as e:
-            self.counters["read_engine_failed"] += 1
-            return f"{why}: another transfer engine to read it with could not register this pool's buffer ({e})"
+        except (TransferError, ValueError) as e:  # it started: it keeps its place, its registration is tried again
+            self._unregistered = endpoint
+            return self._engine_failed(why, f"another transfer engine to read it with could not register this pool's buffer ({e})")
+        self._unregistered = None
+        self._engine_failure = None
         reader = _Reader(endpoint)
         self._readers.append(reader)
         self.counters["read_engines_made"] += 1
         log.warning("%s: %s; reading it with another transfer engine (%d of at most %d)",
                     self.node, why, len(self._readers), self.max_read_engines)  # fmt: skip
         return reader
+
+    def _engine_failed(self, why: str, what: str) -> str:
+        """Count a failed start or registration of a transfer engine (``read_engine_failed``), note it for the
+        retry wait (:attr:`read_engine_retry_s`) and return the refusal's text."""
+        self.counters["read_engine_failed"] += 1
+        self._engine_failure = (self.clock(), what)
+        return f"{why}: {what}; tried again on a fetch {self.read_engine_retry_s:g} s from now or later"
 
     def _remember_expected(self, block_hash: int, crc: int) -> None:
         # Bounded memo of hash-derived CRCs (FIFO, at most one entry per slot).

@@ -59,18 +59,46 @@ class _Endpoint:
         return 0
 
 
-def _pool(max_read_engines: int = READ_ENGINES_MAX, fail: bool = False) -> tuple[HostKvPool, _Endpoint]:
+class _Clock:
+    """The pool's ``clock``: seconds set by the test."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _pool(max_read_engines: int = READ_ENGINES_MAX, fail: bool = False, *, fail_starts: int = 0, fail_registers: int = 0,
+          clock: _Clock | None = None, retry_s: float = 10.0) -> tuple[HostKvPool, _Endpoint]:
+    """A pool whose engines for restarted peers are :class:`_Endpoint` s; ``fail``: none starts; ``fail_starts``: the
+    first that many starts fail; ``fail_registers``: the first that many registrations of a made engine fail.
+    ``ep.starts`` counts the starts tried."""
     ep = _Endpoint()
     made: list[_Endpoint] = []
+    ep.starts = 0  # type: ignore[attr-defined]
+    registers = [0]
 
     def read_engine() -> _Endpoint:
-        if fail:
+        ep.starts += 1  # type: ignore[attr-defined]
+        if fail or ep.starts <= fail_starts:  # type: ignore[attr-defined]
             raise TransferError("TransferEngine.initialize('127.0.0.1', 'P2PHANDSHAKE', 'tcp') returned -1")
-        made.append(_Endpoint(f"e{len(made) + 1}", ep))
+        e = _Endpoint(f"e{len(made) + 1}", ep)
+        plain = e.register
+
+        def register(memory) -> int:  # type: ignore[no-untyped-def]
+            registers[0] += 1
+            if registers[0] <= fail_registers:
+                raise TransferError("register_memory(0x7f00, 4096) returned -1")
+            return plain(memory)
+
+        e.register = register  # type: ignore[method-assign]
+        made.append(e)
         return made[-1]
 
     pool = HostKvPool("b", None, num_slots=16, slot_bytes=SB, endpoint=ep, read_engine=read_engine,  # type: ignore[arg-type]
-                      max_read_engines=max_read_engines)  # fmt: skip
+                      max_read_engines=max_read_engines, read_engine_retry_s=retry_s,
+                      **({"clock": clock} if clock is not None else {}))  # fmt: skip
     ep.pool = pool
     return pool, ep
 
@@ -144,20 +172,76 @@ def test_one_engine_only_refuses_as_before():
     assert "no more are made (max_read_engines 1)" in (again.error or "")
 
 
-def test_an_engine_that_cannot_start_refuses_the_fetch_and_counts_against_the_bound():
-    pool, ep = _pool(max_read_engines=2, fail=True)
+def test_an_engine_that_cannot_start_takes_no_place_under_the_bound_and_is_tried_again_later():
+    """Fail-before: the failed start used one of the ``max_read_engines`` places for good: every later fetch from
+    that session was refused ('no more are made') until this worker restarted, though the start failed for a
+    passing cause (its ports in TIME_WAIT, launcher.KV_POOL_PORTS_PER_WORKER). Now it is tried again
+    ``read_engine_retry_s`` later (the fetches meanwhile refused at once, no start tried), and then reads."""
+    clock = _Clock()
+    pool, ep = _pool(max_read_engines=2, fail_starts=1, clock=clock)
     _answer(pool, ep, [11], base_addr=OLD)
     assert asyncio.run(pool.fetch("a", [11])).fetched == (11,)
     _answer(pool, ep, [12], base_addr=NEW)
     r = asyncio.run(pool.fetch("a", [12]))
     assert r.reasons == {"stale_session": 1} and "could not start (TransferEngine.initialize(" in (r.error or "")
-    assert pool.counters["read_engine_failed"] == 1 and len(ep.reads) == 1
-    r = asyncio.run(pool.fetch("a", [12]))  # bounded: no second try past max_read_engines
-    assert r.reasons == {"stale_session": 1} and "no more are made" in (r.error or "")
-    assert pool.counters["read_engine_failed"] == 1
-    # the refusal names its cause: the one engine made for it failed, not that every engine is stale
-    assert "the 1 more it tried to make could not start or register" in (r.error or ""), r.error
-    assert "this worker's transfer engine keeps an old process's segment for it" in (r.error or ""), r.error
+    assert "tried again on a fetch 10 s from now or later" in (r.error or ""), r.error
+    assert pool.counters["read_engine_failed"] == 1 and len(ep.reads) == 1 and ep.starts == 1  # type: ignore[attr-defined]
+    clock.t += 4
+    r = asyncio.run(pool.fetch("a", [12]))  # within the wait: refused at once, no start tried
+    assert r.reasons == {"stale_session": 1} and "could not start" in (r.error or "")
+    assert "tried again in 6.0 s (read_engine_retry_s 10)" in (r.error or ""), r.error
+    assert ep.starts == 1 and pool.counters["read_engine_failed"] == 1  # type: ignore[attr-defined]
+    clock.t += 6
+    r = asyncio.run(pool.fetch("a", [12]))
+    assert r.fetched == (12,) and r.error is None, r.error
+    assert ep.reads[-1] == ("e1", "127.0.0.1:27951", 1) and ep.starts == 2  # type: ignore[attr-defined]
+    assert pool.counters["read_engines_made"] == 1 and pool.stats()[1]["kvpool.read_engines"] == 2.0
+    # the bound is the same: 2 engines read, a second restart on that session is refused without a start
+    _answer(pool, ep, [13], base_addr=0x7F6600000000)
+    r = asyncio.run(pool.fetch("a", [13]))
+    assert r.reasons == {"stale_session": 1} and "no more are made (max_read_engines 2)" in (r.error or "")
+    assert "each of this worker's 2 transfer engines keeps an old process's segment" in (r.error or ""), r.error
+    assert ep.starts == 2  # type: ignore[attr-defined]
+
+
+def test_an_engine_that_never_starts_is_tried_once_per_retry_wait_and_refused_meanwhile():
+    clock = _Clock()
+    pool, ep = _pool(max_read_engines=2, fail=True, clock=clock, retry_s=5.0)
+    _answer(pool, ep, [11], base_addr=OLD)
+    assert asyncio.run(pool.fetch("a", [11])).fetched == (11,)
+    _answer(pool, ep, [12], base_addr=NEW)
+    for _ in range(3):  # three waits, a fetch every second: one start each
+        for _ in range(5):
+            r = asyncio.run(pool.fetch("a", [12]))
+            assert r.reasons == {"stale_session": 1} and "could not start" in (r.error or ""), r.error
+            clock.t += 1
+    assert ep.starts == 3 and pool.counters["read_engine_failed"] == 3 and len(ep.reads) == 1  # type: ignore[attr-defined]
+    assert pool.counters["read_engines_made"] == 0 and pool.stats()[1]["kvpool.read_engines"] == 1.0
+    assert not pool.buffer.has(12) and pool.buffer.occupancy()["pending"] == 0
+
+
+def test_an_engine_that_cannot_register_keeps_its_place_and_its_registration_is_tried_again():
+    """An engine that started holds its ports and threads for the process's life (Mooncake has no shutdown): a failed
+    registration of this pool's buffer does not make another one; the same engine registers on a later try."""
+    clock = _Clock()
+    pool, ep = _pool(max_read_engines=2, fail_registers=1, clock=clock)
+    _answer(pool, ep, [11], base_addr=OLD)
+    assert asyncio.run(pool.fetch("a", [11])).fetched == (11,)
+    _answer(pool, ep, [12], base_addr=NEW)
+    r = asyncio.run(pool.fetch("a", [12]))
+    assert r.reasons == {"stale_session": 1} and "could not register this pool's buffer (register_memory(" in (r.error or "")
+    assert pool.counters["read_engine_failed"] == 1 and ep.starts == 1  # type: ignore[attr-defined]
+    clock.t += 10
+    r = asyncio.run(pool.fetch("a", [12]))
+    assert r.fetched == (12,) and r.error is None, r.error
+    assert ep.starts == 1 and ep.reads[-1][0] == "e1"  # type: ignore[attr-defined]  # the same engine, registered now
+    assert pool._readers[1].endpoint.registered == [pool.buffer.base_addr]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_a_bad_read_engine_retry_is_refused(bad):
+    with pytest.raises(ValueError, match="read_engine_retry_s"):
+        HostKvPool("b", None, num_slots=4, slot_bytes=SB, endpoint=_Endpoint(), read_engine_retry_s=bad)  # type: ignore[arg-type]
 
 
 def test_max_read_engines_below_one_is_refused():
