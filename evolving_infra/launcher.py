@@ -1344,6 +1344,7 @@ async def _demo(args: argparse.Namespace) -> int:
         "wall_s": time.monotonic() - wall0,
         "replay_wall_s": result.wall_s,
         "branch_end_failures": result.branch_end_failures,
+        "branch_ends_cancelled": result.branch_ends_cancelled,
         "notes": notes,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

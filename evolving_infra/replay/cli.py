@@ -190,6 +190,8 @@ async def _replay(args: argparse.Namespace) -> int:
         "warmup_s": 0.0,  # every request is measured
         "seed": args.seed,
         "max_retries": args.max_retries,
+        "branch_end_failures": result.branch_end_failures,
+        "branch_ends_cancelled": result.branch_ends_cancelled,
         "wall_s": time.monotonic() - wall0,
         "notes": list(trace.header.meta.get("notes", []) or []),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

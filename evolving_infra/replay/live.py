@@ -80,7 +80,11 @@ class ReplayResult:
     interrupted: bool = False
     """The run was stopped (``stop`` set: SIGINT / SIGTERM) before the trace was done."""
     in_flight_at_stop: int = 0
-    """Requests sent and cancelled unanswered at the stop (not in ``records``); branch ends cancelled are not counted."""
+    """Requests sent and cancelled unanswered at the stop (not in ``records``); branch ends are counted apart."""
+    branch_ends_cancelled: int = 0
+    """Branch ends (``POST /v1/branches/{id}/end``) in flight at the stop, cancelled unanswered: the router may not
+    have ended those branches (it ends an idle branch at its expiry). Neither failed (``branch_end_failures``) nor in
+    ``in_flight_at_stop``; 0 without a stop."""
 
 
 class RecordAppender:
@@ -215,7 +219,7 @@ class LiveReplayer:
         Args:
             stop: when set, no new request is sent and the ones in flight are cancelled
                 (not recorded; counted in ``in_flight_at_stop``), as are the branch ends in flight, also once every
-                request was answered; the result says ``interrupted``.
+                request was answered (counted in ``branch_ends_cancelled``); the result says ``interrupted``.
             on_record: called with each record as its request completes (e.g. to append it
                 to ``requests.jsonl`` so an interrupted or killed run keeps what it measured).
         """
@@ -291,6 +295,7 @@ class LiveReplayer:
 
             stopped = False
             in_flight = 0
+            ends_cancelled = 0
             try:
                 while not core.done:
                     if stop is not None and stop.is_set():
@@ -331,6 +336,7 @@ class LiveReplayer:
                     stopped = True
                 if stopped:
                     in_flight = sum(1 for t in sends if not t.done())  # requests only, not branch ends
+                    ends_cancelled = sum(1 for t in tasks if t not in sends and not t.done())
                     for t in list(tasks):
                         t.cancel()
                 while tasks:
@@ -353,6 +359,7 @@ class LiveReplayer:
             branch_end_failures=end_failures,
             interrupted=stopped,
             in_flight_at_stop=in_flight,
+            branch_ends_cancelled=ends_cancelled,
         )
 
     def _headers(self, action: SendRequest) -> dict[bytes, bytes]:

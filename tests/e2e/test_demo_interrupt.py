@@ -75,6 +75,8 @@ def test_ctrl_c_during_the_replay_writes_the_partial_report_stops_the_cluster_an
     partial = report["meta"]["partial"]
     assert partial["signal"] == "SIGINT" and partial["service"] is None and partial["clean"] is False, partial
     assert report["meta"]["interrupted"] == {"signal": "SIGINT", "in_flight_cancelled": partial["in_flight_cancelled"]}
+    # the branch ends the stop cancelled unanswered, counted apart from the requests (counted nowhere before)
+    assert isinstance(report["meta"]["branch_ends_cancelled"], int) and report["meta"]["branch_ends_cancelled"] >= 0
     trace = read_trace(demo_trace_path())
     agents = set(list(dict.fromkeys(r.agent for r in trace.requests))[:2])
     total = sum(r.agent in agents for r in trace.requests)

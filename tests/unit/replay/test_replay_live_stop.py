@@ -7,7 +7,9 @@ answer them):
   more branch ends in flight than requests unsent ``demo_partial`` raised (a traceback and no report: the case the
   partial report exists for);
 * once every request is answered, a stop ends the wait for the branch ends at once: it waited up to
-  ``request_timeout_s`` (600 s) for POSTs nobody answers.
+  ``request_timeout_s`` (600 s) for POSTs nobody answers;
+* the branch ends cancelled at the stop are counted (``branch_ends_cancelled``, the report's
+  ``meta.branch_ends_cancelled``): before, they were counted nowhere (neither failed nor in flight).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ async def test_a_branch_end_in_flight_at_the_stop_is_not_counted_as_a_request():
     trace = [_req("r1", "a1:x"), _req("r2", "a1:y", after=["r1"], pause_s=5000.0)]
     res, _ = await _stopped_once_an_end_is_held(trace, ends=1)
     assert (len(res.records), res.in_flight_at_stop, res.interrupted) == (1, 0, True)
+    assert (res.branch_ends_cancelled, res.branch_end_failures) == (1, 0)  # counted apart, not as a failure
     p = demo_partial(ClusterError("x", service="nats-server"), total=2, answered=len(res.records), in_flight=res.in_flight_at_stop)
     assert (p["requests_answered"], p["in_flight_cancelled"], p["requests_not_sent"]) == (1, 0, 1)
 
@@ -82,6 +85,7 @@ async def test_a_request_in_flight_at_the_stop_is_counted_once_besides_the_branc
     res, _ = await _stopped_once_an_end_is_held(trace, ends=2)
     assert sent.is_set()
     assert (sorted(r.id for r in res.records), res.in_flight_at_stop, res.interrupted) == (["r1", "r3"], 1, True)
+    assert res.branch_ends_cancelled == 2
     p = demo_partial(ClusterError("x", service="worker-w0"), total=3, answered=len(res.records), in_flight=res.in_flight_at_stop)
     assert (p["requests_answered"], p["in_flight_cancelled"], p["requests_not_sent"]) == (2, 1, 0)
 
@@ -92,6 +96,7 @@ async def test_a_stop_after_every_request_was_answered_does_not_wait_for_the_bra
     res, waited_s = await _stopped_once_an_end_is_held([_req("r1", "a1:x"), _req("r2", "a2:x")], ends=2)
     assert waited_s < 2.0
     assert (len(res.records), res.in_flight_at_stop, res.interrupted) == (2, 0, True)
+    assert res.branch_ends_cancelled == 2  # counted nowhere before: the report did not say two branches may be open
 
 
 @pytest.mark.parametrize("hold", [False, True])
@@ -110,4 +115,4 @@ async def test_a_replay_never_stopped_still_waits_for_its_branch_ends(hold):
         res = await asyncio.wait_for(run, 10)
     finally:
         await stub.close()
-    assert (len(res.records), res.branch_end_failures, res.interrupted) == (1, 0, False)
+    assert (len(res.records), res.branch_end_failures, res.branch_ends_cancelled, res.interrupted) == (1, 0, 0, False)

@@ -78,6 +78,7 @@ def test_replaying_twice_against_the_same_cluster_is_not_refused(tmp_path, monke
         rc2, second = _replay_cli(url, tmp_path / "b")
         assert (rc1, rc2) == (0, 0), second.get("meta")
         assert first["requests_sent"] == second["requests_sent"] > 0 and second["requests_failed"] == 0
+        assert (first["meta"]["branch_end_failures"], first["meta"]["branch_ends_cancelled"]) == (0, 0)  # not stopped
         p1, p2 = first["meta"]["branch_prefix"], second["meta"]["branch_prefix"]
         assert p1 == first["meta"]["run_id"] + ":" and p2 == second["meta"]["run_id"] + ":" and p1 != p2
         # the file replayed, resolved (report compare's input check); no state file, so no block size known
