@@ -1655,14 +1655,20 @@ class Bus:
             except asyncio.CancelledError as e:  # the caller's: the tasks have ended; close first, then raise it
                 caller_cancel = e
         drain_s = CLOSE_DRAIN_S
-        if self._resend and self.nc.is_connected:
+        if (self._resend or self._held) and self.nc.is_connected:
             # a reconnect's check cancelled above before it published the window again put it back (_after_reconnect):
             # published here, before the drain, so its flush sends it (message ids drop a copy the stream has); while
             # disconnected it stays for a reconnect during the close (reconnected_cb). Bounded with the drain: nats-py's
             # publish only waits when its buffer is full, and the drain gets what is left of CLOSE_DRAIN_S (at least
-            # CLOSE_LOST_GRACE_S). Before, the cancel dropped it (tests/integration/test_bus_close_cancels_reconnect_live.py)
-            resend, self._resend = self._resend, []
-            self.log.warning("resend window published again at the close (its reconnect check was cancelled)", resend=len(resend))
+            # CLOSE_LOST_GRACE_S). Before, the cancel dropped it (tests/integration/test_bus_close_cancels_reconnect_live.py).
+            # What the bus kept since the disconnect (_held: the cancelled check had not found the stream yet) goes with
+            # it, in publish order: a server back without its store got those from nats-py's reconnect buffer before
+            # the stream was made again, or the bus only kept them (_stream_lost). Before, they were dropped with the
+            # check (tests/integration/test_bus_close_held_live.py)
+            held = self._stop_holding()
+            resend, self._resend = self._in_order([*self._resend, *held]), []
+            self.log.warning("resend window and kept publishes published again at the close (its reconnect check was "
+                             "cancelled)", resend=len(resend), held=len(held))  # fmt: skip
             t0 = time.monotonic()
             try:
                 await asyncio.wait_for(self._publish_again(resend), CLOSE_DRAIN_S)
