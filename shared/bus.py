@@ -1712,6 +1712,27 @@ class Bus:
         mux = getattr(self.nc, "_request_sub_callback", None)
         return [s for s in subs if mux is not None and getattr(s, "_cb", None) == mux]
 
+    async def _drain_again(self, sub: Subscription, deadline: float) -> None:
+        """Drain ``sub`` again on the connection nats-py made after a reconnect (:meth:`_drain`), by ``deadline``
+        (monotonic seconds): its UNSUB, then :meth:`flush` (the server has sent every message it routed to ``sub``
+        before that UNSUB), then its queue handled, then nats-py stops and forgets it, as ``Subscription.drain`` does.
+        That one cannot be called again: its first drain, cancelled, marked the subscription closed (nats-py 2.16),
+        though it is still in ``Client._subs`` and nats-py subscribed it again when it reconnected. A subscription
+        nats-py no longer has (its first drain ended as it was cancelled) is done.
+
+        Raises:
+            BusUnavailable: no PONG by ``deadline`` (:meth:`flush`)."""
+        subs = getattr(self.nc, "_subs", None)
+        if isinstance(subs, dict) and subs.get(sub._id) is not sub:
+            return
+        await self.nc._send_unsubscribe(sub._id)
+        await self.flush(timeout_s=max(0.01, deadline - time.monotonic()))
+        queue = getattr(sub, "_pending_queue", None)
+        if queue is not None:
+            await queue.join()
+        sub._stop_processing()
+        self.nc._remove_sub(sub._id)
+
     async def _drain(self, limit_s: float) -> None:
         """Drain the connection before :meth:`close` closes it, for at most ``limit_s`` seconds: every subscription of
         the connection stops taking messages and handles those already received (nats-py ``Subscription.drain``:
@@ -1728,13 +1749,19 @@ class Bus:
         ``CLOSE_LOST_GRACE_S`` with none, it ends: the subscriptions' PINGs are never answered by a server gone for
         good, and waiting out ``limit_s`` held every service's stop 5 s (``test_bus_close_nats_gone_live``).
 
-        A reconnect ends the drains that were sent before it once no handler is running or queued: their
-        subscriptions are unsubscribed, the drains cancelled, and what was published goes out (:meth:`flush`).
-        nats-py forgets the PINGs it waits on when it reconnects (``Client._pongs``, nats-py 2.16), so those drains
-        never end, and the connection is up, so the grace above never starts: NATS restarted during a close that had
-        a handler running held it the whole ``limit_s`` (5.00 s with the handler done at 1.0 s; now about 1.0 s,
-        ``tests/integration/test_bus_close_drain_live.py``). nats-py subscribes them again on the new connection:
-        unsubscribed, a message that reaches one meanwhile is not handled (a handler the close would cut short).
+        A reconnect makes what the drain still waits on again on the new connection: the drains sent before it are
+        cancelled and each subscription drained again (:meth:`_drain_again`: UNSUB, :meth:`flush`, its queue handled),
+        and a final flush begun before it is sent again. nats-py forgets the PINGs it waits on when it reconnects
+        (``Client._pongs``, nats-py 2.16), so those never end, and the connection is up, so the grace above never
+        starts: NATS restarted during a close that had a handler running held it the whole ``limit_s`` (5.00 s with the
+        handler done at 1.0 s; now about 1.0 s, ``tests/integration/test_bus_close_drain_live.py``), and one during
+        the final flush did too (``tests/integration/test_bus_close_flush_reconnect_live.py``: 7.7 s after the
+        reconnect with an 8-s bound; now a PING round trip). nats-py subscribes the draining subscriptions again on
+        the new connection, a queue group's included, so the server routes messages to them again until the new
+        UNSUB: those come before the new drain's PONG and are handled. Before, once no handler was busy, the
+        subscriptions were unsubscribed instead (nats-py drops one at once, its UNSUB follows), and a queue-group
+        request the server had routed to this member meanwhile was dropped on arrival, unanswered
+        (``tests/integration/test_bus_close_queue_reconnect_live.py``: 10 of 20).
 
         The bus drains each subscription in a task it owns, not with nats-py's ``Client.drain``: that one gathers the
         subscriptions' drains with ``asyncio.gather`` inside ``wait_for`` and, cancelled at the bound, leaves the
@@ -1754,19 +1781,30 @@ class Bus:
 
         draining: dict[asyncio.Future[Any], Subscription] = {}
 
-        def drain(batch: list[Subscription]) -> float:
-            """Start draining ``batch``; the time it began (monotonic seconds)."""
+        def drain(batch: list[Subscription], *, again: bool = False) -> list[asyncio.Future[Any]]:
+            """Start draining ``batch`` (``again``: on a new connection, :meth:`_drain_again`); the drains."""
+            started: list[asyncio.Future[Any]] = []
             for sub in batch:
-                draining[asyncio.ensure_future(_drain_subscription(sub))] = sub
-            return time.monotonic()
+                fut = asyncio.ensure_future(self._drain_again(sub, deadline) if again else _drain_subscription(sub))
+                draining[fut] = sub
+                started.append(fut)
+            return started
 
-        async def wait(futs: list[asyncio.Future[Any]], since: float | None = None) -> bool:
-            """Wait for ``futs``: True when all ended, or, when they are drains begun at ``since``, the bus has
-            reconnected since and no handler is busy (the rest unsubscribed and cancelled: no PONG answers their
-            PINGs now). False at the deadline or when the connection has stayed lost with no handler busy for
-            CLOSE_LOST_GRACE_S (logged; counted from the loss itself when the connection was already lost, with no
-            handler busy, as the drain began)."""
+        def drain_again(stuck: list[asyncio.Future[Any]]) -> list[asyncio.Future[Any]]:
+            return drain([draining[f] for f in stuck], again=True)
+
+        def flush_again(_stuck: list[asyncio.Future[Any]]) -> list[asyncio.Future[Any]]:
+            flushing.append(asyncio.ensure_future(self.flush(timeout_s=max(0.01, deadline - time.monotonic()))))
+            return flushing[-1:]
+
+        async def wait(futs: list[asyncio.Future[Any]], again: Callable[[list[asyncio.Future[Any]]], list[asyncio.Future[Any]]]) -> bool:
+            """Wait for ``futs`` (begun now): True when all ended. When the bus reconnects meanwhile, those still
+            running (no PONG answers their PINGs now) are cancelled and ``again(them)`` starts what replaces them on
+            the new connection, waited for in turn. False at the deadline or when the connection has stayed lost with
+            no handler busy for CLOSE_LOST_GRACE_S (logged; counted from the loss itself when the connection was
+            already lost, with no handler busy, as the drain began)."""
             nonlocal quiet_since, first_look
+            since = time.monotonic()
             while True:
                 pending = [f for f in futs if not f.done()]
                 now = time.monotonic()
@@ -1775,14 +1813,13 @@ class Bus:
                 if now >= deadline:
                     return False
                 back = self.reconnected_at
-                if since is not None and back is not None and back >= since and self.nc.is_connected and not _handlers_busy(subs):
-                    self.log.info("nats reconnected during the close's drain; the drains it left unanswered ended",
-                                  subscriptions=len(pending))  # fmt: skip
-                    for f in pending:
-                        with contextlib.suppress(nats.errors.Error):  # closed meanwhile: nothing to take back
-                            await draining[f].unsubscribe()
+                if back is not None and back >= since and self.nc.is_connected:
+                    self.log.info("nats reconnected during the close's drain; what it waited on is done again on the new "
+                                  "connection", waiting=len(pending))  # fmt: skip
                     await cancel_until_done(pending, limit_s=1.0)
-                    return True
+                    since = time.monotonic()
+                    futs = again(pending)
+                    continue
                 if self.nc.is_connected or _handlers_busy(subs):
                     quiet_since = None
                 elif quiet_since is None:
@@ -1797,14 +1834,11 @@ class Bus:
         replies = self._reply_subscriptions(subs)
         flushing: list[asyncio.Future[Any]] = []
         try:
-            since = drain([sub for sub in subs if sub not in replies])
-            ended = await wait(list(draining), since)
+            ended = await wait(drain([sub for sub in subs if sub not in replies]), drain_again)
             if ended and replies:  # the handlers have ended: no request of theirs waits on a reply now
-                since = drain(replies)
-                ended = await wait(list(draining), since)
+                ended = await wait(drain(replies), drain_again)
             if ended and not self.nc.is_closed and deadline > time.monotonic():
-                flushing.append(asyncio.ensure_future(self.flush(timeout_s=deadline - time.monotonic())))
-                await wait(flushing)
+                await wait(flush_again([]), flush_again)
         finally:
             drains = list(draining)
             failed = [f.exception() for f in drains + flushing if f.done() and not f.cancelled() and f.exception()]

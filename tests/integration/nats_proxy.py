@@ -1,0 +1,85 @@
+"""A loopback TCP proxy between one NATS client and a real nats-server, for live tests of what a client does
+when its connection is cut or slow: :meth:`NatsProxy.start` gives the URL to connect to; each client connection is a
+:class:`Link`, whose bytes from the client are recorded (``sent``: which commands went out) and whose bytes from the
+server can be held (``flowing`` cleared: the server's PONGs and messages wait in the proxy) or cut (the client sees
+its connection lost and reconnects through the proxy, a new link, with the server up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+class Link:
+    """One client connection through :class:`NatsProxy`.
+
+    Attributes:
+        sent: every byte the client sent on it, in order.
+        flowing: set while the server's bytes go on to the client; cleared, they wait in the proxy (in order).
+    """
+
+    def __init__(self) -> None:
+        self.sent = bytearray()
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+        self.writers: list[asyncio.StreamWriter] = []
+        self.tasks: list[asyncio.Future[None]] = []
+
+    def cut(self) -> None:
+        """Close both sides: the client sees its connection lost; what the proxy held is dropped."""
+        for w in self.writers:
+            w.close()
+        for t in self.tasks:
+            t.cancel()
+
+
+class NatsProxy:
+    """A loopback TCP proxy to a nats-server listening on 127.0.0.1:``upstream_port``."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.links: list[Link] = []
+        """The client connections so far, oldest first."""
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> str:
+        """Listen on a free loopback port; returns the URL a client connects to (``nats://127.0.0.1:<port>``)."""
+        self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return f"nats://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _accept(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        try:
+            ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:  # the server is down: the client sees a refused connect
+            cw.close()
+            return
+        link = Link()
+        link.writers = [cw, uw]
+
+        async def up() -> None:
+            with contextlib.suppress(OSError):
+                while data := await cr.read(65536):
+                    link.sent += data
+                    uw.write(data)
+                    await uw.drain()
+            uw.close()
+
+        async def down() -> None:
+            with contextlib.suppress(OSError):
+                while data := await ur.read(65536):
+                    await link.flowing.wait()
+                    cw.write(data)
+                    await cw.drain()
+            cw.close()
+
+        link.tasks = [asyncio.ensure_future(up()), asyncio.ensure_future(down())]
+        self.links.append(link)
+
+    async def close(self) -> None:
+        """Cut every link and stop listening."""
+        for link in self.links:
+            link.cut()
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
