@@ -92,7 +92,14 @@ async def test_a_close_that_cancels_the_reconnect_check_publishes_what_the_bus_k
         # the launcher makes the stream again (as `evolving-infra auth stream` would), the bus's check still looking
         maker = await nats.connect(srv.url, connect_timeout=5, max_reconnect_attempts=2)
         try:
-            await maker.jetstream(timeout=5).add_stream(bus._stream_config())
+            for _ in range(100):  # JetStream of a server just restarted may not answer yet ("no responders")
+                try:
+                    await maker.jetstream(timeout=5).add_stream(bus._stream_config())
+                    break
+                except nats.errors.NoRespondersError:
+                    await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("JetStream of the restarted server never answered")
         finally:
             await maker.close()
         assert await _stored(srv.url, subjects) == [], "the buffered publishes reached the new stream: nothing tested"
