@@ -1172,7 +1172,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 async def _demo(args: argparse.Namespace) -> int:
     from evolving_infra.replay.core import Arrival
-    from evolving_infra.replay.cli import PREVIOUS, set_aside_previous_run
+    from evolving_infra.replay.cli import PREVIOUS, OutFolderError, check_previous_run, set_aside_previous_run
     from evolving_infra.replay.live import LiveReplayer, RecordAppender
     from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
     from evolving_infra.report.write import REQUESTS_JSONL, build_report, print_summary, report_line, write_report
@@ -1230,7 +1230,12 @@ async def _demo(args: argparse.Namespace) -> int:
                   "use a profile with more KV memory (the default gb300-glm52) or --engine torch, which scales the "
                   "trace to its node", file=sys.stderr)  # fmt: skip
             return 2
-    out.mkdir(parents=True, exist_ok=True)  # after the checks of _spec: a refused demo leaves no folder
+    try:  # before the cluster starts: an OUT/previous of the user's is never replaced, nor a traceback after the start
+        check_previous_run(out)
+        out.mkdir(parents=True, exist_ok=True)  # after the checks of _spec: a refused demo leaves no folder
+    except (OutFolderError, OSError) as e:
+        print(f"error: --out {out}: {e}", file=sys.stderr)
+        return 2
     if not args.log_dir:  # OUT/logs belongs to this run, as OUT/report.json does: an earlier demo's lines go
         clear_run_logs(log_dir)
     pol: LivePolicy = args.live_policy
@@ -1289,8 +1294,12 @@ async def _demo(args: argparse.Namespace) -> int:
 
         # each answered request's record appended to OUT/requests.jsonl as it completes, as `replay` does: a demo
         # SIGKILLed or OOM-killed keeps them (write_report replaces the file, sorted, at the end); an earlier run's
-        # outputs go to OUT/previous/ first, so they are never read as this run's
-        moved = set_aside_previous_run(out)
+        # outputs (a run's own names only) go to OUT/previous/ first, so they are never read as this run's
+        try:  # checked before the start; a change since (a previous/ made meanwhile) stops the demo here
+            moved = set_aside_previous_run(out)
+        except (OutFolderError, OSError) as e:
+            print(f"error: --out {out}: {e}", file=sys.stderr, flush=True)
+            return 1
         if moved:
             print(f"demo: an earlier run's outputs in {out} moved to {out / PREVIOUS}/ ({', '.join(moved)})", flush=True)
         try:
@@ -1729,7 +1738,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0, log_dir="OUT/logs, whose *.log files a new demo replaces; the NATS credentials the demo generates in it are deleted when it stops",
                       warmup="900 s of simulated time in the demo, --engine torch 240 s", fence_after_s=DEMO_FENCE_S)
-    d.add_argument("--out", default="demo-out", type=folder, help="output directory for report.json, requests.jsonl, plots and report.html (default demo-out)")
+    d.add_argument("--out", default="demo-out", type=folder, help="output directory for report.json, requests.jsonl, plots and report.html (default demo-out); each answered request's record is appended to requests.jsonl as it completes (a killed demo keeps them), and an earlier run's outputs there move to OUT/previous/ once the cluster is ready (an OUT/previous holding other files stops the demo before it starts)")
     d.add_argument("--trace", default=None, help="canonical trace to replay instead of the shipped Claude Code sample (- reads stdin)")
     d.add_argument("--sessions", type=int, default=None, help="sessions (agents) to replay (default 60; --engine torch: 4)")
     d.add_argument("--concurrency", type=int, default=None, help="concurrent agents, closed loop (default 16; --engine torch: 4)")

@@ -4,8 +4,9 @@ Nothing measured is thrown away: each answered request is appended to
 ``OUT/requests.jsonl`` as it completes; SIGINT (Ctrl-C) or SIGTERM stops sending,
 cancels the requests in flight and writes ``OUT/report.json`` from what completed
 (``meta.interrupted``); the report and the final records are replaced atomically.
-An earlier run's outputs in ``OUT`` are moved to ``OUT/previous/`` at the start,
-and every report carries this run's ``meta.run_id``.
+An earlier run's outputs in ``OUT`` (its own names only) are moved to ``OUT/previous/`` at
+the start; an ``OUT/previous`` holding other files is never replaced: the replay stops first with an
+error. Every report carries this run's ``meta.run_id``.
 
 The branch and agent ids sent to the cluster are the trace's prefixed with
 ``<run_id>:`` (``--branch-prefix``; recorded as ``meta.branch_prefix``): the
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import signal
 import sys
 import time
@@ -131,7 +131,11 @@ async def _replay(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    moved = set_aside_previous_run(out)
+    try:  # before any request is sent: a previous/ of the user's is never replaced (nor a traceback for one)
+        moved = set_aside_previous_run(out)
+    except (OutFolderError, OSError) as e:
+        print(f"error: --out {out}: {e}", file=sys.stderr)
+        return 2
     if moved:
         print(f"replay: an earlier run's outputs in {out} moved to {out / PREVIOUS}/ ({', '.join(moved)})", file=sys.stderr)
     run_id = uuid.uuid4().hex[:12]
@@ -490,25 +494,81 @@ DEFAULT_MODEL = "evolving-infra-sim"
 """The model name a sim-engine router serves (``ClusterSpec.model``)."""
 
 PREVIOUS = "previous"
-_OUTPUTS = ("report.json", "requests.jsonl", "report.html")
+_DATA = ("report.json", "requests.jsonl")
+"""What every run writes in ``OUT`` (the records from its first answer on): a folder holding one holds a run."""
+
+
+class OutFolderError(Exception):
+    """``OUT`` cannot take this run without touching files that are not a run's: ``OUT/previous`` is not a folder,
+    or holds something other than a run's outputs (:func:`check_previous_run`). The message is one line naming
+    the path."""
+
+
+def _run_outputs() -> tuple[str, ...]:
+    """The names a run writes in ``OUT``: its report, records, page and every plot it may draw."""
+    from evolving_infra.report.write import REPORT_HTML, RUN_PLOTS
+
+    return (*_DATA, REPORT_HTML, *RUN_PLOTS)
+
+
+def check_previous_run(out: Path) -> list[str]:
+    """The earlier run's outputs in ``out`` that :func:`set_aside_previous_run` would move to ``out/previous/``,
+    touching nothing. Only a run's own names move (``report.json``, ``requests.jsonl``, ``report.html``, the
+    :data:`~evolving_infra.report.write.RUN_PLOTS`), and only when ``out`` holds a ``report.json`` or
+    ``requests.jsonl``: ``--out .`` or ``--out ~`` keeps the user's other files (their own PNGs too) in place.
+
+    Returns:
+        The names to move (empty when ``out`` is absent or holds no run).
+
+    Raises:
+        OutFolderError: ``out`` is not a folder, or ``out/previous`` (which the move replaces) is not a folder or
+            holds anything but plain files of those names (the user's files, or a folder of theirs so named).
+        OSError: ``out`` or ``out/previous`` cannot be read.
+    """
+    if not out.exists():
+        return []
+    if not out.is_dir():
+        raise OutFolderError(f"{out} is not a folder")
+    if not any((out / n).is_file() for n in _DATA):
+        return []
+    own = _run_outputs()
+    names = [n for n in own if (out / n).is_file()]
+    prev = out / PREVIOUS
+    if prev.is_symlink() or (prev.exists() and not prev.is_dir()):
+        raise OutFolderError(f"{prev} is not a folder, and an earlier run's outputs in {out} are moved there: move or "
+                             "remove it, or choose another --out")
+    if prev.is_dir():
+        foreign = sorted(p.name for p in prev.iterdir() if p.name not in own or p.is_symlink() or not p.is_file())
+        if foreign:
+            shown_names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise OutFolderError(f"{prev} holds files that are not a run's outputs ({shown_names}); an earlier run's "
+                                 f"outputs in {out} would replace it there: nothing was changed; move or rename {prev}, "
+                                 "or choose another --out")
+    return names
 
 
 def set_aside_previous_run(out: Path) -> list[str]:
-    """Move an earlier run's outputs (report, records, HTML, PNGs) from ``out`` to ``out/previous/``
-    (replacing an older ``previous``), so they are never read as this run's; creates ``out``.
+    """Move an earlier run's outputs in ``out`` (the names :func:`check_previous_run` gives) to ``out/previous/``,
+    so they are never read as this run's; the run's outputs an older ``previous/`` held are removed first (it
+    holds nothing else: checked). Creates ``out``.
 
     Returns:
         The names moved (empty when ``out`` held no run).
+
+    Raises:
+        OutFolderError: as :func:`check_previous_run`, before anything is moved or removed.
+        OSError: ``out`` cannot be made, or a file cannot be moved or removed.
     """
     out.mkdir(parents=True, exist_ok=True)
-    names = [n for n in _OUTPUTS if (out / n).exists()]
+    names = check_previous_run(out)
     if not names:
         return []
-    names += sorted(p.name for p in out.glob("*.png"))
     prev = out / PREVIOUS
-    if prev.exists():
-        shutil.rmtree(prev)
-    prev.mkdir()
+    if prev.is_dir():
+        for p in prev.iterdir():  # only a run's outputs (check_previous_run)
+            p.unlink()
+    else:
+        prev.mkdir()
     for n in names:
         (out / n).replace(prev / n)
     return names

@@ -1,7 +1,8 @@
 """``demo`` SIGKILLed (or OOM-killed) during its replay keeps the record of every request answered before it: each is
 appended to ``OUT/requests.jsonl`` as it completes, one whole JSON line, as ``replay`` does. Before, the demo wrote
 ``requests.jsonl`` only at its end, so a killed demo left none (every per-request figure lost). An earlier run's
-outputs in ``OUT`` are moved to ``OUT/previous/`` first, never mixed with this run's lines.
+outputs in ``OUT`` (a run's own names only: the user's files stay) are moved to ``OUT/previous/`` first, never
+mixed with this run's lines.
 
 A real cluster (``LocalCluster``: nats-server + every service as its own process, speed-up 25), as a user runs it.
 """
@@ -48,6 +49,10 @@ def test_a_sigkilled_demo_leaves_the_answered_requests_records_each_a_whole_json
     out_dir.mkdir()
     (out_dir / "report.json").write_text('{"earlier": true}\n')  # an earlier run's outputs
     (out_dir / "requests.jsonl").write_text('{"id": "earlier"}\n')
+    (out_dir / "holiday.png").write_text("mine\n")  # the user's own: stays where it is
+    (out_dir / "previous").mkdir()  # an older run's outputs alone: replaced
+    (out_dir / "previous" / "report.json").write_text('{"older": true}\n')
+    (out_dir / "previous" / "ttft_cdf.png").write_text("older\n")
     cmd = [sys.executable, "-m", "evolving_infra.cli", "demo", "--sessions", "2", "--concurrency", "2",
            "--speedup", "25", "--nodes", "1", "--out", str(out_dir)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -88,4 +93,35 @@ def test_a_sigkilled_demo_leaves_the_answered_requests_records_each_a_whole_json
     assert not (out_dir / "report.json").exists()  # the earlier run's, moved aside: never read as this run's
     assert (out_dir / "previous" / "report.json").read_text() == '{"earlier": true}\n'
     assert (out_dir / "previous" / "requests.jsonl").read_text() == '{"id": "earlier"}\n'
+    assert sorted(p.name for p in (out_dir / "previous").iterdir()) == ["report.json", "requests.jsonl"]
+    assert (out_dir / "holiday.png").read_text() == "mine\n"
     assert f"moved to {out_dir / 'previous'}/" in text, text[-3000:]
+
+
+@pytest.mark.parametrize("theirs", ["folder", "file"])
+def test_a_demo_into_a_folder_whose_previous_is_the_users_stops_before_the_cluster_starts(tmp_path, theirs):
+    """``OUT/previous`` holding the user's files (or a plain file of theirs so named) is never replaced: the demo
+    says so in one line and exits 2 before any service starts, every file as it was. Before, the earlier run's
+    outputs replaced it once the cluster was ready (``shutil.rmtree``: the user's files gone; a plain file: a
+    NotADirectoryError traceback with the cluster up)."""
+    state_dir = tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")} | {"EI_STATE_DIR": str(state_dir)}
+    out_dir = tmp_path / "g"
+    out_dir.mkdir()
+    (out_dir / "report.json").write_text('{"earlier": true}\n')  # an earlier run's outputs
+    (out_dir / "holiday.png").write_text("mine\n")
+    prev = out_dir / "previous"
+    if theirs == "folder":
+        prev.mkdir()
+        (prev / "my-notes.txt").write_text("mine\n")
+    else:
+        prev.write_text("mine\n")
+    before = sorted((str(p.relative_to(tmp_path)), p.is_dir()) for p in tmp_path.rglob("*"))
+    cmd = [sys.executable, "-m", "evolving_infra.cli", "demo", "--sessions", "1", "--concurrency", "1",
+           "--speedup", "25", "--nodes", "1", "--out", str(out_dir)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    why = "holds files that are not a run's outputs (my-notes.txt)" if theirs == "folder" else "is not a folder"
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert f"error: --out {out_dir}: {prev} {why}" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "cluster ready" not in proc.stdout, proc.stdout[-2000:]
+    assert sorted((str(p.relative_to(tmp_path)), p.is_dir()) for p in tmp_path.rglob("*")) == before
