@@ -89,10 +89,13 @@ class ReplayResult:
 
 class RecordAppender:
     """Appends each answered request's record to a run's ``requests.jsonl`` as it completes (``LiveReplayer.run``'s
-    ``on_record``): one JSON line per record, the same fields as the final file's, written and flushed to the OS
-    as one ``write`` each, so a run SIGKILLed or OOM-killed keeps every record completed before it (each line whole
-    JSON). The lines are in completion order; the run's final ``write_report`` replaces the file with the same
-    records sorted by ``sent_at``.
+    ``on_record``): one JSON line per record, written and flushed to the OS as one ``write`` each, so a run
+    SIGKILLed or OOM-killed keeps every record completed before it (each line whole JSON). The lines are in
+    completion order; the run's final ``write_report`` replaces the file with the same records sorted by
+    ``sent_at``. A line has the fields the replay measured, not those set after it from every record:
+    ``ideal_cached_tokens`` (``annotate_ideal``: the blocks of every request sent before, and one sent earlier may
+    complete later) and, in ``demo``'s file, ``lost_reuse_cause`` (``annotate_lost_reuse``, from those) are only
+    in the final file (absent from a killed run's lines).
 
     Args:
         path: the file, opened for appending (created if absent).

@@ -87,6 +87,8 @@ def test_a_sigkilled_demo_leaves_the_answered_requests_records_each_a_whole_json
     assert len(lines) >= 2, f"{len(lines)} records after a SIGKILL with 2+ requests answered:\n{text[-3000:]}"
     rows = [json.loads(line) for line in lines]  # each line whole JSON, even the last one written
     assert all(set(r) >= {"id", "agent", "branch", "sent_at", "finished_at", "e2e_s"} for r in rows), rows[0]
+    # set after the replay from every record (the final file's alone): not in the appended lines (RecordAppender)
+    assert not any({"ideal_cached_tokens", "lost_reuse_cause"} & set(r) for r in rows), rows[0]
     assert len({r["id"] for r in rows}) == len(rows) and "earlier" not in {r["id"] for r in rows}
     assert all(r["finished_at"] >= r["sent_at"] for r in rows)
     assert [r.id for r in read_records(records)] == [r["id"] for r in rows]  # the report's reader takes them as they are
