@@ -511,7 +511,8 @@ def test_a_second_sigterm_or_sigint_while_stopping_is_logged_and_the_stop_goes_o
     the script mid-drain (status -15): the planner and the worker step were never stopped, left running without it."""
     text = SBATCH.read_text()
     funcs = []
-    for name in ("log", "tree", "wait_bounded", "stop_worker_step", "stop_all", "again_while_stopping", "on_signal", "gone"):
+    for name in ("log", "tree", "wait_bounded", "stop_worker_step", "stop_all", "stopping_traps", "again_while_stopping",
+                 "on_signal", "gone"):
         func = re.search(rf"^{name}\(\) \{{.*?^\}}\n", text, re.S | re.M) or re.search(rf"^{name}\(\) \{{.*?\}}\n", text, re.M)
         assert func, f"no {name}() in the sbatch"
         funcs.append(func.group(0))
@@ -560,6 +561,67 @@ stop_all 1
         lines = sig_file.read_text().splitlines()
         assert sorted(lines) == ["nats SIGTERM", "planner SIGTERM", "router SIGTERM", "worker-step SIGINT"], lines
         assert lines[0] == "router SIGTERM" and lines[-1] == "nats SIGTERM", lines
+        time.sleep(0.2)
+        with pytest.raises(ProcessLookupError):  # nothing of the job left running
+            os.killpg(proc.pid, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.timeout(120)
+def test_a_sigterm_after_the_failed_line_keeps_the_jobs_failure_status(tmp_path):
+    """The script's own end (its last lines, after its functions): a part ends for good, the script logs its
+    ``FAILED`` line and stops with status 1. A SIGTERM there (a scancel while the line is written; here the ``log``
+    of that line is made to take 2 s) is logged and ignored, and the job still fails (1). Before, the traps of a
+    stop were set only in ``stop_all``: between the FAILED line and it ``on_signal`` was the trap and ran
+    ``stop_all 0``, so the failed job exited 0."""
+    text = SBATCH.read_text()
+    funcs = []
+    for name in ("log", "tree", "wait_bounded", "stop_worker_step", "stop_all", "stopping_traps", "again_while_stopping",
+                 "on_signal", "gone"):
+        func = re.search(rf"^{name}\(\) \{{.*?^\}}\n", text, re.S | re.M) or re.search(rf"^{name}\(\) \{{.*?\}}\n", text, re.M)
+        assert func, f"no {name}() in the sbatch"
+        funcs.append(func.group(0))
+    end = re.search(r"^# until scancel \(the trap\).*\Z", text, re.S | re.M)
+    assert end and "FAILED" in end.group(0), "no job end (until scancel ... FAILED ... stop_all 1) in the sbatch"
+    (tmp_path / "drains.py").write_text(DRAINS)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text("#!/bin/sh\necho RUNNING\n")
+    (bin_dir / "squeue").chmod(0o755)
+    sig_file = tmp_path / "signals"
+    part = f"{sys.executable} {tmp_path / 'drains.py'}"
+    script = "set -uo pipefail\n" + "".join(funcs) + f"""
+RUN={tmp_path} STOP_GRACE=20 SLURM_JOB_ID=4242
+slow_log() {{ log "$@"; case "$*" in FAILED*) sleep 2;; esac; }}  # the FAILED line takes 2 s to write
+PIDS=() NAMES=()
+for n in nats router; do {part} $n {sig_file} 0.2 & PIDS+=($!) NAMES+=($n); done
+{part} worker-step {sig_file} 0.2 &
+WORKER_STEP=$!
+while [ "$(cat {sig_file}.up 2>/dev/null | wc -l)" -lt 3 ]; do sleep 0.05; done  # each handles its stop signal
+sleep 0.3 & PIDS+=($!) NAMES+=(planner)  # ends by itself: the job fails
+trap on_signal TERM INT
+log READY
+""" + end.group(0).replace('log "FAILED', 'slow_log "FAILED')
+    assert "slow_log" in script
+    out = tmp_path / "job.out"
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    proc = subprocess.Popen(["bash", "-c", script], env=env, stdout=out.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while "FAILED: planner ended" not in out.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGTERM)  # while the FAILED line is written, before stop_all 1
+        rc = proc.wait(30)
+        got = out.read_text()
+        assert rc == 1, f"status {rc}:\n{got}"
+        assert "SIGTERM again while stopping: ignored; the stop goes on" in got, got
+        assert got.rstrip().endswith("] stopped"), got
+        lines = sig_file.read_text().splitlines()
+        assert sorted(lines) == ["nats SIGTERM", "router SIGTERM", "worker-step SIGINT"], lines
         time.sleep(0.2)
         with pytest.raises(ProcessLookupError):  # nothing of the job left running
             os.killpg(proc.pid, 0)
