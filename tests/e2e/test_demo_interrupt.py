@@ -75,12 +75,16 @@ def test_ctrl_c_during_the_replay_writes_the_partial_report_stops_the_cluster_an
     partial = report["meta"]["partial"]
     assert partial["signal"] == "SIGINT" and partial["service"] is None and partial["clean"] is False, partial
     assert report["meta"]["interrupted"] == {"signal": "SIGINT", "in_flight_cancelled": partial["in_flight_cancelled"]}
-    # the branch ends the stop cancelled unanswered, counted apart from the requests (counted nowhere before)
-    assert isinstance(report["meta"]["branch_ends_cancelled"], int) and report["meta"]["branch_ends_cancelled"] >= 0
     trace = read_trace(demo_trace_path())
     agents = set(list(dict.fromkeys(r.agent for r in trace.requests))[:2])
     total = sum(r.agent in agents for r in trace.requests)
     rows = [json.loads(line) for line in (out_dir / "requests.jsonl").read_text().splitlines()]
+    # the branch ends the stop cancelled unanswered, counted apart from the requests (counted nowhere before): an end
+    # is sent only once a branch's last request is answered, so at most one per such answered request (how many of
+    # those were still in flight at the stop is a race; the unit tests count exact cases)
+    ends_sent = sum(next(r for r in trace.requests if r.id == row["id"]).ends_branch for row in rows)
+    meta = report["meta"]
+    assert 0 <= meta["branch_ends_cancelled"] <= ends_sent - meta["branch_end_failures"], (meta, ends_sent)
     assert (partial["requests_total"], partial["requests_answered"]) == (total, len(rows)), (partial, total, len(rows))
     assert partial["requests_answered"] + partial["in_flight_cancelled"] + partial["requests_not_sent"] == total, partial
     assert partial["requests_not_sent"] > 0, partial
