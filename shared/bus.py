@@ -532,10 +532,14 @@ class Bus:
                 # here, before the drain sees the reconnect (reconnected_at), so its flush sends it (message ids drop
                 # a copy the stream has); nats-py's close cancels this callback's reconnect task, within the close's
                 # bound. Before (7591e94), nothing was resent: reliable publishes that died unstored in a server
-                # killed just before the close were lost though it came back during the drain
-                resend, bus._resend = bus._resend, []
-                bus.log.warning("nats reconnected during the close; the resend window published again, no stream check",
-                                resend=len(resend))  # fmt: skip
+                # killed just before the close were lost though it came back during the drain. What the bus kept since
+                # a disconnect goes with it, in publish order (the close cancelled the check that would have sent it):
+                # before, what it only kept while the stream was lost (_stream_lost, never sent) was dropped
+                # (tests/integration/test_bus_close_held_live.py)
+                held = bus._stop_holding()
+                resend, bus._resend = bus._in_order([*bus._resend, *held]), []
+                bus.log.warning("nats reconnected during the close; the resend window and kept publishes published "
+                                "again, no stream check", resend=len(resend), held=len(held))  # fmt: skip
                 await bus._publish_again(resend)
                 bus.reconnected_at = time.monotonic()
                 return

@@ -2,7 +2,8 @@
 when its connection is cut or slow: :meth:`NatsProxy.start` gives the URL to connect to; each client connection is a
 :class:`Link`, whose bytes from the client are recorded (``sent``: which commands went out) and whose bytes from the
 server can be held (``flowing`` cleared: the server's PONGs and messages wait in the proxy) or cut (the client sees
-its connection lost and reconnects through the proxy, a new link, with the server up).
+its connection lost and reconnects through the proxy, a new link, with the server up, unless the proxy is
+``refusing``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class NatsProxy:
         self.links: list[Link] = []
         """The client connections so far, oldest first."""
         self.server: asyncio.AbstractServer | None = None
+        self.refusing = False
+        """True: a new client connection is closed at once (the client's connect fails, as to a server down)."""
 
     async def start(self) -> str:
         """Listen on a free loopback port; returns the URL a client connects to (``nats://127.0.0.1:<port>``)."""
@@ -49,6 +52,9 @@ class NatsProxy:
         return f"nats://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     async def _accept(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        if self.refusing:
+            cw.close()
+            return
         try:
             ur, uw = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         except OSError:  # the server is down: the client sees a refused connect

@@ -24,10 +24,12 @@ import msgspec
 import nats
 import pytest
 
+import shared.bus as bus_module
 from shared import messages as m
 from shared.bus import Bus, stream_name
 from shared.natsserver import EmbeddedNatsServer
 from shared.subjects import BRANCH_EVENTS, Subjects
+from tests.integration.nats_proxy import NatsProxy
 from tests.integration.polling import until
 
 HELD = ["down0", "down1", "down2"]
@@ -115,4 +117,72 @@ async def test_a_close_that_cancels_the_reconnect_check_publishes_what_the_bus_k
         if bus is not None and not bus.nc.is_closed:
             with contextlib.suppress(Exception):
                 await bus.nc.close()
+        srv.stop()
+
+
+@pytest.mark.timeout(90)
+async def test_a_reconnect_during_the_close_publishes_what_the_bus_only_kept(monkeypatch):
+    """The reconnect comes during the close (``reconnected_cb``'s close path): what the bus only kept while the
+    stream was lost (:attr:`Bus._stream_lost`: never sent) goes out with the resend window.
+
+    The stream is lost (deleted) and its create refused meanwhile (another stream takes one of its subjects), so the
+    reconnect's check waits for another to make it and three reliable publishes are only kept. The connection is then
+    cut (a loopback proxy the test controls, refusing the reconnects), the service stops while it is down (a handler
+    busy keeps the close's drain going), the launcher makes the stream, and the bus reconnects during the close.
+    Before, that path published only the resend window again (cut to 0.2 s here, so the kept ones are older than it):
+    the kept publishes were dropped with the cancelled check though the stream was back."""
+    monkeypatch.setattr(bus_module, "RESEND_WINDOW_S", 0.2)
+    srv = EmbeddedNatsServer(jetstream=True).start()
+    proxy = NatsProxy(srv.port)  # type: ignore[arg-type]
+    subjects = Subjects("p0")
+    bus = obs = None
+    try:
+        bus = await Bus.connect(await proxy.start(), subjects, service="router", instance="router")
+        await bus.ensure_stream()
+        assert bus.jetstream
+        obs = await nats.connect(srv.url, connect_timeout=5, max_reconnect_attempts=2)
+        js = obs.jetstream(timeout=5)
+        await js.delete_stream(stream_name(subjects))  # the stream is lost ...
+        await js.add_stream(name="BLOCK", subjects=[subjects.wildcard(BRANCH_EVENTS)])  # ... and cannot be made again
+        proxy.links[-1].cut()  # a reconnect: its check finds the stream lost and waits for it, keeping publishes
+        await until(lambda: bus._stream_lost, what="the reconnect's check to find the stream lost")
+        for branch in HELD:  # only kept: sent once the stream is back
+            await bus.publish(BRANCH_EVENTS, m.BranchEnd(branch_id=branch))
+        assert len(bus._held) == len(HELD) and bus._held_unsent
+        await asyncio.sleep(0.3)  # older than the resend window the next disconnect takes
+
+        finish = asyncio.Event()
+        busy = asyncio.Event()
+
+        async def slow(_msg: nats.aio.msg.Msg) -> None:  # keeps the close's drain going until the bus is back
+            busy.set()
+            await asyncio.wait_for(finish.wait(), 20.0)
+
+        await bus.nc.subscribe("test.held.busy", cb=slow)
+        await bus.flush()
+        await obs.publish("test.held.busy", b"1")
+        await asyncio.wait_for(busy.wait(), 10.0)
+        proxy.refusing = True
+        proxy.links[-1].cut()
+        await until(lambda: bus.counters["nats.disconnects"] == 2, what="the bus to see its connection cut")
+        closing = asyncio.ensure_future(bus.close())
+        await until(lambda: bus._closing and not bus._tasks, what="the close to cancel the reconnect's check")
+        await js.delete_stream("BLOCK")  # the launcher makes the stream again
+        await js.add_stream(bus._stream_config())
+        proxy.refusing = False
+        await until(lambda: bus.counters["nats.reconnects"] == 2, what="the bus to reconnect during the close")
+        finish.set()
+        await asyncio.wait_for(closing, 15.0)
+        assert bus.nc.is_closed
+        ids = await _stored(srv.url, subjects)
+        assert ids == HELD, (
+            f"stored {ids}; the publishes only kept while the stream was lost were dropped at the close "
+            f"(resent {bus.counters['resent']})"
+        )
+    finally:
+        for nc in ([bus.nc] if bus is not None else []) + ([obs] if obs is not None else []):
+            if not nc.is_closed:
+                with contextlib.suppress(Exception):
+                    await nc.close()
+        await proxy.close()
         srv.stop()
