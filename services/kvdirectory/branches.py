@@ -1642,27 +1642,31 @@ class _CountRuns:
                 prev = None
                 i += 1
                 continue
-            o = i - r.depth
             keys = r.keys
-            if not 0 <= o < len(keys) or keys[o] != h:
-                self._take_back(n, path, a, i, k, step, refused)
-                raise ValueError(f"block {h} at path position {i} lies elsewhere in a counted run: paths are not chains")
-            L = len(keys) - o
-            if L > k - i:
-                L = k - i
-            if keys[o + L - 1] != path[i + L - 1]:  # the path leaves the run (a fork): where, by bisection
-                lo, hi = 1, L - 1  # keys[o] agrees, keys[o + L - 1] does not (chains: agreement is a head)
-                while lo < hi:
-                    mid = (lo + hi) >> 1
-                    if keys[o + mid] == path[i + mid]:
-                        lo = mid + 1
-                    else:
-                        hi = mid
-                L = lo
-            if o:
-                r = self.split(r, o)[1]
-            if len(r.keys) > L:
-                r = self.split(r, L)[0]
+            L = len(keys)
+            if r.depth != i or L > k - i or keys[0] != h or keys[-1] != path[i + L - 1]:
+                # not the usual step (the whole run, starting at i, the path going through it): find
+                # where the slice and the path keep to it, and cut it there
+                o = i - r.depth
+                if not 0 <= o < L or keys[o] != h:
+                    self._take_back(n, path, a, i, k, step, refused)
+                    raise ValueError(f"block {h} at path position {i} lies elsewhere in a counted run: paths are not chains")
+                L -= o
+                if L > k - i:
+                    L = k - i
+                if keys[o + L - 1] != path[i + L - 1]:  # the path leaves the run (a fork): where, by bisection
+                    lo, hi = 1, L - 1  # keys[o] agrees, keys[o + L - 1] does not (chains: agreement is a head)
+                    while lo < hi:
+                        mid = (lo + hi) >> 1
+                        if keys[o + mid] == path[i + mid]:
+                            lo = mid + 1
+                        else:
+                            hi = mid
+                    L = lo
+                if o:
+                    r = self.split(r, o)[1]
+                if len(r.keys) > L:
+                    r = self.split(r, L)[0]
             cnt = r.cnt
             old = cnt.get(n, 0)
             new = old + step
