@@ -531,6 +531,8 @@ class ClusterSim:
         self.directory.branches.chain_depths = self.track_branches  # the chains of count messages (_flush_counts)
         for n in names:
             self.nodes[n].kv_id = self.directory.node_id(n)
+        self._n_decode = sum(n.phase == "decode" for n in self.nodes.values())
+        """Nodes serving decode only (their counted blocks are not sampled per request; kept by :meth:`_serve`)."""
         self._by_kv_id = sorted(self.nodes.values(), key=lambda n: n.kv_id)
         """The nodes by directory id (``_Node.kv_id``: 0, 1, … in ``names``' order)."""
         ropts: dict[str, Any] = {"profile": self.profile, "block_size": self.bs, "seed": cfg.seed}
@@ -726,17 +728,17 @@ class ClusterSim:
             directory.expire(t)
             self._flush_counts()
         st = self.stats
-        tot = k = 0
-        # the KV active branches reference per prefill node (node ids registered in self.nodes' order)
-        for n, c in zip(self.nodes.values(), directory.counted_blocks_all()):
-            if n.phase != "decode":
-                tot += c
-                k += 1
-                if c > st.counted_max:
-                    st.counted_max = c
-        if k:
+        # the KV active branches reference per prefill node (node ids registered in self.nodes' order):
+        # their sum and maximum in C (a Python step per node cost ~0.35% of a 600-s run's instructions)
+        counts = directory.counted_blocks_all()
+        if self._n_decode:
+            counts = [c for n, c in zip(self.nodes.values(), counts) if n.phase != "decode"]
+        if counts:
+            m = max(counts)
+            if m > st.counted_max:
+                st.counted_max = m
             st.counted_samples += 1
-            st.counted_sum += tot / k
+            st.counted_sum += sum(counts) / len(counts)
         rr = RouteRequest(  # positional, in field order (one per request)
             req.id,  # rid
             req.input_tokens,  # prompt_tokens
@@ -1456,6 +1458,7 @@ class ClusterSim:
         )
         n.sched.set_phase(new, t)
         n.phase = new
+        self._n_decode = sum(m.phase == "decode" for m in self.nodes.values())
         n.status = SERVING
         n.target = None
         n.dirty = True

@@ -269,3 +269,34 @@ def test_the_prompt_part_of_the_ingress_is_served_in_send_order():
     assert recs["long-r0"].sent_at == recs["short-r0"].sent_at == 0.0
     assert decided["long-r0"] == pytest.approx(0.001 * n_long + 0.01)
     assert decided["short-r0"] == pytest.approx(0.001 * (n_long + n_short) + 0.01)  # waited for the long prompt
+
+
+def test_counted_kv_samples_only_prefill_nodes_across_a_switch():
+    """``SimStats.counted_*``: at every send, the counted blocks of the nodes not serving decode only
+    (their sum over their number, their maximum), as the phases stand then: collocated at first (every
+    node sampled), then w0 serves decode (left out from its switch on)."""
+    reqs = small_trace(12, 8, pause=0.3)
+    cfg = SimConfig(nodes=3, profile="tiny", policy="static:collocated", switch_mode="inplace", concurrency=12,
+                    forced_switches=(ForcedSwitch(0.3, "w0", "decode"),))
+    sim, _ = build(cfg, reqs)
+    seen: list[tuple[list[str], list[int]]] = []
+    orig = sim.directory.counted_blocks_all
+
+    def spy() -> list[int]:
+        out = orig()
+        seen.append(([n.phase for n in sim.nodes.values()], list(out)))
+        return out
+
+    sim.directory.counted_blocks_all = spy  # type: ignore[method-assign]
+    st = sim.run_to_end().stats
+    samples, total, top = 0, 0.0, 0
+    for phases, counts in seen:
+        own = [c for p, c in zip(phases, counts) if p != "decode"]
+        if own:
+            samples += 1
+            total += sum(own) / len(own)
+            top = max(top, *own)
+    decode_sets = {tuple(p == "decode" for p in phases) for phases, _ in seen}
+    assert len(decode_sets) == 2, "samples were taken under both splits"
+    assert any(c for p, counts in seen for c, ph in zip(counts, p) if ph == "decode"), "a decode node's count is left out"
+    assert top > 0 and (st.counted_samples, st.counted_sum, st.counted_max) == (samples, total, top)
