@@ -888,7 +888,8 @@ class TtftPredictor:
         priced work (:meth:`_priced`) made once per distinct own prefix: a node's work depends
         only on the decision's lookup and on its own prefix ``(local, gpu)``, unless a source
         range is the node's own (most candidates hold the same shared prefix, e.g. a system
-        prompt). Property-tested equal."""
+        prompt), and computed in the loop (:func:`_node_work` then :meth:`_priced`, inlined).
+        Property-tested equal."""
         names = [n.node for n in candidates]
         priced: list[tuple[Any, ...]] = []
         append = priced.append
@@ -903,13 +904,45 @@ class TtftPredictor:
         cap = ((t_in - 1) // bs) * bs
         longest_t = lookup.longest_any * bs
         f_min = self._fetch_min
+        f_base, f_per, kappa = self._fetch_base, self._fetch_per_token, self.kappa
         memo: dict[tuple[int, int], tuple[Any, ...]] = {}
         for node in names:
             key = prefixes.get(node, _NO_PREFIX)
-            w: tuple[Any, ...] | None = None if node in src_nodes else memo.get(key)
+            src = node in src_nodes
+            w: tuple[Any, ...] | None = None if src else memo.get(key)
             if w is None:
-                w = self._priced(*_node_work(node, key, srcs, t_in, bs, cap, longest_t, f_min))
-                if node not in src_nodes:
+                # self._priced(*_node_work(node, key, srcs, t_in, bs, cap, longest_t, f_min)) inlined:
+                # the same operations in the same order, without two calls and a tuple per distinct
+                # prefix (test_one_pass_scoring_equals_works_then_score holds it to that pair)
+                local, gpu = key
+                xb = 0
+                for sn, a, b in srcs:
+                    if b <= local or sn == node:
+                        continue
+                    xb += b - (a if a > local else local)
+                t_c = longest_t
+                x = xb * bs
+                local_t = local * bs
+                own = local_t if local_t < cap else cap
+                if t_c > cap:
+                    t_c = cap
+                    if x > t_c - own:
+                        x = t_c - own
+                if x < f_min:
+                    t_c, x = own, 0
+                g = gpu * bs
+                t_uc = t_in - t_c
+                w = (
+                    t_uc,
+                    t_c,
+                    t_c - (g if g < t_c else t_c),  # t_rst
+                    x,
+                    local_t,
+                    f_base + f_per * x if (x > 0 and x >= f_min) else 0.0,  # τ
+                    t_uc * t_c + t_uc * (t_uc + 1) / 2.0,  # qk_pairs(t_uc, t_c)
+                    kappa * x,  # copy price
+                )
+                if not src:
                     memo[key] = w
             append(w)
         return self._rows(names, priced, now)
@@ -1132,8 +1165,8 @@ def _node_work(
     cached prefix anywhere (tokens) and ``min_fetch`` = the smallest fetch worth it (tokens).
     ``fetch_plan``'s rule: ranges of other nodes beyond the own prefix are fetched (``x``), unless
     under ``min_fetch``; the engine computes at least one token, so the prefix's tail past ``cap`` is
-    recomputed; ``t_rst`` = the cached tokens restored from L2. Shared by :meth:`TtftPredictor._works`
-    and :meth:`TtftPredictor._score_all` (once per distinct prefix there)."""
+    recomputed; ``t_rst`` = the cached tokens restored from L2. Used by :meth:`TtftPredictor._works`;
+    :meth:`TtftPredictor._score_all` runs the same steps inline, once per distinct prefix (tested equal)."""
     local, gpu = prefix
     xb = 0
     for sn, a, b in srcs:
