@@ -645,9 +645,12 @@ class Bus:
         stream is unconfirmed (:meth:`_stream_unconfirmed`) until the reconnect's check found it."""
         self.counters["nats.disconnects"] += 1
         # the last RESEND_WINDOW_S may have died unstored: published again on reconnect (the window is
-        # cut here too, not only on publish: after a quiet spell _recent still holds older messages)
+        # cut here too, not only on publish: after a quiet spell _recent still holds older messages). Merged with what
+        # no check took yet: a reconnect cut during nats-py's own flush, before reconnected_cb, started none, and a
+        # check a disconnect outlived put its window back (_after_reconnect). Before, it was replaced: after an outage
+        # longer than RESEND_WINDOW_S the first one's window was lost (tests/integration/test_bus_resend_reconnect_live.py)
         self._trim_recent(time.monotonic())
-        self._resend = list(self._recent)
+        self._put_back([*self._resend, *self._recent])
         # until the stream is known to be there after the reconnect, keep what is published (nats-py's reconnect
         # buffer flushes it into a server that may have come back without its store, where it goes nowhere)
         self._holding = self._holding or self.jetstream
@@ -659,8 +662,8 @@ class Bus:
         resume consumers whose stream came back shorter or new.
 
         A check that a later disconnect outlived (its lookup answered after the connection dropped again) leaves all
-        that to the next reconnect's check, as one a later reconnect took over: it keeps holding (what it would
-        publish again is kept too), sends nothing and resumes no consumer. Before, it stopped holding and published into nats-py's
+        that to the next reconnect's check: it keeps holding, puts its window back in :attr:`_resend` (the next check
+        takes it), sends nothing and resumes no consumer. Before, it stopped holding and published into nats-py's
         reconnect buffer, and so did every reliable publish for the rest of that outage, unkept: the buffer is
         flushed into the next server before its check, and one back without its store lost them
         (:meth:`_wait_over` keeps :attr:`stream_waiting` by the same test).
@@ -676,11 +679,15 @@ class Bus:
             info = await self._stream_after_reconnect(go_on) if self.jetstream else None
             # a disconnect since the latest check began (this one while go_on()): its answer may be the old server's
             outlived = self._js_disconnects != self._check_disconnects
-            if not go_on() or outlived:  # a later reconnect took over, or will: its check ends the holding
+            if outlived:  # disconnected: nothing sent (nats-py's reconnect buffer), the consumers left to the next check
+                # which takes the window with the next disconnect's (:meth:`_disconnected` merges them). Before, it went
+                # to _held, which that check, finding the same stream, dropped as sent: the window was never published
+                # again (tests/integration/test_bus_resend_reconnect_live.py)
+                self._put_back([*resend, *self._resend])
+                return
+            if not go_on():  # a later reconnect took over: its check ends the holding
                 for r in (resend if self._holding else ()):
                     self._hold(r)
-                if outlived:  # disconnected: nothing sent (nats-py's reconnect buffer), the consumers left to that check
-                    return
             elif info is not None and self._stream_created is not None and info.created is not None and info.created != self._stream_created:
                 # a new stream (the server came back without its store): what was published since the disconnect, before
                 # the stream was there, went nowhere: published again, in order, with the window (ids drop any copy).
@@ -707,7 +714,7 @@ class Bus:
                     # them. Before, they were dropped here (ids drop a copy of any the stream has)
                     resend = self._in_order([*resend, *held])
         except asyncio.CancelledError:
-            self._resend = self._in_order([*resend, *self._resend])
+            self._put_back([*resend, *self._resend])
             raise
         await self._publish_again(resend)
         if info is None:
@@ -724,6 +731,19 @@ class Bus:
             pos.rewind(last)
             jsi._sseq = last
             await jsi.reset_ordered_consumer(last + 1)
+
+    def _put_back(self, entries: list[tuple[float, str, bytes, dict[str, str]]]) -> None:
+        """Make ``entries`` (reliable publishes ``(monotonic s, subject, payload, headers)``) the resend window the next
+        reconnect's check (or the close) publishes again: once each, in publish order, at most ``RESEND_MAX_MSGS`` (the
+        oldest dropped, counted ``resend_dropped``: windows of many disconnects that no check took, a flapping link)."""
+        resend = self._in_order(entries)
+        excess = len(resend) - RESEND_MAX_MSGS
+        if excess > 0:
+            del resend[:excess]
+            self.counters["resend_dropped"] += excess
+            self.droplog.event("resend", "reliable publishes dropped from the resend window: too many kept over "
+                               "reconnects", dropped=excess, kept=len(resend))  # fmt: skip
+        self._resend = resend
 
     async def _publish_again(self, resend: list[tuple[float, str, bytes, dict[str, str]]]) -> None:
         """Publish ``resend`` (reliable publishes ``(monotonic s, subject, payload, headers)``, in order) again after a

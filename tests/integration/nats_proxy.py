@@ -18,12 +18,21 @@ class Link:
     Attributes:
         sent: every byte the client sent on it, in order.
         flowing: set while the server's bytes go on to the client; cleared, they wait in the proxy (in order).
+        forward_up: True while the client's bytes go on to the server; False, they are recorded (``sent``) and dropped,
+            as a server killed under the client drops what its socket buffered.
+        hold_after_pongs: None, or a count of the server's PONGs after which ``flowing`` is cleared (before the next
+            bytes from the server go on), e.g. 1: a reconnect's CONNECT is answered, its flush's PING is not (to let
+            them go on: set it to None, then set ``flowing``).
+        pongs: the server's PONGs passed on to the client so far.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hold_after_pongs: int | None = None) -> None:
         self.sent = bytearray()
         self.flowing = asyncio.Event()
         self.flowing.set()
+        self.forward_up = True
+        self.hold_after_pongs = hold_after_pongs
+        self.pongs = 0
         self.writers: list[asyncio.StreamWriter] = []
         self.tasks: list[asyncio.Future[None]] = []
 
@@ -45,6 +54,8 @@ class NatsProxy:
         self.server: asyncio.AbstractServer | None = None
         self.refusing = False
         """True: a new client connection is closed at once (the client's connect fails, as to a server down)."""
+        self.next_hold_after_pongs: int | None = None
+        """Given to the next client connection as its :attr:`Link.hold_after_pongs` (then None again)."""
 
     async def start(self) -> str:
         """Listen on a free loopback port; returns the URL a client connects to (``nats://127.0.0.1:<port>``)."""
@@ -60,21 +71,26 @@ class NatsProxy:
         except OSError:  # the server is down: the client sees a refused connect
             cw.close()
             return
-        link = Link()
+        link = Link(self.next_hold_after_pongs)
+        self.next_hold_after_pongs = None
         link.writers = [cw, uw]
 
         async def up() -> None:
             with contextlib.suppress(OSError):
                 while data := await cr.read(65536):
                     link.sent += data
-                    uw.write(data)
-                    await uw.drain()
+                    if link.forward_up:
+                        uw.write(data)
+                        await uw.drain()
             uw.close()
 
         async def down() -> None:
             with contextlib.suppress(OSError):
                 while data := await ur.read(65536):
+                    if link.hold_after_pongs is not None and link.pongs >= link.hold_after_pongs:
+                        link.flowing.clear()
                     await link.flowing.wait()
+                    link.pongs += data.count(b"PONG\r\n")
                     cw.write(data)
                     await cw.drain()
             cw.close()
