@@ -693,7 +693,8 @@ class LocalCluster:
                 raise ClusterError(f"nats_auth must be nkeys, password or off, not {s.nats_auth!r}")
             self.creds = generate(self.log_dir / "nats-creds", instances, partition=s.partition, mode=s.nats_auth)  # type: ignore[arg-type]
         if not s.nats_url:
-            self.nats = EmbeddedNatsServer(auth_block=self.creds.server_block if self.creds else "").start()
+            # its own log (failed logins, permission violations) and config (whose key is whose) are kept beside the services'
+            self.nats = EmbeddedNatsServer(auth_block=self.creds.server_block if self.creds else "", log_dir=self.log_dir).start()
             self.nats_url = self.nats.url
             if self.creds:
                 log.info("embedded NATS with per-service credentials", mode=s.nats_auth, creds=str(self.creds.directory))

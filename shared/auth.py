@@ -323,6 +323,8 @@ def generate(
     Returns:
         The credential files and the server's ``authorization`` block: nkey public keys, or the
         passwords' bcrypt hashes (:func:`bcrypt_hash`); the clear passwords are only in the 0600 files.
+        Each user entry is preceded by a ``# identity: <name>`` comment line: the server's log names an nkey
+        client by its public key only (``$G/nkey:U...``), and the comment says whose key that is.
 
     Raises:
         AuthError: a name of no known kind or not one subject token, a partition not one token, or
@@ -346,12 +348,12 @@ def generate(
             seed, public = new_nkey_seed()
             path = d / f"{name}.nk"
             write_private(path, seed + b"\n")
-            users.append(f'  {{ nkey: "{public}", {body} }}')
+            users.append(f'  # identity: {name}\n  {{ nkey: "{public}", {body} }}')
         else:
             password = secrets.token_hex(32)
             path = d / f"{name}.pass"
             write_private(path, f"{name}:{password}\n".encode())
-            users.append(f'  {{ user: "{name}", password: "{bcrypt_hash(password)}", {body} }}')
+            users.append(f'  # identity: {name}\n  {{ user: "{name}", password: "{bcrypt_hash(password)}", {body} }}')
         creds.files[name] = path
     creds.server_block = "authorization {\n users = [\n" + ",\n".join(users) + "\n ]\n}\n"
     return creds

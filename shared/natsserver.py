@@ -139,11 +139,19 @@ class EmbeddedNatsServer:
         jetstream: enable JetStream (storage in a temp dir, capped).
         startup_timeout_s: wall seconds to wait for the listen line.
         auth_block: an ``authorization { ... }`` config section (``shared.auth``); empty = open.
+        log_dir: folder for the server's own log ``nats.log`` (failed logins "authentication error",
+            "Publish Violation" / "Subscription Violation" lines naming the client's nkey or user) and its
+            config ``nats.conf`` (mode 0600: listen address, limits, the ``authorization`` block: public keys or
+            bcrypt hashes, each user after a ``# identity: <name>`` comment); both are kept at :meth:`stop`,
+            and a restart or a later server appends to the log. None (default): both in the server's temp
+            folder, removed at :meth:`stop` (a restart keeps the old log as ``nats.log.prev``).
     """
 
     def __init__(
-        self, *, jetstream: bool = True, startup_timeout_s: float = 10.0, auth_block: str = "", port: int | None = None
+        self, *, jetstream: bool = True, startup_timeout_s: float = 10.0, auth_block: str = "", port: int | None = None,
+        log_dir: str | Path | None = None,
     ) -> None:
+        self.log_dir = Path(log_dir) if log_dir is not None else None
         self.jetstream = jetstream
         self.auth_block = auth_block
         self.startup_timeout_s = startup_timeout_s
@@ -179,15 +187,27 @@ class EmbeddedNatsServer:
 
         Raises:
             NatsServerError: if the binary is missing, exits early (e.g. the fixed port
-                is taken), or does not report a port within ``startup_timeout_s``.
+                is taken), or does not report a port within ``startup_timeout_s``; ``log_dir``
+                cannot be made or its path has a ``"``, ``\\`` or line break (not quotable in the config).
         """
         binary = find_nats_server()
+        if self.log_dir is not None and any(c in str(self.log_dir.resolve()) for c in '"\\\n\r'):
+            raise NatsServerError(f"nats-server log folder {str(self.log_dir)!r}: a path with a quote, backslash or line break cannot be written in its config")
         if self._tmp is None:
             self._tmp = tempfile.mkdtemp(prefix="ei-nats-")
-        log_file = Path(self._tmp) / "nats.log"
-        if log_file.exists():  # a restart: keep the old log next to the new one
-            log_file.replace(log_file.with_name("nats.log.prev"))
-        conf = Path(self._tmp) / "nats.conf"
+        if self.log_dir is not None:
+            try:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise NatsServerError(f"cannot make the nats-server log folder {self.log_dir}: {e.strerror or e}") from e
+            log_file = self.log_dir.resolve() / "nats.log"
+            conf = self.log_dir.resolve() / "nats.conf"
+        else:
+            log_file = Path(self._tmp) / "nats.log"
+            if log_file.exists():  # a restart: keep the old log next to the new one
+                log_file.replace(log_file.with_name("nats.log.prev"))
+            conf = Path(self._tmp) / "nats.conf"
+        log_from = log_file.stat().st_size if log_file.exists() else 0  # the server appends: read only its own lines
         lines = [
             f"listen: 127.0.0.1:{self.port if self.port else -1}",
             f"max_payload: {MAX_PAYLOAD_BYTES}",
@@ -201,7 +221,10 @@ class EmbeddedNatsServer:
             )
         if self.auth_block:
             lines.append(self.auth_block)
-        conf.write_text("\n".join(lines) + "\n")
+        conf.unlink(missing_ok=True)
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
         self.proc = subprocess.Popen(
             [binary, "-c", str(conf)],
             env=server_env(),
@@ -214,18 +237,35 @@ class EmbeddedNatsServer:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                text = log_file.read_text() if log_file.exists() else ""
+                text = self._read_log(log_file, log_from)
                 if not self.restarts:
                     self._cleanup()
                 raise NatsServerError(f"nats-server {exit_text(self.proc.returncode)}: {text[-2000:]}")
             if log_file.exists():
-                match = _LISTEN.search(log_file.read_text())
+                match = _LISTEN.search(self._read_log(log_file, log_from))
                 if match:
                     self.port = int(match.group(1))
                     return self
             time.sleep(0.01)
         self.stop()
         raise NatsServerError(f"nats-server did not report a port within {self.startup_timeout_s} s")
+
+    @staticmethod
+    def _read_log(path: Path, start: int) -> str:
+        """The log's text from byte ``start`` on ("" when it is not there)."""
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                return f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    @property
+    def log_path(self) -> Path | None:
+        """The server's own log file (None before the first start without ``log_dir``)."""
+        if self.log_dir is not None:
+            return self.log_dir.resolve() / "nats.log"
+        return Path(self._tmp) / "nats.log" if self._tmp else None
 
     def restart(self) -> "EmbeddedNatsServer":
         """Start a server that died (or kill a running one first) on the same port and store.
@@ -243,7 +283,7 @@ class EmbeddedNatsServer:
         return self.start()
 
     def stop(self) -> None:
-        """Terminate the server (SIGTERM, then SIGKILL after 5 s) and remove its temp dir."""
+        """Terminate the server (SIGTERM, then SIGKILL after 5 s) and remove its temp dir (not ``log_dir``)."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
