@@ -149,6 +149,9 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     metrics: bool = False
     """Give every service a Prometheus ``--metrics-port`` (free ports on ``host``; see ``metrics_urls``), and write
     ``<log_dir>/prometheus-targets.json`` (:meth:`LocalCluster.prometheus_targets`)."""
+    metrics_host: str = "127.0.0.1"
+    """With ``metrics``: the address every service's metrics port (``/metrics``, ``/readyz``; no login) binds, passed
+    to each as its ``--metrics-host``; loopback by default whatever ``host`` the router listens on."""
     metrics_base_port: int = 0
     """With ``metrics``: fixed metrics ports, as the Slurm job's: the KV directory on this port, the planner on +1,
     the router on +2, worker ``wN`` on +3+N, and with ``routers`` > 1 router ``router-K`` after the workers, on
@@ -499,13 +502,13 @@ class LocalCluster:
             # itself moments later could be taken in between (it then exited 1 at its start and at every restart)
             port = s.metrics_base_port + self._metrics_index(instance) if s.metrics_base_port else 0
             try:
-                held = listen_socket(s.host, port, backlog=128)
+                held = listen_socket(s.metrics_host, port, backlog=128)
             except OSError as e:
-                raise ClusterError(f"{instance}: cannot listen for metrics on {s.host}:{port}: {e.strerror or e}") from e
+                raise ClusterError(f"{instance}: cannot listen for metrics on {s.metrics_host}:{port}: {e.strerror or e}") from e
             self.metrics_sockets[instance] = held
             port = held.getsockname()[1]
-            self.metrics_urls[instance] = http_url(s.host, port) + "/metrics"
-            extra = ["--metrics-port", str(port), "--metrics-host", s.host, "--metrics-fd", str(held.fileno())]
+            self.metrics_urls[instance] = http_url(s.metrics_host, port) + "/metrics"
+            extra = ["--metrics-port", str(port), "--metrics-host", s.metrics_host, "--metrics-fd", str(held.fileno())]
         return extra + [  # no --nats-url: the URL goes through the environment (_wire_children)
             "--partition",
             s.partition,

@@ -299,9 +299,17 @@ def _add_cluster_args(
     g.add_argument(
         "--metrics",
         action="store_true",
-        help="give every service a Prometheus /metrics port (free ports on --host, listed in the READY line) and write "
+        help="give every service a Prometheus /metrics port (free ports on --metrics-host, listed in the READY line) and write "
         "LOG_DIR/prometheus-targets.json (a Prometheus file_sd list; [] once stopped); the router also serves /metrics "
         "on its HTTP port",
+    )
+    g.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="with --metrics / --metrics-base-port: the address every service's metrics port binds (its /metrics and "
+        "/readyz, served without authentication); default 127.0.0.1 whatever --host is; 0.0.0.0 for a Prometheus on "
+        "another machine (the ready banner warns)",
     )
     g.add_argument(
         "--metrics-base-port",
@@ -639,6 +647,16 @@ def api_keys_line(args: argparse.Namespace) -> str | None:
             f"except the router's public paths ({public})")
 
 
+def metrics_host_line(spec: ClusterSpec) -> str | None:
+    """``up``'s ready-banner warning when the services' metrics ports (``--metrics``) listen on an address other than
+    loopback (``--metrics-host 0.0.0.0``): their ``/metrics`` and ``/readyz`` have no authentication. None when metrics
+    are off or bound to loopback (``up --host 0.0.0.0 --metrics`` bound them on every interface without a word)."""
+    if not spec.metrics or _loopback(spec.metrics_host):
+        return None
+    return (f"metrics ports listen on {spec.metrics_host} with no authentication: anyone who reaches them reads every "
+            "service's /metrics and /readyz (--metrics-host 127.0.0.1, the default, keeps them on this machine)")
+
+
 def _loopback(host: str) -> bool:
     """Whether the bind address ``host`` (an IP address or a name) reaches this machine only: 127.0.0.0/8, ::1,
     ``localhost``. A name that is not ``localhost`` counts as reachable from elsewhere (it is not resolved)."""
@@ -916,6 +934,7 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
         ready_timeout_s=args.ready_timeout,
         metrics=args.metrics or getattr(args, "metrics_base_port", None) is not None,
         metrics_base_port=getattr(args, "metrics_base_port", None) or 0,
+        metrics_host=getattr(args, "metrics_host", "127.0.0.1"),
         tokenizer=args.tokenizer,
         restart=args.restart,
         max_restarts=args.max_restarts,
@@ -997,6 +1016,8 @@ async def _up(args: argparse.Namespace) -> int:
                 print(f"  {line}")
         if keys_line := api_keys_line(args):
             print(f"  {keys_line}")
+        if metrics_line := metrics_host_line(cluster.spec):
+            print(f"  WARNING: {metrics_line}")
         for line in tokenizer_lines(args):
             print(f"  {line}")
         print("READY " + json.dumps(_shown(info)), flush=True)

@@ -99,12 +99,12 @@ def test_no_restart_router_drain_answers_a_new_connection_at_once(tmp_path):
 
 @pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback on this machine")
 def test_up_on_an_ipv6_address_serves_at_a_bracketed_url(tmp_path):
-    """``up --host ::1 --metrics``: the router's socket is bound on the IPv6 loopback, and ``up`` reaches it at
+    """``up --host ::1 --metrics --metrics-host ::1``: the router's socket is bound on the IPv6 loopback, and ``up`` reaches it at
     ``http://[::1]:PORT``; the metrics ports are found on that address too. Before, the URL was ``http://::1:PORT``:
     ``up`` died with a traceback (httpx.InvalidURL: Invalid port ':1:PORT') in its readiness wait, after NATS and
     every service had started; with ``--metrics`` it died sooner, its free-port probe binding ``::1`` on IPv4. The
     router's and the metrics endpoints' "listening" log lines bracket it too."""
-    proc, ready = _up(tmp_path, "--host", "::1", "--metrics")
+    proc, ready = _up(tmp_path, "--host", "::1", "--metrics", "--metrics-host", "::1")  # metrics: 127.0.0.1 by default
     try:
         url = str(ready["router_url"])
         assert url.startswith("http://[::1]:"), url

@@ -225,3 +225,41 @@ def test_a_router_port_inside_the_metrics_range_is_a_usage_error(port, owner, tm
         _spec(args(port))
     for outside in (19649, 19657):  # just below and past the range (2 workers, 2 more routers: 19650..19656)
         assert _spec(args(outside)).port == outside
+
+
+def test_metrics_bind_to_loopback_under_a_public_router_host_unless_metrics_host_says_otherwise(tmp_path, monkeypatch):
+    """``up --host 0.0.0.0 --metrics`` bound every service's /metrics and /readyz on every interface, without a
+    login or a word (``--metrics-host`` was the router's ``--host``; ``up`` had no such flag). Now ``--metrics-host``
+    (default 127.0.0.1) is where they listen, the targets file lists it, and the banner warns when it is public."""
+    from evolving_infra.launcher import metrics_host_line
+
+    monkeypatch.delenv("EI_METRICS_PORT", raising=False)
+    args = build_parser("up").parse_args(["up", "--nodes", "1", "--host", "0.0.0.0", "--metrics", "--log-dir", str(tmp_path)])
+    spec = _spec(args)
+    assert spec.host == "0.0.0.0" and spec.metrics_host == "127.0.0.1"
+    c = LocalCluster(spec)
+    c.log_dir = tmp_path
+    try:
+        children = c._plan_children()
+        for child in children:
+            assert child.argv[child.argv.index("--metrics-host") + 1] == "127.0.0.1", child.argv
+        assert all(s.getsockname()[0] == "127.0.0.1" for s in c.metrics_sockets.values())
+        assert all(u.startswith("http://127.0.0.1:") for u in c.metrics_urls.values())
+        assert metrics_host_line(spec) is None
+    finally:
+        asyncio.run(c.stop())
+    args = build_parser("up").parse_args(["up", "--nodes", "1", "--metrics", "--metrics-host", "0.0.0.0", "--log-dir", str(tmp_path)])
+    spec = _spec(args)
+    c = LocalCluster(spec)
+    c.log_dir = tmp_path
+    try:
+        c._plan_children()
+        assert all(s.getsockname()[0] == "0.0.0.0" for s in c.metrics_sockets.values())
+        host = __import__("socket").gethostname()
+        assert all(t["targets"][0].startswith(f"{host}:") for t in c.prometheus_targets())
+        line = metrics_host_line(spec)
+        assert line and "0.0.0.0" in line and "no authentication" in line and "/readyz" in line
+    finally:
+        asyncio.run(c.stop())
+    spec = _spec(build_parser("up").parse_args(["up", "--metrics-host", "0.0.0.0", "--log-dir", str(tmp_path)]))
+    assert metrics_host_line(spec) is None  # no metrics ports: nothing listens there
