@@ -995,6 +995,16 @@ class LocalCluster:
         raise ServiceStopped(f"{c.name} exited cleanly (code 0){with_others}; log {c.log_path}", service=c.name,
                              log_path=c.log_path, log_tail=self._log_tail(c), reason=f"{c.name} exited cleanly (code 0){with_others}")
 
+    def signal_routers(self, sig: int) -> list[str]:
+        """Send ``sig`` to every router process that runs now (``up``'s key reload: SIGHUP). Returns their names."""
+        sent = []
+        for c in self.children:
+            if is_router(c.name) and c.proc is not None and c.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.send_signal(sig)
+                    sent.append(c.name)
+        return sent
+
     def timeline(self) -> RunTimeline | None:
         """The PD split over time as the workers reported it (``split.applied``)."""
         return self.recorder.timeline() if self.recorder else None

@@ -578,6 +578,42 @@ def router_api_keys(args: argparse.Namespace) -> frozenset[str]:
     return keys
 
 
+def reloadable_keys_file(args: argparse.Namespace) -> str:
+    """The absolute path of the API keys file (``--api-keys-file``, else env ``EI_API_KEYS_FILE``) when it is a regular
+    file, which the routers can read again on a reload (``up``: SIGUSR1, :func:`reload_router_keys`); "" for none, or
+    for a pipe or device (``<(pass show key)``: read once, its keys go to the routers in their environment)."""
+    path = args.api_keys_file or os.environ.get("EI_API_KEYS_FILE", "")
+    if not path:
+        return ""
+    p = Path(path)
+    try:
+        return str(p.resolve()) if p.is_file() else ""  # is_file: after links, a regular file (no pipe, no /dev/fd/N)
+    except OSError:
+        return ""
+
+
+def reload_router_keys(args: argparse.Namespace, cluster: LocalCluster) -> str:
+    """``up``'s SIGUSR1: check the API keys file, then send SIGHUP to every running router, which reads it again
+    (``RouterService.reload_api_keys``: a key taken out is refused from its next request on, one added accepted,
+    requests in flight go on). Returns the line ``up`` prints: how many keys and routers, or why nothing was sent
+    (no keys file to read again: keys from a pipe or ``EI_API_KEYS`` only, or an open router; the file unreadable or
+    holding no key: the routers keep their keys)."""
+    from services.router.ingress import ApiKeyError, load_api_keys
+
+    path = getattr(args, "reloadable_keys_file", "")
+    if not path:
+        why = ("the router is open (no API keys)" if not getattr(args, "router_api_keys", None)
+               else "its keys were read once (a pipe, or EI_API_KEYS): restart up to change them")
+        return f"SIGUSR1: no API keys file to reload: {why}"
+    try:
+        keys = load_api_keys(path, os.environ.get("EI_API_KEYS", ""))
+    except ApiKeyError as e:
+        return f"SIGUSR1: API keys NOT reloaded, the routers keep theirs: {e}"
+    sent = cluster.signal_routers(signal.SIGHUP)
+    return (f"SIGUSR1: API keys reloaded from {path} ({len(keys)} keys): SIGHUP sent to {', '.join(sent) or 'no running router'} "
+            "(each logs 'API keys reloaded'; a router restarted later reads the file at its start)")
+
+
 def routers_line(spec: ClusterSpec) -> str | None:
     """``up``/``demo``'s ready-banner line for ``--routers N`` > 1: the router processes, that they share the one
     port, and what that buys; None for one router."""
@@ -643,8 +679,10 @@ def api_keys_line(args: argparse.Namespace) -> str | None:
     else:
         paths = [q for q in (p.strip() for p in env_paths.split(",")) if q]
         public = (", ".join(paths) or "none") + " from EI_API_KEY_PUBLIC_PATHS"
+    reload = (f"; to rotate, edit {args.reloadable_keys_file} and send up SIGUSR1 (kill -USR1 {os.getpid()})"
+              if getattr(args, "reloadable_keys_file", "") else "")
     return (f"API keys ON ({len(keys)} from {where}): every request needs 'Authorization: Bearer <key>' (401 without one) "
-            f"except the router's public paths ({public})")
+            f"except the router's public paths ({public}){reload}")
 
 
 def metrics_host_line(spec: ClusterSpec) -> str | None:
@@ -873,10 +911,17 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
         kv_liveness_times(os.environ)
     torch_values = _torch_values(args)
     args.router_api_keys = router_api_keys(args)
-    # the keys read here go to the router in its environment: a path to read again broke a pipe
-    # (--api-keys-file <(pass show key): the router got /proc/PID/fd/pipe:[N]), and a file deleted since
-    # failed every router restart; the command line (ps) shows neither keys nor a path
-    router_env = (("EI_API_KEYS", ",".join(sorted(args.router_api_keys))), ("EI_API_KEYS_FILE", "")) if args.router_api_keys else ()
+    args.reloadable_keys_file = reloadable_keys_file(args)
+    # a regular file goes to the router as its path, which it reads again on SIGHUP (up forwards SIGUSR1): keys can be
+    # rotated without a restart. Other keys go in its environment: a path to read again broke a pipe
+    # (--api-keys-file <(pass show key): the router got /proc/PID/fd/pipe:[N]); the command line (ps) shows neither
+    if args.reloadable_keys_file:
+        router_env: tuple[tuple[str, str], ...] = (("EI_API_KEYS_FILE", args.reloadable_keys_file),
+                                                   ("EI_API_KEYS", os.environ.get("EI_API_KEYS", "")))
+    elif args.router_api_keys:
+        router_env = (("EI_API_KEYS", ",".join(sorted(args.router_api_keys))), ("EI_API_KEYS_FILE", ""))
+    else:
+        router_env = ()
     if args.tokenizer != "sim":  # fail here, with the reason, not in every service's log
         from shared.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
 
@@ -979,6 +1024,13 @@ async def _up(args: argparse.Namespace) -> int:
     # SIGHUP (the terminal closed): a clean stop too, unless ignored (`nohup evolving-infra up` keeps running)
     _stop_on_signals(stop)
     cluster = LocalCluster(spec)
+    ready = False
+
+    def on_usr1() -> None:  # a key rotation: the routers read their keys file again
+        print(reload_router_keys(args, cluster) if ready else "SIGUSR1: the cluster is still starting; send it again once ready",
+              flush=True)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, on_usr1)
 
     async def start() -> bool:
         await cluster.start()
@@ -994,6 +1046,7 @@ async def _up(args: argparse.Namespace) -> int:
         cluster.remove_generated_creds()
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ClusterConfigError) else 1  # credentials refused the stream: a configuration error
+    ready = True
     info = cluster.describe()
     write_json(cluster.log_dir / "cluster.json", _shown(info))
     state = _write_state({**info, **_state_fields(cluster.spec)})  # the URL whole: split and tap connect with it (0600)

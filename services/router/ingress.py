@@ -104,6 +104,13 @@ def _digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key if isinstance(key, bytes) else key.encode()).digest()
 
 
+def key_id(key: str | bytes) -> str:
+    """A short name of an API key for logs: the first 8 hex digits of its SHA-256 (``key_id("k1")`` ->
+    ``"9e12b1f7"``-like). Not reversible; the same key gives the same id in every router and every run, so an
+    operator finds a key's lines with ``printf %s KEY | sha256sum | cut -c1-8``."""
+    return _digest(key).hex()[:8]
+
+
 class RepeatedAuthorization(ValueError):
     """A request's ``Authorization`` header is sent more than once with different values."""
 
@@ -152,11 +159,19 @@ class IngressGuard:
                  on_refused: Callable[[Scope, int, str], None] | None = None) -> None:
         self.app = app
         self.on_refused = on_refused
-        self._digests = {_digest(k): f"key{i}" for i, k in enumerate(sorted(keys))}
+        self._digests: dict[bytes, str] = {}
+        self.set_keys(keys)
         self.public = frozenset(public_paths)
         self.max_inflight = max_inflight
         self.inflight: Counter[str] = Counter()
+        """Requests in flight per key, by :func:`key_id`."""
         self.counters = counters if counters is not None else Counter()
+
+    def set_keys(self, keys: Iterable[str]) -> None:
+        """Accept exactly ``keys`` from the next request on (a key reload): a request already let through goes on,
+        and its in-flight count is released under its key's id whether that key is still accepted or not. An empty
+        set turns authentication off; callers that reload refuse one first (:meth:`RouterService.reload_api_keys`)."""
+        self._digests = {_digest(k): key_id(k) for k in keys}
 
     @property
     def enabled(self) -> bool:

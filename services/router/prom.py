@@ -69,6 +69,8 @@ name                                                type       meaning
                                                                were sent to a node (499, nothing dispatched)
 ``ei_router_gate_disconnects_total``                counter    requests whose client closed the connection while their
                                                                big body waited for a parse slot (499)
+``ei_router_api_key_reloads_total{result}``         counter    API key reloads (SIGHUP): ``ok``, or ``failed`` (the keys
+                                                               in use stayed: no keys file, or it is unreadable / empty)
 ==================================================  =========  ==========================================================
 
 ``ei_router_requests_finished_total``: every request the router accepted (placed) counts once
@@ -250,4 +252,11 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
         "ei_router_gate_disconnects",
         "Requests whose client closed the connection while their big body waited for a parse slot (499, never parsed)",
         {(): float(c.get("http.gate_disconnects", 0))},
+    )
+    yield counter_family(
+        "ei_router_api_key_reloads",
+        "API key reloads (SIGHUP; up: SIGUSR1) by result: ok (the file's keys replaced the old ones), failed (no "
+        "--api-keys-file, an open router, or a file unreadable or without a key: the keys in use stayed)",
+        {("ok",): float(c.get("api_keys.reloaded", 0)), ("failed",): float(c.get("api_keys.reload_failed", 0))},
+        ["result"],
     )

@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import re
+import signal
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -94,7 +95,7 @@ from shared.subjects import (
 )
 
 from services.router import api
-from services.router.ingress import RESET_EXTENSION, IngressGuard, guarded_h11, load_api_keys
+from services.router.ingress import RESET_EXTENSION, ApiKeyError, IngressGuard, guarded_h11, key_id, load_api_keys
 from services.router.branches import BranchError, BranchTable
 from services.router.config import LOOKUP_TIMEOUT_HINT, RouterConfig
 from services.router.core import DecodeBinding, NoRoute, RouteDecision, RouterCore
@@ -754,6 +755,8 @@ class RouterService(WatchedService):
             on_refused=self._refused,
         )
         self.api_keys_on = guard.enabled
+        self._sighup = False
+        """A SIGHUP handler (key reload) is installed on the loop (:meth:`_watch_sighup`)."""
         self.ingress = guard
         """The API-key guard (its ``inflight`` per key)."""
         self.app: ASGIApp = _StatusCounter(_RequestIdHeader(_with_cors(guard, cfg)), self.counters)
@@ -863,6 +866,7 @@ class RouterService(WatchedService):
         await self.bus.serve(ROUTE_BIND, self._on_bind, router=self.bus.instance)
         await self.bus.serve(WORK_REQUEUE, self._on_requeue, router=self.bus.instance)
         await self.bus.serve(ROUTE_HELD, self._on_held, router=self.bus.instance)
+        self._watch_sighup()
         self._bg.start(self._fetch_split(), "router-split-get", needed=False)
         self._bg.start(self._fence_loop(), "router-fence")
         self._bg.start(self._bus_probe_loop(), "router-bus-probe")
@@ -1026,6 +1030,43 @@ class RouterService(WatchedService):
                 self.log.warning("idle connection not closed at the drain's end", error=repr(e))
         return closed
 
+    def _watch_sighup(self) -> None:
+        """SIGHUP reloads the API keys (:meth:`reload_api_keys`) from the router's start on, in a process whose main
+        thread runs this loop (``python -m services.router``; a router made inside another program's thread, a
+        test's, leaves the signal alone)."""
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_api_keys)
+            self._sighup = True
+
+    def reload_api_keys(self) -> bool:
+        """Read the API keys again, as at start: ``--api-keys-file`` (env ``EI_API_KEYS_FILE``) and ``EI_API_KEYS`` (this
+        process's environment, which does not change). From the next request on only the keys read are accepted: a
+        key taken out of the file is refused (401), one added is accepted; requests already in flight go on. Logged
+        as ``API keys reloaded`` (how many; each key's :func:`~services.router.ingress.key_id`, never a key) and
+        counted (``ei_router_api_key_reloads_total{result}``).
+
+        Returns:
+            True when the keys were replaced. False (a warning logged, counted as ``failed``; the keys in use stay)
+            when the router has no keys file to read (keys given inline only, or an open router: a reload cannot
+            turn authentication on or off), or the file cannot be read or holds no key.
+        """
+        path = self.cfg.api_keys_file
+        if not path or not self.api_keys_on:
+            self.counters["api_keys.reload_failed"] += 1
+            self.log.warning("API keys not reloaded: " + ("this router has no --api-keys-file (EI_API_KEYS_FILE) to read again"
+                             if self.api_keys_on else "this router is open (no API keys): a reload does not turn keys on"))
+            return False
+        try:
+            keys = load_api_keys(path, self.cfg.api_keys)
+        except ApiKeyError as e:
+            self.counters["api_keys.reload_failed"] += 1
+            self.log.warning("API keys not reloaded; the keys in use stay", error=str(e))
+            return False
+        self.ingress.set_keys(keys)
+        self.counters["api_keys.reloaded"] += 1
+        self.log.info("API keys reloaded", keys=len(keys), key_ids=sorted(key_id(k) for k in keys), file=path)
+        return True
+
     async def stop(self) -> None:
         """Refuse new requests, fail the in-flight ones (aborting them on their nodes), stop HTTP.
 
@@ -1035,6 +1076,10 @@ class RouterService(WatchedService):
         box) and those connections got 503 "router stopping": a SIGTERM of an idle router, 33 of 156 connections
         made until it exited."""
         self._stopping = True
+        if self._sighup:
+            self._sighup = False
+            with contextlib.suppress(RuntimeError):  # the loop is closing
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         if self.cfg.listen_fd >= 0:
             self._stop_accepting()
         self._bg.stopping = True  # the HTTP server's end from here on is no failure

@@ -367,3 +367,45 @@ async def test_a_client_gone_before_dispatch_is_never_dispatched(nats_url, tmp_p
         env.service._prepare_body, env.service._route_new = prepare, route_new
         r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
         assert r.status_code == 200, r.text  # the next client is served
+
+
+async def test_sighup_reloads_the_api_keys_file_and_in_flight_requests_go_on(nats_url, tmp_path):
+    """Keys could not be rotated or revoked without restarting the router (a newcomer's walk: a restarted router kept
+    the keys read at start, and SIGHUP killed it). Now SIGHUP reads ``--api-keys-file`` again: a key taken out is
+    refused from the next request on, one added is accepted, a request in flight under the removed key ends as
+    served; a file that cannot be read (or holds no key) leaves the keys as they were."""
+    import os
+    import signal
+
+    from services.router.ingress import key_id
+    from shared.subjects import WORK_PREFILL, Subjects
+
+    keys = tmp_path / "keys.txt"
+    keys.write_text("k-old\nk-stay\n")
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, api_keys_file=str(keys)) as env:
+        env.cluster.answering.discard("c0")  # the first request stays in flight until the test answers it
+        url = f"http://127.0.0.1:{env.service.port}"
+        async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
+            held = asyncio.create_task(http.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer k-old"}))
+            await _wait_for(lambda: len(env.cluster.works) == 1, what="first request dispatched")
+            assert env.service.ingress.inflight == {key_id("k-old"): 1}
+            keys.write_text("# rotated\nk-new\nk-stay\n")
+            os.kill(os.getpid(), signal.SIGHUP)  # the router's handler (its loop runs in this main thread)
+            await _wait_for(lambda: env.service.counters["api_keys.reloaded"] == 1, what="keys reloaded")
+            assert (await http.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer k-old"})).status_code == 401
+            env.cluster.answering.add("c0")
+            for key in ("k-new", "k-stay"):
+                r = await http.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {key}"})
+                assert r.status_code == 200, (key, r.text)
+            await env.cluster._work(env.cluster.works[0], Subjects("p0").format(WORK_PREFILL, node="c0"))
+            r = await held
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+            await _wait_for(lambda: not env.service.ingress.inflight, what="in-flight released")
+            keys.write_text("# nothing\n")  # no key: refused, the keys in use stay
+            os.kill(os.getpid(), signal.SIGHUP)
+            await _wait_for(lambda: env.service.counters["api_keys.reload_failed"] == 1, what="reload refused")
+            r = await http.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer k-new"})
+            assert r.status_code == 200, r.text
+            metrics = (await http.get("/metrics")).text
+            assert 'ei_router_api_key_reloads_total{result="ok"} 1.0' in metrics
+            assert 'ei_router_api_key_reloads_total{result="failed"} 1.0' in metrics

@@ -76,8 +76,11 @@ def test_api_keys_file_goes_to_the_router(command, tmp_path, monkeypatch):
     keys.write_text("# ops\nk-one\nk-two\n")
     args = build_parser(command).parse_args([command, "--api-keys-file", str(keys), "--log-dir", str(tmp_path)])
     router = {c.name: c for c in LocalCluster(_spec(args))._plan_children()}["router"]
-    assert router.env == {"EI_API_KEYS": "k-one,k-two", "EI_API_KEYS_FILE": ""}
+    # a regular file: its path, which the router reads again on SIGHUP (up's SIGUSR1); never the keys on a command line
+    assert router.env == {"EI_API_KEYS_FILE": str(keys.resolve()), "EI_API_KEYS": ""}
+    assert "k-one" not in " ".join(router.argv)
     assert api_keys_line(args) is not None and api_keys_line(args).startswith(f"API keys ON (2 from --api-keys-file {keys})")
+    assert f"to rotate, edit {keys.resolve()} and send up SIGUSR1" in api_keys_line(args)
     assert "--api-keys-file" not in " ".join(args.live_policy.describe().split())  # not a routing option
 
 
@@ -197,3 +200,49 @@ def test_an_interrupted_demo_names_the_logs_it_keeps(tmp_path, capsys):
         "demo: SIGINT: stopped the cluster (its state file and NATS store removed); no report written; "
         f"logs in {tmp_path / 'demo-out' / 'logs'}"
     )
+
+
+def test_up_sigusr1_checks_the_keys_file_then_sends_sighup_to_each_router(tmp_path, monkeypatch):
+    """Keys could not be rotated under ``up`` without stopping the cluster. ``up``'s SIGUSR1 reads the file (a file
+    without a key: nothing sent, the routers keep theirs) and sends each running router SIGHUP, its key reload."""
+    import signal
+    import subprocess
+    import sys
+
+    from evolving_infra.cluster import _Child
+    from evolving_infra.launcher import reload_router_keys
+
+    monkeypatch.delenv("EI_API_KEYS", raising=False)
+    monkeypatch.delenv("EI_API_KEYS_FILE", raising=False)
+    keys = tmp_path / "keys"
+    keys.write_text("k-one\n")
+    args = build_parser("up").parse_args(["up", "--routers", "2", "--api-keys-file", str(keys), "--log-dir", str(tmp_path)])
+    cluster = LocalCluster(_spec(args))
+    sleepers = {name: _Child(name, [], tmp_path / f"{name}.log") for name in ("router", "router-1", "planner")}
+    for child in sleepers.values():
+        child.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    cluster.children = list(sleepers.values())
+    try:
+        keys.write_text("# emptied by mistake\n")
+        line = reload_router_keys(args, cluster)
+        assert line.startswith("SIGUSR1: API keys NOT reloaded, the routers keep theirs:") and "holds no API key" in line
+        assert all(c.proc.poll() is None for c in sleepers.values())  # type: ignore[union-attr]
+        keys.write_text("k-two\nk-three\n")
+        line = reload_router_keys(args, cluster)
+        assert line.startswith(f"SIGUSR1: API keys reloaded from {keys.resolve()} (2 keys): SIGHUP sent to router, router-1"), line
+        for name in ("router", "router-1"):
+            assert sleepers[name].proc.wait(10) == -signal.SIGHUP  # type: ignore[union-attr]
+        assert sleepers["planner"].proc.poll() is None  # type: ignore[union-attr]
+    finally:
+        for child in sleepers.values():
+            child.proc.kill()  # type: ignore[union-attr]
+            child.proc.wait()  # type: ignore[union-attr]
+    r, w = os.pipe()  # keys from a pipe were read once: nothing to read again
+    os.write(w, b"k-pipe\n")
+    os.close(w)
+    try:
+        piped = build_parser("up").parse_args(["up", "--api-keys-file", f"/dev/fd/{r}", "--log-dir", str(tmp_path)])
+        _spec(piped)
+    finally:
+        os.close(r)
+    assert reload_router_keys(piped, cluster).startswith("SIGUSR1: no API keys file to reload: its keys were read once")
