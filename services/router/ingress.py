@@ -52,6 +52,11 @@ RESET_EXTENSION = "evolving_infra.connection_reset"
 while its response is on (returns True when it did)."""
 
 
+KEY_ID_SCOPE_KEY = "ei.api_key_id"
+"""ASGI scope key under which :class:`IngressGuard` puts the :func:`key_id` of the key a request was let through with
+(absent on an open router and on a public path): the router's ``request accepted`` / ``finished`` lines name it."""
+
+
 class ApiKeyError(ValueError):
     """The API key file cannot be read, or it names no key."""
 
@@ -227,6 +232,7 @@ class IngressGuard:
                 [(b"retry-after", b"1"), (b"connection", b"close")],
             )
             return
+        scope[KEY_ID_SCOPE_KEY] = who
         self.inflight[who] += 1
         try:
             await self.app(scope, receive, closing_send)

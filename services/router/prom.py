@@ -69,6 +69,8 @@ name                                                type       meaning
                                                                were sent to a node (499, nothing dispatched)
 ``ei_router_gate_disconnects_total``                counter    requests whose client closed the connection while their
                                                                big body waited for a parse slot (499)
+``ei_router_http_responses_total{endpoint,code}``   counter    every HTTP response by endpoint (the router's paths, route
+                                                               templates, ``other``) and status: 401s of any path too
 ``ei_router_api_key_reloads_total{result}``         counter    API key reloads (SIGHUP): ``ok``, or ``failed`` (the keys
                                                                in use stayed: no keys file, or it is unreadable / empty)
 ==================================================  =========  ==========================================================
@@ -259,4 +261,11 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
         "--api-keys-file, an open router, or a file unreadable or without a key: the keys in use stayed)",
         {("ok",): float(c.get("api_keys.reloaded", 0)), ("failed",): float(c.get("api_keys.reload_failed", 0))},
         ["result"],
+    )
+    yield counter_family(
+        "ei_router_http_responses",
+        "HTTP responses of every path by endpoint and status code (ei_router_requests_total counts the generation "
+        "paths only): a 401 of GET /v1/models or /version too; endpoint is one of the router's paths, a route template "
+        "(/v1/models/{model}, /v1/branches/{branch_id}/end, /v1/branches/{branch_id}/tool-call), or other",
+        {k: float(v) for k, v in sorted(svc.http_responses.items())}, ["endpoint", "code"],
     )

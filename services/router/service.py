@@ -95,7 +95,7 @@ from shared.subjects import (
 )
 
 from services.router import api
-from services.router.ingress import RESET_EXTENSION, ApiKeyError, IngressGuard, guarded_h11, key_id, load_api_keys
+from services.router.ingress import KEY_ID_SCOPE_KEY, RESET_EXTENSION, ApiKeyError, IngressGuard, guarded_h11, key_id, load_api_keys
 from services.router.branches import BranchError, BranchTable
 from services.router.config import LOOKUP_TIMEOUT_HINT, RouterConfig
 from services.router.core import DecodeBinding, NoRoute, RouteDecision, RouterCore
@@ -330,6 +330,42 @@ def _client_id_fields(rid: str, client_id: str | None, key: str = "client_reques
     return {key: client_id} if client_id is not None and client_id != rid else {}
 
 
+def _peer_fields(scope: Scope) -> dict[str, str]:
+    """Who sent a request, for its log lines: ``client`` (the TCP peer, ``host:port``; absent when the server gives
+    none, e.g. a Unix socket) and ``key`` (the :func:`~services.router.ingress.key_id` of the API key it was let
+    through with; absent on an open router, a public path, or a request refused for its key)."""
+    out: dict[str, str] = {}
+    peer = scope.get("client")
+    if peer:
+        host, port = peer[0], peer[1]
+        out["client"] = f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    if (kid := scope.get(KEY_ID_SCOPE_KEY)) is not None:
+        out["key"] = kid
+    return out
+
+
+HTTP_ENDPOINTS = frozenset({
+    "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/cluster", "/healthz", "/health", "/ping", "/metrics",
+    "/version", "/tokenize", "/detokenize", "/docs", "/openapi.json",
+})  # fmt: skip
+"""Paths counted under their own ``endpoint`` label in ``ei_router_http_responses_total`` (:func:`endpoint_label`)."""
+
+
+def endpoint_label(path: str) -> str:
+    """The bounded ``endpoint`` label of a request path: one of :data:`HTTP_ENDPOINTS`, a route template
+    (``/v1/models/{model}``, ``/v1/branches/{branch_id}/end``, ``/v1/branches/{branch_id}/tool-call``), else ``other``
+    (a client's free-form path never becomes a series of its own)."""
+    if path in HTTP_ENDPOINTS:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    if path.startswith("/v1/branches/"):
+        for tail in ("/end", "/tool-call"):
+            if path.endswith(tail):
+                return "/v1/branches/{branch_id}" + tail
+    return "other"
+
+
 def _hint_fields(hdrs: api.BranchHeaders) -> dict[str, str]:
     """The agent hints of a request for its ``request accepted`` line beside ``branch``: ``kind`` (the
     ``X-Branch-Kind`` sent, ``main`` by default; it counts on the branch's first request only), ``parent`` and
@@ -556,11 +592,13 @@ _GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 class _StatusCounter:
     """ASGI middleware counting responses by status code (``http_status.<code>``; generation
-    requests also under ``requests.<code>``)."""
+    requests also under ``requests.<code>``) and, in ``by_endpoint``, every response by
+    (:func:`endpoint_label`, code): the 401s of ``GET /v1/models``, ``/version`` ... too."""
 
-    def __init__(self, app: ASGIApp, counters: Counter[str]) -> None:
+    def __init__(self, app: ASGIApp, counters: Counter[str], by_endpoint: Counter[tuple[str, str]] | None = None) -> None:
         self.app = app
         self.counters = counters
+        self.by_endpoint: Counter[tuple[str, str]] = by_endpoint if by_endpoint is not None else Counter()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -570,6 +608,7 @@ class _StatusCounter:
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 self.counters[f"http_status.{message['status']}"] += 1
+                self.by_endpoint[(endpoint_label(scope["path"]), str(message["status"]))] += 1
                 if scope["path"] in _GENERATE_PATHS:
                     self.counters[f"requests.{message['status']}"] += 1
             await send(message)
@@ -747,7 +786,7 @@ class RouterService(WatchedService):
         self.port: int | None = None
         app: ASGIApp = self._build_app()
         guard = IngressGuard(
-            _NotFoundLog(app, lambda scope, error: self._log_rejected(request_id_of(scope), 404, error, scope)) if cfg.log_requests else app,
+            _NotFoundLog(app, lambda scope, error: self._log_rejected(request_id_of(scope), 404, error, scope, conn=scope)) if cfg.log_requests else app,
             load_api_keys(cfg.api_keys_file, cfg.api_keys),
             public_paths=cfg.api_key_public_paths,
             max_inflight=cfg.api_key_max_inflight,
@@ -759,7 +798,9 @@ class RouterService(WatchedService):
         """A SIGHUP handler (key reload) is installed on the loop (:meth:`_watch_sighup`)."""
         self.ingress = guard
         """The API-key guard (its ``inflight`` per key)."""
-        self.app: ASGIApp = _StatusCounter(_RequestIdHeader(_with_cors(guard, cfg)), self.counters)
+        self.http_responses: Counter[tuple[str, str]] = Counter()
+        """HTTP responses by (endpoint label, status code): ``ei_router_http_responses_total``."""
+        self.app: ASGIApp = _StatusCounter(_RequestIdHeader(_with_cors(guard, cfg)), self.counters, self.http_responses)
         self._pending: dict[str, _Pending] = {}
         self._unread = 0
         """Output tokens queued for all pending responses, not taken yet (sum of ``_Pending.unread``;
@@ -2809,7 +2850,7 @@ class RouterService(WatchedService):
         ident = request_id_of(scope)  # the response's x-request-id (_RequestIdHeader)
         if scope["path"] not in _GENERATE_PATHS:
             if self.cfg.log_requests:
-                self._log_rejected(ident, status, error, scope)
+                self._log_rejected(ident, status, error, scope, conn=scope)
             return
         if tracing.ENABLED:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
@@ -2819,15 +2860,19 @@ class RouterService(WatchedService):
             span.set_attributes({"ei.rid": ident.rid, **_client_id_fields(ident.rid, ident.client, key="ei.client_request_id")})
             _ReqTrace(span).end(status, error=error)
         if self.cfg.log_requests:
-            self._log_rejected(ident, status, error)
+            self._log_rejected(ident, status, error, conn=scope)
 
-    def _log_rejected(self, ident: _RequestId, status: int, error: str | None, scope: Scope | None = None) -> None:
+    def _log_rejected(self, ident: _RequestId, status: int, error: str | None, scope: Scope | None = None, *,
+                      conn: Scope | None = None) -> None:
         """``--log-requests``' ``request rejected`` line: the rid of ``ident``, the request's id
         (:func:`request_id_of`: the client's valid ``X-Request-ID``, else an id the router made, the response's
         ``x-request-id``; an invalid client value, maybe the reason for the refusal, is never logged), and the
         value as sent, ``client_request_id``, when the rid is not it; the status, the error; ``scope`` given
-        (a request on a path other than the generation paths: a 401, 404 or 429), its ``path`` and ``method``."""
+        (a request on a path other than the generation paths: a 401, 404 or 429), its ``path`` and ``method``; ``conn``
+        given (the request's scope), who sent it (:func:`_peer_fields`: ``client`` address, ``key`` id)."""
         extra = _client_id_fields(ident.rid, ident.client)
+        if conn is not None:
+            extra.update(_peer_fields(conn))
         if scope is not None:
             path = scope["path"][:256]  # percent-decoded: a %0A in it is shown escaped, never as a line break
             extra.update(path=path if path.isprintable() else ascii(path)[1:-1], method=scope.get("method", ""))
@@ -2838,10 +2883,10 @@ class RouterService(WatchedService):
         refused before it was accepted (``request rejected``: status, the id of the response's
         ``x-request-id``, the error message). Times are the router clock's seconds (wall × ``--speedup``)."""
         if rl.rid is None:
-            self._log_rejected(request_id_of(request.scope), status, _error_message(resp))
+            self._log_rejected(request_id_of(request.scope), status, _error_message(resp), conn=request.scope)
             return
         p = rl.p
-        extra = _client_id_fields(rl.rid, rl.client_id)
+        extra = {**_client_id_fields(rl.rid, rl.client_id), **_peer_fields(request.scope)}
         if p is None:  # accepted, failed before it was placed (no route, dispatch failed)
             self.log.info("request finished", rid=rl.rid, **extra, status=status, finish_reason=None, prompt_tokens=rl.prompt_tokens)
             return
@@ -3018,7 +3063,8 @@ class RouterService(WatchedService):
             if rl is not None:
                 rl.rid, rl.client_id, rl.prompt_tokens = rid, client_id, int(arr.size)
                 self.log.info(
-                    "request accepted", rid=rid, **_client_id_fields(rid, client_id), branch=hdrs.branch_id, **_hint_fields(hdrs),
+                    "request accepted", rid=rid, **_client_id_fields(rid, client_id), **_peer_fields(request.scope),
+                    branch=hdrs.branch_id, **_hint_fields(hdrs),
                     prompt_tokens=rl.prompt_tokens, max_tokens=max_tokens, stream=bool(req.stream), api="chat" if chat else "completions",
                 )  # fmt: skip
             rreq = RouteRequest(

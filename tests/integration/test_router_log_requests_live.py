@@ -402,3 +402,39 @@ async def test_parent_missing_warnings_are_rate_limited_per_state_and_the_counts
     assert (summary["key"], summary["suppressed"], summary["log_level"]) == ("branch parent unknown", 3, "warning"), summary
     assert 'ei_router_branch_parents_missing_total{state="unknown"} 8.0' in metrics
     assert 'ei_router_branch_parents_missing_total{state="ended"} 1.0' in metrics
+
+
+async def test_request_lines_name_the_client_address_and_the_keys_id_and_every_401_is_counted(nats_url, tmp_path, logs):
+    """A newcomer's walk: a 401's ``request rejected`` line had no client address (who is guessing keys?), the
+    accepted / finished lines did not say which key sent them, and ``ei_router_requests_total{code}`` counted no
+    401 of ``GET /v1/models``, ``/version``, ``/docs``, ``/openapi.json``. Now every such line has ``client``
+    (``host:port``), a request let through has ``key`` (8 hex of the key's SHA-256, never the key), and
+    ``ei_router_http_responses_total{endpoint,code}`` counts every response with a bounded endpoint label."""
+    import re
+
+    from services.router.ingress import key_id
+
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, log_requests=True, api_keys="good-key-1") as env:
+        body = {"prompt": [1, 2, 3], "max_tokens": 2}
+        r = await env.http.post("/v1/completions", json=body, headers={"X-Request-ID": "nokey-1"})
+        assert r.status_code == 401
+        for path in ("/v1/models", "/version", "/docs", "/openapi.json", "/v1/cluster", "/some/guess/1", "/some/guess/2"):
+            assert (await env.http.get(path)).status_code == 401, path
+        r = await env.http.post("/v1/completions", json=body, headers={"Authorization": "Bearer good-key-1", "X-Request-ID": "ok-1"})
+        assert r.status_code == 200, r.text
+        await _wait_for(lambda: _events(logs, "request finished"), what="finished line")
+        metrics = (await env.http.get("/metrics")).text
+    rej = {e["rid"]: e for e in _events(logs, "request rejected")}
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", rej["nokey-1"]["client"]), rej["nokey-1"]
+    assert "key" not in rej["nokey-1"]
+    assert all(re.fullmatch(r"127\.0\.0\.1:\d+", e["client"]) for e in rej.values()), rej
+    (acc,) = _events(logs, "request accepted")
+    (fin,) = _events(logs, "request finished")
+    assert acc["key"] == fin["key"] == key_id("good-key-1") and re.fullmatch(r"[0-9a-f]{8}", acc["key"])
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", acc["client"]) and fin["client"] == acc["client"]
+    assert "good-key-1" not in repr(logs)
+    for endpoint, code, n in (("/v1/completions", 401, 1), ("/v1/completions", 200, 1), ("/v1/models", 401, 1), ("/version", 401, 1),
+                              ("/docs", 401, 1), ("/openapi.json", 401, 1), ("/v1/cluster", 401, 1), ("other", 401, 2)):
+        line = f'ei_router_http_responses_total{{code="{code}",endpoint="{endpoint}"}} {float(n)}'
+        alt = f'ei_router_http_responses_total{{endpoint="{endpoint}",code="{code}"}} {float(n)}'
+        assert line in metrics or alt in metrics, (line, [ln for ln in metrics.splitlines() if "http_responses" in ln])
