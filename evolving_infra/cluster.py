@@ -448,6 +448,10 @@ class LocalCluster:
     nats: EmbeddedNatsServer | None = None
     nats_url: str = ""
     router_url: str = ""
+    """Where a client on this machine reaches the router once ready (a wildcard ``host`` given as the loopback:
+    :func:`reachable_host`); ``router_listen`` in :meth:`describe` is the address it is bound to."""
+    router_port: int = 0
+    """The router's bound port once ready (``port`` 0: the one the kernel chose)."""
     log_dir: Path = field(default_factory=Path)
     children: list[_Child] = field(default_factory=list)
     recorder: TimelineRecorder | None = None
@@ -507,7 +511,7 @@ class LocalCluster:
                 raise ClusterError(f"{instance}: cannot listen for metrics on {s.metrics_host}:{port}: {e.strerror or e}") from e
             self.metrics_sockets[instance] = held
             port = held.getsockname()[1]
-            self.metrics_urls[instance] = http_url(s.metrics_host, port) + "/metrics"
+            self.metrics_urls[instance] = http_url(reachable_host(s.metrics_host), port) + "/metrics"
             extra = ["--metrics-port", str(port), "--metrics-host", s.metrics_host, "--metrics-fd", str(held.fileno())]
         return extra + [  # no --nats-url: the URL goes through the environment (_wire_children)
             "--partition",
@@ -543,7 +547,7 @@ class LocalCluster:
         for instance, url in self.metrics_urls.items():
             hostport = url.removeprefix("http://").removesuffix("/metrics")
             host, port = hostport.rsplit(":", 1)
-            if host in ("0.0.0.0", "::", "[::]", ""):
+            if self.spec.metrics_host in WILDCARD_HOSTS:  # the URL gives the loopback (reachable_host): not for elsewhere
                 host = socket.gethostname()
             if instance.startswith("worker-"):
                 labels = {"service": "worker", "node": instance.removeprefix("worker-")}
@@ -893,7 +897,9 @@ class LocalCluster:
                 ready = {name for name, hb in seen.items() if hb.ready}
                 ports = [self.log_dir / f"{name}.port" for name in self.spec.router_names()]
                 if expected <= ready and all(p.exists() and p.read_text().strip() for p in ports):
-                    self.router_url = http_url(self.spec.host, int(self._port_file.read_text()))
+                    self.router_port = int(self._port_file.read_text())
+                    # the bound port (--port 0: a free one) at an address that connects (--host 0.0.0.0: 127.0.0.1)
+                    self.router_url = http_url(reachable_host(self.spec.host), self.router_port)
                     try:
                         r = await http.get(self.router_url + "/healthz")
                         if r.status_code == 200:
@@ -1138,6 +1144,7 @@ class LocalCluster:
 
         return {
             "router_url": self.router_url,
+            "router_listen": f"[{h}]:{self.router_port}" if ":" in (h := self.spec.host.strip("[]")) else f"{h}:{self.router_port}",
             "nats_url": self.nats_url,
             "nats_auth": self.spec.nats_auth if not self.spec.nats_url else ("creds" if self.spec.nats_creds_dir else "none"),
             "nats_operator_creds": absolute(self.creds_file("operator")),
@@ -1149,6 +1156,18 @@ class LocalCluster:
             **({"metrics": dict(self.metrics_urls), "prometheus_targets": absolute(self.log_dir / TARGETS_FILE)} if self.metrics_urls else {}),
             "restarts": self.restarts(),
         }
+
+
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
+"""Bind addresses that listen on every interface of this machine."""
+
+
+def reachable_host(host: str) -> str:
+    """An address a client on this machine connects to for a socket bound on ``host``: the loopback for a wildcard
+    (``0.0.0.0`` / ``""``: 127.0.0.1; ``::``: ::1), as vLLM's banner gives a usable URL; ``host`` itself otherwise."""
+    if host in WILDCARD_HOSTS:
+        return "::1" if host in ("::", "[::]") else "127.0.0.1"
+    return host
 
 
 def _flag(argv: list[str], flag: str) -> str:

@@ -59,7 +59,7 @@ from evolving_infra.cli import UsageError, command_name
 from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
 from evolving_infra.stdio_args import folder, shown, stdin_file
 from evolving_infra.cluster import (
-    THREAD_ENV, ClusterConfigError, ClusterError, ClusterSpec, LocalCluster, ServiceStopped, worker_placement, write_json,
+    THREAD_ENV, WILDCARD_HOSTS, ClusterConfigError, ClusterError, ClusterSpec, LocalCluster, ServiceStopped, worker_placement, write_json,
 )
 from evolving_infra.replay.retry import RetryPolicy
 from shared.auth import redact_argv, redact_url
@@ -656,19 +656,20 @@ def nats_auth_line(mode: str, info: dict[str, object]) -> str:
             f"credentials through the state file; elsewhere: EI_NATS_CREDS={info['nats_operator_creds']}")
 
 
-def api_keys_line(args: argparse.Namespace) -> str | None:
+def api_keys_line(args: argparse.Namespace, port: int | None = None) -> str | None:
     """``up``'s ready-banner line saying that the router requires API keys (how many, from where), or, when it is
     open and ``--host`` is not a loopback address, that anyone who reaches the port may send requests (``up --host
     0.0.0.0`` said nothing of it; compose's README warns of the same); None when open on loopback only. The public
     paths it names are those the router will serve without a key: its default, or ``EI_API_KEY_PUBLIC_PATHS`` of
     this environment, which the router inherits (the line said "unless --api-key-public-paths", a router flag
-    that ``up`` refuses as an unrecognized argument)."""
+    that ``up`` refuses as an unrecognized argument). ``port``: the router's bound port (``--port 0``: the one
+    chosen; the line said ``0.0.0.0:0``), else ``--port``."""
     keys: frozenset[str] = getattr(args, "router_api_keys", frozenset())
     if not keys:
         host = str(getattr(args, "host", "127.0.0.1"))
         if _loopback(host):
             return None
-        return (f"API keys OFF and the router listens on {host}:{args.port}: anyone who reaches that port may send "
+        return (f"API keys OFF and the router listens on {host}:{args.port if port is None else port}: anyone who reaches that port may send "
                 "requests; --api-keys-file FILE (or EI_API_KEYS=k1,k2) makes every request need a key")
     where = " and ".join(w for w, on in ((f"--api-keys-file {args.api_keys_file}", bool(args.api_keys_file)),
                                           ("EI_API_KEYS_FILE", not args.api_keys_file and bool(os.environ.get("EI_API_KEYS_FILE"))),
@@ -1051,7 +1052,8 @@ async def _up(args: argparse.Namespace) -> int:
     write_json(cluster.log_dir / "cluster.json", _shown(info))
     state = _write_state({**info, **_state_fields(cluster.spec)})  # the URL whole: split and tap connect with it (0600)
     try:
-        print(f"cluster ready: router {cluster.router_url}  ({split_plan(args.live_policy, cluster.spec.split)}; "
+        listening = (f" (listening on all interfaces, {info['router_listen']})" if cluster.spec.host in WILDCARD_HOSTS else "")
+        print(f"cluster ready: router {cluster.router_url}{listening}  ({split_plan(args.live_policy, cluster.spec.split)}; "
               f"{args.nodes} worker{'' if args.nodes == 1 else 's'}, profile {cluster.spec.profile}, speedup {args.speedup:g})")
         print(f"  {args.live_policy.describe()}" + "".join(f"\n  note: {n}" for n in args.live_policy.notes))
         warmup = planner_warmup_line(args.live_policy, cluster.spec.split, cluster.spec.speedup)
@@ -1067,7 +1069,7 @@ async def _up(args: argparse.Namespace) -> int:
         for line in (routers_line(cluster.spec), context_line(cluster.spec), placement_line(cluster.spec)):
             if line:
                 print(f"  {line}")
-        if keys_line := api_keys_line(args):
+        if keys_line := api_keys_line(args, cluster.router_port):
             print(f"  {keys_line}")
         if metrics_line := metrics_host_line(cluster.spec):
             print(f"  WARNING: {metrics_line}")

@@ -24,13 +24,14 @@ from tests.conftest import ipv6_loopback
 pytestmark = pytest.mark.timeout(240)
 
 
-def _up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], dict[str, object]]:
-    """``up`` on a free port with ``extra`` flags, once it printed READY: the process and the READY line's JSON."""
+def _up(tmp_path: Path, *extra: str, lines: list[str] | None = None) -> tuple[subprocess.Popen[str], dict[str, object]]:
+    """``up`` on a free port with ``extra`` flags, once it printed READY: the process and the READY line's JSON
+    (``lines``: gets the lines up printed until then)."""
     cmd = [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "2", "--split", "1P1D", "--profile", "tiny",
            "--port", "0", "--policy", "static", "--log-dir", str(tmp_path / "logs"), *extra]  # fmt: skip
     env = {**os.environ, "EI_STATE_DIR": str(tmp_path / "state")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    seen: list[str] = []
+    seen: list[str] = [] if lines is None else lines
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         assert proc.stdout is not None
@@ -116,5 +117,26 @@ def test_up_on_an_ipv6_address_serves_at_a_bracketed_url(tmp_path):
         logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("*.log"))
         assert f'"{url}"' in logs and f'"{metrics}"' in logs, logs[-2000:]
         assert "http://::1:" not in logs
+    finally:
+        _stop(proc)
+
+
+def test_up_on_every_interface_with_port_0_prints_the_bound_port_and_a_url_that_connects(tmp_path, monkeypatch):
+    """``up --host 0.0.0.0 --port 0`` (newcomer walk): the banner's open-router warning said ``0.0.0.0:0`` (the port
+    asked for, not the one bound) and the router URL in the banner and READY was ``http://0.0.0.0:PORT``, not one to
+    paste into a client. Now the URL is the loopback's (as vLLM prints), the banner says the router listens on all
+    interfaces, READY's ``router_listen`` gives the bound address, and the warning names the bound port."""
+    monkeypatch.delenv("EI_API_KEYS", raising=False)
+    monkeypatch.delenv("EI_API_KEYS_FILE", raising=False)
+    lines: list[str] = []
+    proc, ready = _up(tmp_path, "--host", "0.0.0.0", lines=lines)
+    try:
+        url = str(ready["router_url"])
+        port = int(url.rsplit(":", 1)[1])
+        assert url == f"http://127.0.0.1:{port}" and port > 0 and ready["router_listen"] == f"0.0.0.0:{port}", ready
+        assert httpx.get(url + "/healthz", timeout=10).status_code == 200
+        banner = "".join(lines)
+        assert f"cluster ready: router http://127.0.0.1:{port} (listening on all interfaces, 0.0.0.0:{port})" in banner, banner
+        assert f"API keys OFF and the router listens on 0.0.0.0:{port}:" in banner and "0.0.0.0:0" not in banner, banner
     finally:
         _stop(proc)
