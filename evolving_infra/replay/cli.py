@@ -621,7 +621,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--api-key", default=None,
                    help="sent as 'Authorization: Bearer KEY' to a router run with API keys (EI_API_KEYS or --api-keys-file; "
                    "401 without it: a router that refuses it, or its lack, ends the replay before any request, exit 2); default: "
-                   "env EI_API_KEY")
+                   "env EI_API_KEY, which keeps the key out of the process list (a KEY given here is in every local user's ps)")
     p.add_argument("--arrival", choices=["closed", "open", "trace"], default="closed", help="arrival process: closed (--concurrency agents at a time), open (Poisson --rate), trace (agents start at their recorded arrival_s) (default closed)")
     p.add_argument("--concurrency", type=int, default=16, help="closed loop: concurrent agents (default 16)")
     p.add_argument("--rate", type=float, default=10.0, help="open loop: agent arrivals per minute (default 10)")
