@@ -24,15 +24,22 @@ class Link:
             bytes from the server go on), e.g. 1: a reconnect's CONNECT is answered, its flush's PING is not (to let
             them go on: set it to None, then set ``flowing``).
         pongs: the server's PONGs passed on to the client so far.
+        up_flowing: set while the client's bytes go on to the server; cleared, they wait (in order): the chunk read
+            last is recorded in ``sent``, the rest is not read meanwhile.
+        hold_up_at: None, or bytes whose first appearance in what the client sends clears ``up_flowing`` (that chunk
+            waits too), e.g. a subscription's ``UNSUB <sid> ``: the server goes on delivering to it meanwhile.
     """
 
-    def __init__(self, hold_after_pongs: int | None = None) -> None:
+    def __init__(self, hold_after_pongs: int | None = None, hold_up_at: bytes | None = None) -> None:
         self.sent = bytearray()
         self.flowing = asyncio.Event()
         self.flowing.set()
         self.forward_up = True
         self.hold_after_pongs = hold_after_pongs
         self.pongs = 0
+        self.up_flowing = asyncio.Event()
+        self.up_flowing.set()
+        self.hold_up_at = hold_up_at
         self.writers: list[asyncio.StreamWriter] = []
         self.tasks: list[asyncio.Future[None]] = []
 
@@ -56,6 +63,8 @@ class NatsProxy:
         """True: a new client connection is closed at once (the client's connect fails, as to a server down)."""
         self.next_hold_after_pongs: int | None = None
         """Given to the next client connection as its :attr:`Link.hold_after_pongs` (then None again)."""
+        self.next_hold_up_at: bytes | None = None
+        """Given to the next client connection as its :attr:`Link.hold_up_at` (then None again)."""
 
     async def start(self) -> str:
         """Listen on a free loopback port; returns the URL a client connects to (``nats://127.0.0.1:<port>``)."""
@@ -71,14 +80,18 @@ class NatsProxy:
         except OSError:  # the server is down: the client sees a refused connect
             cw.close()
             return
-        link = Link(self.next_hold_after_pongs)
-        self.next_hold_after_pongs = None
+        link = Link(self.next_hold_after_pongs, self.next_hold_up_at)
+        self.next_hold_after_pongs = self.next_hold_up_at = None
         link.writers = [cw, uw]
 
         async def up() -> None:
             with contextlib.suppress(OSError):
                 while data := await cr.read(65536):
                     link.sent += data
+                    if link.hold_up_at is not None and link.hold_up_at in link.sent:
+                        link.hold_up_at = None
+                        link.up_flowing.clear()
+                    await link.up_flowing.wait()
                     if link.forward_up:
                         uw.write(data)
                         await uw.drain()
