@@ -124,7 +124,7 @@ def samples(nodes: tuple[str, ...] = ("w0", "w1")) -> dict[str, tuple[dict[str, 
         WORK_PREFILL.template: ({"node": a}, _prefill()),
         WORK_DECODE.template: ({"node": b}, _decode()),
         WORK_ABORT.template: ({"node": a}, m.RequestAbort(rid="fz-1", reason="fuzz")),
-        REQ_OUT.template: ({"rid": "fz-1"}, m.TokenChunk(rid="fz-1", node=a, index=0, token_ids=[5], ts=1.0)),
+        REQ_OUT.template: ({"rid": "fz-1", "node": a}, m.TokenChunk(rid="fz-1", node=a, index=0, token_ids=[5], ts=1.0)),
         SVC_HEARTBEAT.template: ({"service": "worker"}, m.Heartbeat(service="worker", instance=f"worker-{a}", pid=1, wall_ts=1.0)),
         SVC_STATS.template: ({"instance": "router"}, m.StatsRequest()),
         PLANNER_MODELS.template: (

@@ -8,13 +8,15 @@ identity          may publish (relative to ``ei.<partition>.``)
 ================  ==============================================================================
 ``planner``       ``split.commands`` (it alone issues epochs), ``planner.decisions``, ``planner.models``
 ``router``        ``work.*.prefill``, ``work.*.decode`` (re-bound hand-offs), ``work.*.abort``,
-                  ``branch.events``, ``route.placed``, ``route.sent`` (read by the other routers);
+                  ``branch.events``, ``route.placed``, ``route.sent`` (read by the other routers),
+                  ``req.*.out.<its name>`` (the end of a request that ended parked);
                   requests ``kv.lookup``, ``split.get``, ``route.held.*`` (does the router that placed an
                   ``X-Request-ID`` sent here still have it?)
 ``kvdirectory``   ``kv.counts.*``, ``kv.liveness``, ``branch.sync``; requests ``kv.resync.*`` (reads ``node.state.*``;
                   answers ``kv.countsync.*``)
 ``worker-<n>``    ``kv.events.<n>``, ``node.state.<n>``, ``node.iters.<n>`` (its own node only),
-                  ``split.applied``, ``req.*.out``, ``work.*.decode`` (hand-off to a decode node);
+                  ``split.applied``, ``req.*.out.<n>`` (output of its own node only), ``work.*.decode``
+                  (hand-off to a decode node);
                   requests ``work.requeue.*``, ``route.bind.*`` (the owning router), ``kv.pool.*``,
                   ``split.get`` (the current split, at start), ``kv.countsync.<n>`` (its own counts)
 ``operator``      requests ``split.set`` (through the planner), ``split.get``, ``svc.stats.*``
@@ -26,7 +28,11 @@ Subscriptions follow the same table (a worker receives only its own ``work.<n>.*
 ``kv.counts.<n>``, ``kv.resync.<n>``, ``kv.pool.<n>``, ``node.state.<n>``; the planner, router and directory their
 kind's ``svc.heartbeat.<kind>``, where a later process under their instance id would beat (:data:`BEAT_WATCHERS`; not
 a worker, whose kind's beats every node may publish); only the router and the planner
-(completions for w̄) read ``req.*.out``). Every identity publishes its own
+(completions for w̄) read ``req.*.out.*``). A request's output subject names its sender
+(``req.<rid>.out.<node>``) and a chunk whose ``node`` is not the subject's is dropped
+(``shared.validate``), so a worker cannot end or write into a stream another node serves: with one
+``req.*.out`` every worker might publish, one node's identity ended another's streams early with a
+forged ``TokenChunk(node=<the other>, finished=True)``. Every identity publishes its own
 heartbeat and answers ``svc.stats.<its name>``; replies go back through
 ``allow_responses`` and each identity reads only its own inbox prefix
 ``_INBOX.<name>.`` (:attr:`NatsAuth.inbox_prefix`), so no one reads another's
@@ -178,12 +184,12 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
         return {"publish": [">"], "subscribe": [">"]}
     if ident.kind == "planner":
         pub = ["split.commands", "planner.decisions", "planner.models"]
-        sub = ["node.iters.*", "node.state.*", "req.*.out", "split.applied", "split.get", "split.set", "split.commands"]
+        sub = ["node.iters.*", "node.state.*", "req.*.out.*", "split.applied", "split.get", "split.set", "split.commands"]
     elif ident.kind == "router":
         # route.held.*: a request with an X-Request-ID another router placed asks that router whether it still has it
         pub = ["work.*.prefill", "work.*.decode", "work.*.abort", "branch.events", "route.placed", "route.sent", "kv.lookup", "split.get",
-               "route.held.*"]  # fmt: skip
-        sub = ["node.state.*", "split.commands", "planner.models", "req.*.out", "route.sent", "kv.liveness", "branch.sync",
+               "route.held.*", f"req.*.out.{ident.name}"]  # fmt: skip
+        sub = ["node.state.*", "split.commands", "planner.models", "req.*.out.*", "route.sent", "kv.liveness", "branch.sync",
                f"route.bind.{ident.name}", f"work.requeue.{ident.name}", f"route.held.{ident.name}"]  # fmt: skip
     elif ident.kind == "kvdirectory":
         pub = ["kv.counts.*", "kv.resync.*", "kv.liveness", "branch.sync"]
@@ -192,7 +198,7 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
         if not n:
             raise AuthError(f"worker identity {ident.name!r} names no node")
         pub = [
-            f"kv.events.{n}", f"node.state.{n}", f"node.iters.{n}", "split.applied", "req.*.out",
+            f"kv.events.{n}", f"node.state.{n}", f"node.iters.{n}", "split.applied", f"req.*.out.{n}",
             "work.*.decode", "work.requeue.*", "route.bind.*", "route.held.*", "kv.pool.*", "split.get", f"kv.countsync.{n}",
         ]
         sub = [f"work.{n}.prefill", f"work.{n}.decode", f"work.{n}.abort", "split.commands", f"kv.counts.{n}", f"kv.resync.{n}", f"kv.pool.{n}",

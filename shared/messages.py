@@ -17,7 +17,7 @@ Producer → consumer flow, in the order of the subject table:
     router ──work.<node>.prefill───▶ worker           (PrefillWork)
     worker ──work.<node>.decode────▶ worker           (DecodeWork, prefill → decode hand-off)
     router ──work.<node>.abort─────▶ worker           (RequestAbort)
-    worker ──req.<rid>.out─────────▶ router           (TokenChunk stream)
+    worker ──req.<rid>.out.<n>─────▶ router           (TokenChunk stream)
     router ◀─route.bind────────────  worker           (DecodeBindRequest → DecodeBindReply)
     router ◀─work.requeue──────────  worker           (WorkRequeue → WorkRequeueReply)
     router ◀─route.held────────────  worker           (HeldQuery → HeldReply: requests its owner dropped)
@@ -608,7 +608,7 @@ has that (and a margin) left."""
 
 
 # --------------------------------------------------------------------------- #
-# work.<node>.prefill / work.<node>.decode / work.<node>.abort ; req.<rid>.out
+# work.<node>.prefill / work.<node>.decode / work.<node>.abort ; req.<rid>.out.<node>
 # --------------------------------------------------------------------------- #
 
 
@@ -859,7 +859,7 @@ class KvLiveness(Msg, frozen=True, kw_only=True):
 class RouteSent(Msg, frozen=True, kw_only=True):
     """Router → other routers (``route.sent``): this router placed ``rid`` (issue #22, router
     replicas). Every router counts the others' sends in its node-load view until the request's
-    first token (prefill) and its end (decode), seen on ``req.<rid>.out`` like its own; sent
+    first token (prefill) and its end (decode), seen on ``req.<rid>.out.<node>`` like its own; sent
     again when the decode node is bound at prefill start and on each re-dispatch."""
 
     router: str
@@ -896,6 +896,8 @@ class TokenChunk(Msg, frozen=True, kw_only=True):
 
     rid: str
     node: str = ""
+    """The publishing node (a router's instance for its own end of a request that ended parked): the subject's
+    ``node`` (``req.<rid>.out.<node>``); a chunk naming another is dropped (``shared.validate``)."""
     index: NonNeg = 0
     """Output position of ``token_ids[0]``."""
     token_ids: list[int] = []
@@ -922,7 +924,7 @@ class TokenChunk(Msg, frozen=True, kw_only=True):
     """The work's ``attempt`` (the router drops chunks of an older attempt)."""
     router: str = ""
     """Instance id of the router that owns the request, as its work named it (``PrefillWork.router``): every
-    router hears ``req.<rid>.out``, and one that never heard the placement (it started after it) tells another
+    router hears ``req.<rid>.out.<node>``, and one that never heard the placement (it started after it) tells another
     router's request (``chunks_peer_rid``) from an id nobody placed (``chunks_unknown_rid``). Work the node refuses
     (a rejection, a failed binding or hand-back) is stamped from the work or its owner record too. Empty: an older
     writer, or an abort (``RequestAbort``) of a request the node holds no owner record of."""

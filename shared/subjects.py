@@ -74,7 +74,12 @@ SPLIT_SET = Subject("split.set", m.SplitSetRequest, m.SplitSetReply, doc="operat
 WORK_PREFILL = Subject("work.{node}.prefill", m.PrefillWork, doc="router → worker: prefill dispatch", reliable=True)
 WORK_DECODE = Subject("work.{node}.decode", m.DecodeWork, doc="prefill worker → decode worker: hand-off", reliable=True)
 WORK_ABORT = Subject("work.{node}.abort", m.RequestAbort, doc="router → worker: abort a request", reliable=True)
-REQ_OUT = Subject("req.{rid}.out", m.TokenChunk, doc="worker → router: token stream", reliable=True)
+REQ_OUT = Subject("req.{rid}.out.{node}", m.TokenChunk, doc="worker → router: token stream of a request, per node", reliable=True)
+"""One subject per request and sender: ``node`` is the publishing node (``TokenChunk.node``; a router's own end of a
+parked request names the router's instance). Each identity may publish only its own ``req.*.out.<n>``
+(``shared.auth``) and :mod:`shared.validate` drops a chunk whose ``node`` is not the subject's, so the node of a chunk
+is the publisher's: with one ``req.*.out`` for all, any worker could end or write into a stream another node served
+(the router trusted the sender-written ``node``). Routers and the planner read ``req.*.out.*``."""
 SVC_HEARTBEAT = Subject("svc.heartbeat.{service}", m.Heartbeat, doc="any → launcher: liveness")
 SVC_STATS = Subject("svc.stats.{instance}", m.StatsRequest, m.StatsReply, doc="counters of one instance")
 PLANNER_MODELS = Subject("planner.models", m.PlannerModels, doc="planner → router: fitted iteration-time models per node")
@@ -138,8 +143,14 @@ class Subjects:
         self.prefix = f"ei.{partition}."
 
     def format(self, subject: Subject, **params: str) -> str:
-        """Full subject string with every ``{param}`` filled in."""
+        """Full subject string with every ``{param}`` filled in.
+
+        Raises:
+            ValueError: a parameter is missing or not one NATS token (:func:`check_token`).
+        """
         for name in subject.params:
+            if name not in params:
+                raise ValueError(f"subject {subject.template!r} needs its parameter {name!r}")
             check_token(params[name], name)
         return self.prefix + subject.template.format(**params)
 

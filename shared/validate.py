@@ -497,6 +497,7 @@ def _chunk(c: m.TokenChunk, p: dict[str, str], nodes: Collection[str] | None) ->
     _tok(c.rid, "rid")
     _same(c.rid, p, "rid", "rid")
     _tok(c.node, "node", optional=True)
+    _same(c.node, p, "node", "node")  # its publisher: each identity may publish only its own req.*.out.<n> (shared.auth)
     _int(c.index, "index", MAX_TOKENS)
     _len(c.token_ids, "token_ids", MAX_CHUNK_TOKENS)
     if c.token_ids and (min(c.token_ids) < 0 or max(c.token_ids) >= 2**32):

@@ -25,11 +25,14 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
                                        tool runs (publishes ``BranchToolCall``)
 =====================================  =========================================================
 
-NATS: subscribes ``node.state.*``, ``split.commands``, ``planner.models`` and (once) ``req.*.out``;
+NATS: subscribes ``node.state.*``, ``split.commands``, ``planner.models`` and (once) ``req.*.out.*`` (a request's
+output, one subject per publishing node: a chunk counts only from a node the request was placed on, and its node is
+the subject's, ``shared.subjects.REQ_OUT``);
 serves ``route.bind`` (decode node at prefill start) and ``work.requeue`` (work a node hands
 back during a phase switch); requests ``split.get`` at start and ``kv.lookup`` per request;
 publishes ``branch.events``, ``route.placed``, ``work.<node>.prefill``, ``work.<node>.decode``
-(a re-bound hand-off) and ``work.<node>.abort``.
+(a re-bound hand-off), ``work.<node>.abort`` and ``req.<rid>.out.<its instance>`` (the end of a request that ended
+parked).
 """
 
 from __future__ import annotations
@@ -1311,7 +1314,9 @@ class RouterService(WatchedService):
             return
         if chunk.node not in (p.prefill_node, p.decode_node):
             # only the nodes the request was placed on stream it: a chunk naming another
-            # node (or none) must not end or fill someone's stream
+            # node (or none) must not end or fill someone's stream. ``node`` is the publisher's: the bus
+            # dropped a chunk whose node is not its subject's (req.<rid>.out.<node>, shared.validate), and
+            # under credentials each node may publish only its own (shared.auth)
             self.counters["chunks_wrong_node"] += 1
             self.bus.droplog.event("chunks_wrong_node", "token chunk from a node the request is not on dropped", rid=chunk.rid, node=chunk.node)
             return
@@ -1722,7 +1727,7 @@ class RouterService(WatchedService):
         end = m.TokenChunk(rid=p.rid, node=self.bus.instance, index=p.next_index, finished=True, finish_reason="abort", error=why,
                            attempt=p.attempt, router=self.bus.instance)  # fmt: skip
         self.counters["parked_end_published"] += 1
-        self._spawn(self.bus.publish(REQ_OUT, end, rid=p.rid))
+        self._spawn(self.bus.publish(REQ_OUT, end, rid=p.rid, node=self.bus.instance))
 
     async def _retry_parked(self) -> None:
         """Place again every parked work a node may take now (called at an accepting node state). The

@@ -12,7 +12,7 @@ Subjects (DESIGN §3, ``shared/subjects.py``):
          kv.counts.<node> (CountUpdates, ``--host-eviction branch-count`` only: ``lru`` reads no count)
          kv.resync.<node> (request → KvSnapshot)
          kv.pool.<node> (PoolLocate → PoolLocation, ``--kv-pool real``)
-    out  req.<rid>.out (TokenChunk)          kv.events.<node> (KvEventBatch, seq 1, 2, ...)
+    out  req.<rid>.out.<node> (TokenChunk)   kv.events.<node> (KvEventBatch, seq 1, 2, ...)
          node.state.<node> (NodeState)       node.iters.<node> (IterationRecords)
          work.<decode node>.decode (DecodeWork, PD hand-off)
          split.applied (SplitApplied: draining, serving)
@@ -970,6 +970,7 @@ class WorkerService:
                     router=owner.router,
                 ),
                 rid=rid,
+                node=self.node,
             )
         self._input()  # freed KV may admit waiting work; a drain may be over
         return True
@@ -1914,7 +1915,7 @@ class WorkerService:
             end = self.core.truncate(plan, self.clock.local_now())
 
     async def _emit_tokens(self, out: TokensOut, now: float) -> None:
-        """Publish ``out``'s tokens on ``req.<rid>.out``: the first token at once with the prompt
+        """Publish ``out``'s tokens on ``req.<rid>.out.<node>``: the first token at once with the prompt
         accounting, then chunks of exactly ``stream_interval`` tokens (the last may be shorter),
         also when one engine step folded several decode iterations (SGLang ``--stream-interval``:
         1 = one token per chunk)."""
@@ -1960,6 +1961,7 @@ class WorkerService:
                     **_lp_fields(lps[:1] if lps is not None else None),
                 ),
                 rid=rid,
+                node=self.node,
             )
             if alone:
                 self.counters["requests.completed"] += 1
@@ -2002,6 +2004,7 @@ class WorkerService:
                     **_lp_fields(lp_part),
                 ),
                 rid=rid,
+                node=self.node,
             )
             st.start += len(part)
             if last:
@@ -2078,6 +2081,7 @@ class WorkerService:
             m.TokenChunk(rid=rid, node=self.node, finished=True, finish_reason=finish_reason, error=error, ts=self._to_wall(now),
                          attempt=attempt, router=router),  # fmt: skip
             rid=rid,
+            node=self.node,
         )
 
     def _engine_kv_events(self, events: list[m.KvEvent], *, step_done: bool = False) -> None:

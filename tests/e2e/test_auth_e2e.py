@@ -14,6 +14,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import nats
@@ -85,11 +86,11 @@ async def test_worker_identity_is_confined_to_its_own_subjects(secured):
     async def on_out(msg) -> None:
         leaked.append(msg.data)
 
-    await w0.nc.subscribe("ei.p0.req.*.out", cb=on_out)
+    await w0.nc.subscribe("ei.p0.req.*.out.*", cb=on_out)
     await w0.flush()
     # the server saw the SUB (its refusal came before the PONG): leaked == [] below is not an unregistered SUB's
-    assert w0.last_denied == ("subscription", "ei.p0.req.*.out"), w0.last_denied
-    await admin.publish(REQ_OUT, m.TokenChunk(rid="secret", node="w1", token_ids=[1, 2]), rid="secret")
+    assert w0.last_denied == ("subscription", "ei.p0.req.*.out.*"), w0.last_denied
+    await admin.publish(REQ_OUT, m.TokenChunk(rid="secret", node="w1", token_ids=[1, 2]), rid="secret", node="w1")
     await admin.nc.flush()
     # the server refuses the publish (no JetStream API reply comes: the request times out)
     with pytest.raises(nats.errors.TimeoutError):
@@ -153,7 +154,7 @@ async def _create_consumer(bus: Bus, api_subject: str, config: dict) -> bool:
 async def test_a_worker_cannot_create_a_consumer_on_another_nodes_work_or_the_outputs(secured):
     """JetStream consumers read the stream whatever the identity may subscribe: with the bare
     ``$JS.API.CONSUMER.CREATE.EI_p0`` (filter in the body) granted, worker w0 read w1's prompts
-    (``work.w1.prefill``) and every request's output (``req.*.out``) through a consumer."""
+    (``work.w1.prefill``) and every request's output (``req.*.out.*``) through a consumer."""
     srv, creds = secured
     admin = await _connect(srv, creds, "admin")
     w0 = await _connect(srv, creds, "worker-w0")
@@ -169,18 +170,18 @@ async def test_a_worker_cannot_create_a_consumer_on_another_nodes_work_or_the_ou
     inbox = "_INBOX.worker-w0.leak"
     for api, cfg in [
         ("$JS.API.CONSUMER.CREATE.EI_p0", {"filter_subject": "ei.p0.work.w1.prefill", "deliver_subject": inbox}),
-        ("$JS.API.CONSUMER.CREATE.EI_p0", {"filter_subject": "ei.p0.req.*.out", "deliver_subject": inbox}),
+        ("$JS.API.CONSUMER.CREATE.EI_p0", {"filter_subject": "ei.p0.req.*.out.*", "deliver_subject": inbox}),
         ("$JS.API.CONSUMER.CREATE.EI_p0", {"deliver_subject": inbox}),
         ("$JS.API.CONSUMER.CREATE.EI_p0.spy", {"name": "spy", "filter_subjects": ["ei.p0.work.w0.prefill", "ei.p0.work.w1.prefill"], "deliver_subject": inbox}),
         ("$JS.API.CONSUMER.CREATE.EI_p0.spy.ei.p0.work.w1.prefill", {"name": "spy", "filter_subject": "ei.p0.work.w1.prefill", "deliver_subject": inbox}),
-        ("$JS.API.CONSUMER.CREATE.EI_p0.spy.ei.p0.req.*.out", {"name": "spy", "filter_subject": "ei.p0.req.*.out", "deliver_subject": inbox}),
+        ("$JS.API.CONSUMER.CREATE.EI_p0.spy.ei.p0.req.*.out.*", {"name": "spy", "filter_subject": "ei.p0.req.*.out.*", "deliver_subject": inbox}),
         ("$JS.API.CONSUMER.CREATE.EI_p0.spy.ei.p0.>", {"name": "spy", "filter_subject": "ei.p0.>", "deliver_subject": inbox}),
         ("$JS.API.CONSUMER.DURABLE.CREATE.EI_p0.spy", {"durable_name": "spy", "filter_subject": "ei.p0.work.w1.prefill", "deliver_subject": inbox}),
     ]:
         assert not await _create_consumer(w0, api, cfg), (api, cfg)
     assert (await js.stream_info("EI_p0")).state.consumer_count == 0
     await admin.nc.publish("ei.p0.work.w1.prefill", b"w1's prompt")
-    await admin.publish(REQ_OUT, m.TokenChunk(rid="secret", node="w1", token_ids=[1, 2]), rid="secret")
+    await admin.publish(REQ_OUT, m.TokenChunk(rid="secret", node="w1", token_ids=[1, 2]), rid="secret", node="w1")
     await admin.nc.flush()
     # its own work it consumes, through a named consumer with its one filter (shared.bus)
     got: list[str] = []
@@ -397,3 +398,73 @@ async def test_tap_names_the_subjects_its_credentials_may_not_read(secured):
     assert mixed.returncode == 2, mixed
     assert "identity 'worker-w0' permission to subscribe to ei.p0.work.w1.prefill (" in mixed.stderr
     assert "work.w0.prefill" not in mixed.stderr and len(mixed.stderr.strip().splitlines()) == 1, mixed.stderr
+
+
+async def test_a_worker_identity_cannot_end_a_stream_another_node_serves(tmp_path):
+    """A compromised worker (here ``worker-w1``'s key) publishes finishing chunks in the name of the other node
+    (``TokenChunk(node="w0", finished=True, finish_reason="stop")``) on a stream that node serves, one per
+    ``attempt`` the request may have (the router's wall ms at its arrival), on the old shared subject
+    (``req.<rid>.out``), on the other node's subject (``req.<rid>.out.w0``) and on its own with the other's
+    name in the body (``req.<rid>.out.w1``); and ``worker-w0``'s key the same in ``w1``'s name. Before, every
+    worker might publish ``req.*.out`` and the router took the body's ``node``: the client's stream ended with
+    HTTP 200, ``stop``, after a few of its tokens. Now the server refuses the first two
+    (each node publishes only its own ``req.*.out.<n>``) and the router drops the third (a body node that is
+    not the subject's: ``invalid.req.{rid}.out.{node}``): the stream completes with all its tokens."""
+    # a slow clock (0.1): the 200 tokens take seconds, so the forged chunks come while the stream runs
+    spec = ClusterSpec(nodes=2, split="1P1D", profile="tiny", speedup=0.1, port=0, block_size=4, log_dir=str(tmp_path / "logs"), ready_timeout_s=90.0)
+    async with LocalCluster(spec) as cluster:
+        await _forge_chunks(cluster)
+
+
+async def _forge_chunks(cluster: LocalCluster) -> None:
+    rid, n_tokens = "victim-4", 200
+    got: list[str] = []  # one per SSE event with a choice (a token or more)
+    finish: list[str | None] = []
+    usage: list[int] = []  # completion_tokens of the last event
+    t0 = time.time_ns() // 1_000_000
+
+    async def stream() -> None:
+        body = {"prompt": list(range(1, 13)), "max_tokens": n_tokens, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with httpx.AsyncClient(timeout=120) as http, http.stream(
+            "POST", cluster.router_url + "/v1/completions", json=body, headers={"X-Request-ID": rid}
+        ) as r:
+            assert r.status_code == 200, (await r.aread())[:300]
+            async for line in r.aiter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    event = json.loads(line[5:])
+                    if event.get("usage"):
+                        usage.append(event["usage"]["completion_tokens"])
+                    for choice in event["choices"]:
+                        got.append(choice["text"])
+                        if choice.get("finish_reason"):
+                            finish.append(choice["finish_reason"])
+
+    client = asyncio.create_task(stream())
+    for _ in range(400):
+        if len(got) >= 5 or client.done():
+            break
+        await asyncio.sleep(0.05)
+    assert 5 <= len(got) < n_tokens // 2, (len(got), "the stream must be running when the forged chunks come")
+    t1 = time.time_ns() // 1_000_000
+    rogues = {me: await Bus.connect(cluster.nats_url, Subjects("p0"), service="worker", instance=f"rogue-{me}", auth=cluster.client_auth(me))
+              for me in ("worker-w1", "worker-w0")}  # fmt: skip
+    try:
+        for me, victim in (("worker-w1", "w0"), ("worker-w0", "w1")):
+            nc = rogues[me].nc
+            for attempt in range(t0 - 50, t1 + 50):
+                forged = m.encode(m.TokenChunk(rid=rid, node=victim, index=5, finished=True, finish_reason="stop", attempt=attempt, router="router"))
+                for subject in (f"ei.p0.req.{rid}.out", f"ei.p0.req.{rid}.out.{victim}", f"ei.p0.req.{rid}.out.{me[len('worker-'):]}"):
+                    await nc.publish(subject, forged)
+            await nc.flush()
+        await asyncio.wait_for(client, 120)
+    finally:
+        for bus in rogues.values():
+            await bus.close()
+    assert finish == ["length"] and usage == [n_tokens], (finish, usage, len(got))
+    admin = await Bus.connect(cluster.nats_url, Subjects("p0"), service="test", instance="auth-test-2", auth=cluster.client_auth("admin"))
+    try:
+        router = await admin.request(SVC_STATS, m.StatsRequest(), instance="router", timeout=5.0)
+    finally:
+        await admin.close()
+    assert router.counters.get("invalid.req.{rid}.out.{node}", 0) >= 2 * (t1 - t0 + 100), router.counters

@@ -155,7 +155,7 @@ async def test_a_service_started_before_the_stream_waits_for_it_then_consumes_th
             assert router.counters["stream_missing_warnings"] == 1  # at once, then each STREAM_BACK_WAIT_S
             await asyncio.wait_for(publishing, 8.0)
             assert worker.jetstream, "the worker fell back to core NATS"
-            await worker.publish(REQ_OUT, m.TokenChunk(rid="r", index=0, token_ids=[0]), rid="r")
+            await worker.publish(REQ_OUT, m.TokenChunk(rid="r", node="w0", index=0, token_ids=[0]), rid="r", node="w0")
             await until(lambda: got == [0], "first chunk")
 
             router.nc.options["reconnect_time_wait"] = 3.0  # the router comes back after the worker published
@@ -172,7 +172,7 @@ async def test_a_service_started_before_the_stream_waits_for_it_then_consumes_th
                 except Exception:
                     await asyncio.sleep(0.1)
             assert not router.nc.is_connected
-            await worker.publish(REQ_OUT, m.TokenChunk(rid="r", index=1, token_ids=[1]), rid="r")
+            await worker.publish(REQ_OUT, m.TokenChunk(rid="r", node="w0", index=1, token_ids=[1]), rid="r", node="w0")
             await worker.flush()
             await until(lambda: len(got) >= 2, "the chunk published while the router was away")
             await asyncio.sleep(0.3)

@@ -2,7 +2,7 @@
 (real nats-server): ``Bus.subscribe`` and ``Bus.serve`` drop a message whose subject is not the
 subscription's (``wrong_subject``) and a request whose reply is not an inbox (``bad_reply``); a
 false drop there would lose traffic silently. Covered: the wildcard template and the filled one,
-a queue group, core and JetStream (named one-filter consumers, ``kv.events.*`` and ``req.*.out``
+a queue group, core and JetStream (named one-filter consumers, ``kv.events.*`` and ``req.*.out.*``
 included), a partition other than ``p0``, and with credentials (each identity on the subjects its
 permissions let it read, its requests' replies under ``_INBOX.<identity>.``)."""
 

@@ -41,7 +41,7 @@ async def test_a_server_back_without_jetstream_holds_reliable_publishes_until_it
 
         try:
             await bus.subscribe(REQ_OUT, on_chunk)
-            await bus.publish(REQ_OUT, m.TokenChunk(rid="r", index=0, token_ids=[0]), rid="r")
+            await bus.publish(REQ_OUT, m.TokenChunk(rid="r", node="w0", index=0, token_ids=[0]), rid="r", node="w0")
             await until(lambda: got == [0], 5.0, "the first chunk")
             srv.jetstream = False
             srv.restart()  # SIGKILL, then a server without JetStream on the same port
@@ -49,7 +49,7 @@ async def test_a_server_back_without_jetstream_holds_reliable_publishes_until_it
             assert readiness.reason() == "the NATS server at " + srv.url + " has no JetStream (stream EI_p0): reliable messages wait for it"
             assert bus.counters["jetstream_missing_warnings"] == 1, dict(bus.counters)
             for i in (1, 2, 3):
-                await bus.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
+                await bus.publish(REQ_OUT, m.TokenChunk(rid="r", node="w0", index=i, token_ids=[i]), rid="r", node="w0")
             await asyncio.sleep(0.5)
             assert got == [0] and len(bus._held) >= 3, (got, len(bus._held))  # kept, not sent into the void
             srv.jetstream = True
@@ -58,7 +58,7 @@ async def test_a_server_back_without_jetstream_holds_reliable_publishes_until_it
                 shutil.rmtree(Path(srv._tmp) / "js")
             srv.restart()
             await until(lambda: got == [0, 1, 2, 3], 15.0, "the chunks published while JetStream was gone")
-            await bus.publish(REQ_OUT, m.TokenChunk(rid="r", index=4, token_ids=[4]), rid="r")
+            await bus.publish(REQ_OUT, m.TokenChunk(rid="r", node="w0", index=4, token_ids=[4]), rid="r", node="w0")
             await until(lambda: got == [0, 1, 2, 3, 4], 10.0, "a chunk published after")
             assert not bus.jetstream_missing and not bus._held and not bus._holding and readiness.reason() is None, (dict(bus.counters), bus._reconnects_seen)
             assert bus.counters["stream_made_again"] == (store == "wiped"), dict(bus.counters)

@@ -35,7 +35,7 @@ class _Pair:
     async def send(self, a: int, b: int) -> None:
         """Publish the chunks ``a`` .. ``b - 1`` of request ``r``."""
         for i in range(a, b):
-            await self.pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
+            await self.pub.publish(REQ_OUT, m.TokenChunk(rid="r", node="w0", index=i, token_ids=[i]), rid="r", node="w0")
 
     async def until(self, done, what: str, *, within_s: float = 10.0) -> None:
         """Wait (0.05 s steps) until ``done()``; AssertionError naming ``what`` after ``within_s`` seconds."""
@@ -104,7 +104,7 @@ async def _stream_through_restart(srv: EmbeddedNatsServer, *, reliable: bool, n:
                 os.kill(srv.pid, signal.SIGKILL)
             if i == n // 3 + 300:  # ~0.3-1 s later
                 srv.restart()
-            await pub.publish(REQ_OUT, m.TokenChunk(rid=f"r{i % 7}", index=i, token_ids=[i]), rid=f"r{i % 7}")
+            await pub.publish(REQ_OUT, m.TokenChunk(rid=f"r{i % 7}", node="w0", index=i, token_ids=[i]), rid=f"r{i % 7}", node="w0")
             await asyncio.sleep(0.001)
         seen, still = 0, 0.0
         for _ in range(300):  # let the consumer resume and drain (bounded: 30 s)
@@ -195,7 +195,7 @@ async def test_a_stream_that_comes_back_shorter_loses_no_new_message(backlog):
                 if backlog:
                     gate.clear()  # 5..9 wait in the subscription (the handler is busy)
                 await send(5, 10)
-                await until(lambda: len(got) == 10 or (backlog and sub.counters["received.req.{rid}.out"] >= 6), "next 5")
+                await until(lambda: len(got) == 10 or (backlog and sub.counters["received.req.{rid}.out.{node}"] >= 6), "next 5")
                 pub._recent.clear()  # no resend: the lost tail stays lost (the test is about the reused numbers)
                 os.kill(srv.pid, signal.SIGKILL)
                 srv.proc.wait()
@@ -310,7 +310,7 @@ async def test_what_is_published_during_a_long_wait_for_the_lost_stream_arrives_
             await p.first_then_a_lost_stream_none_may_make(monkeypatch)
             await until(lambda: pub.nc.is_connected and sub.nc.is_connected, "reconnect")
             for i in range(1, 16):  # 1.5 s of publishes while the stream is missing: 5 resend windows
-                await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
+                await pub.publish(REQ_OUT, m.TokenChunk(rid="r", node="w0", index=i, token_ids=[i]), rid="r", node="w0")
                 await asyncio.sleep(0.1)
             await p.launch()
             await until(lambda: len(got) >= 16, "every chunk")
@@ -333,7 +333,7 @@ async def test_restart_keeps_the_port_and_the_stream():
     with EmbeddedNatsServer() as srv:
         bus = await Bus.connect(srv.url, Subjects("p1"), service="t", instance="t")
         assert await bus.ensure_stream() and bus.jetstream
-        await bus.publish(REQ_OUT, m.TokenChunk(rid="a"), rid="a")
+        await bus.publish(REQ_OUT, m.TokenChunk(rid="a", node="w0"), rid="a", node="w0")
         await bus.nc.flush()
         port = srv.port
         os.kill(srv.pid, signal.SIGKILL)
@@ -385,7 +385,7 @@ async def test_only_the_last_resend_window_is_published_again_after_a_disconnect
         bus = await Bus.connect(srv.url, Subjects("p0"), service="worker", instance="w0")
         try:
             assert await bus.ensure_stream()
-            await bus.publish(REQ_OUT, m.TokenChunk(rid="old", index=0), rid="old")
+            await bus.publish(REQ_OUT, m.TokenChunk(rid="old", node="w0", index=0), rid="old", node="w0")
             await bus.nc.flush()
             await asyncio.sleep(RESEND_WINDOW_S + 0.5)  # quiet: the message is out of the window
             srv.restart()  # SIGKILL and start again
@@ -418,7 +418,7 @@ async def test_what_is_published_while_the_lost_stream_is_awaited_arrives_in_ord
             await p.send(1, 6)
             await p.launch()
             # at once: the publisher looks again only each 0.5 s (a look in these few ms is a pass either way)
-            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", index=6, token_ids=[6]), rid="r")
+            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", node="w0", index=6, token_ids=[6]), rid="r", node="w0")
             await until(lambda: len(got) >= 7, "every chunk")
             await asyncio.sleep(0.3)
             assert got == list(range(7)), got

@@ -96,7 +96,7 @@ async def test_a_lookup_after_a_reconnect_without_an_answer_is_made_again_and_th
 
         try:
             await bus.subscribe(REQ_OUT, on_chunk)
-            await bus.publish(REQ_OUT, m.TokenChunk(rid="r", index=0, token_ids=[0]), rid="r")
+            await bus.publish(REQ_OUT, m.TokenChunk(rid="r", node="w0", index=0, token_ids=[0]), rid="r", node="w0")
             await until(lambda: got == [0], 5.0, "the first chunk")
             monkeypatch.setattr(bus, "_stream_after_reconnect", hung_as_it_looks)
             assert srv.pid is not None and srv.proc is not None and srv._tmp is not None
@@ -104,12 +104,12 @@ async def test_a_lookup_after_a_reconnect_without_an_answer_is_made_again_and_th
             srv.proc.wait()
             await until(lambda: not bus.nc.is_connected, 5.0, "the disconnect")
             for i in (1, 2, 3):  # held (and in nats-py's reconnect buffer, flushed into the storeless server)
-                await bus.publish(REQ_OUT, m.TokenChunk(rid="r", index=i, token_ids=[i]), rid="r")
+                await bus.publish(REQ_OUT, m.TokenChunk(rid="r", node="w0", index=i, token_ids=[i]), rid="r", node="w0")
             shutil.rmtree(Path(srv._tmp) / "js")
             srv.restart()
             await until(lambda: stopped, 10.0, "the reconnect's lookup")
             await until(lambda: got == [0, 1, 2, 3], 10.0, "the chunks published during the outage")
-            await bus.publish(REQ_OUT, m.TokenChunk(rid="r", index=4, token_ids=[4]), rid="r")
+            await bus.publish(REQ_OUT, m.TokenChunk(rid="r", node="w0", index=4, token_ids=[4]), rid="r", node="w0")
             await until(lambda: got == [0, 1, 2, 3, 4], 5.0, "a chunk published after")
             assert bus.counters["stream_lookup_retries"] >= 1 and bus.counters["stream_made_again"] == 1, dict(bus.counters)
             assert not bus._held and not bus._holding and not bus.stream_waiting

@@ -157,8 +157,8 @@ async def test_token_streams_become_completed_requests(nats_url):
     async with planner(nats_url):
         for i in range(3):
             rid = f"r{i}"
-            await c.bus.publish(REQ_OUT, m.TokenChunk(rid=rid, node="w0", index=0, token_ids=[1], prompt_tokens=50, cached_tokens=20, ts=1.0), rid=rid)
-            await c.bus.publish(REQ_OUT, m.TokenChunk(rid=rid, node="w2", index=1, token_ids=[2, 3], finished=True, finish_reason="length", ts=2.0), rid=rid)
+            await c.bus.publish(REQ_OUT, m.TokenChunk(rid=rid, node="w0", index=0, token_ids=[1], prompt_tokens=50, cached_tokens=20, ts=1.0), rid=rid, node="w0")
+            await c.bus.publish(REQ_OUT, m.TokenChunk(rid=rid, node="w2", index=1, token_ids=[2, 3], finished=True, finish_reason="length", ts=2.0), rid=rid, node="w2")
         await c.bus.flush()
 
         async def completed():
@@ -303,7 +303,7 @@ async def test_malformed_payloads_are_counted_and_the_planner_keeps_serving(nats
             (NODE_ITERS, {"node": "w0"}),
             (NODE_STATE, {"node": "w1"}),
             (SPLIT_APPLIED, {}),
-            (REQ_OUT, {"rid": "x"}),
+            (REQ_OUT, {"rid": "x", "node": "w0"}),
             (SPLIT_GET, {}),
             (SPLIT_SET, {}),
         ]

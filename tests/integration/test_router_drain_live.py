@@ -117,7 +117,7 @@ async def _finish(cluster: FakeCluster, node: str = "c0") -> None:
     for w in cluster.works:
         ids = [output_token(i) for i in range(1, MAX_TOKENS)]
         chunk = m.TokenChunk(rid=w.rid, node=node, index=1, token_ids=ids, finished=True, finish_reason="length", attempt=w.attempt)
-        await cluster.bus.publish(REQ_OUT, chunk, rid=w.rid)
+        await cluster.bus.publish(REQ_OUT, chunk, rid=w.rid, node=chunk.node)
 
 
 async def _exited(proc: subprocess.Popen[bytes], within_s: float) -> float:
@@ -475,7 +475,7 @@ async def test_sigterm_on_a_held_socket_serves_keep_alive_clients_without_an_err
                     ids = [output_token(i) for i in range(1, MAX_TOKENS)]
                     chunk = m.TokenChunk(rid=w.rid, node="c0", index=1, token_ids=ids, finished=True, finish_reason="length",
                                          attempt=w.attempt)  # fmt: skip
-                    await cluster.bus.publish(REQ_OUT, chunk, rid=w.rid)
+                    await cluster.bus.publish(REQ_OUT, chunk, rid=w.rid, node=chunk.node)
                 for body in await asyncio.wait_for(asyncio.gather(*streams), 10):
                     assert sse_events(body)[-1] == "[DONE]" and "error" not in body, body
             assert await _exited(routers[-1], 15) < 15 and routers[-1].returncode == 0

@@ -54,7 +54,7 @@ async def test_a_request_whose_decode_node_died_after_its_last_token_counts_once
         await _wait_for(lambda: len(env.cluster.works) == 1, what="work on p0")
         w = env.cluster.works[0]
         ids = [output_token(i) for i in range(4)]
-        out = lambda c: env.bus.publish(REQ_OUT, c, rid=w.rid)  # noqa: E731
+        out = lambda c: env.bus.publish(REQ_OUT, c, rid=w.rid, node=c.node)  # noqa: E731
         await out(m.TokenChunk(rid=w.rid, node="p0", index=0, token_ids=ids[:1], prompt_tokens=70, attempt=0))
         await out(m.TokenChunk(rid=w.rid, node=w.decode_node, index=1, token_ids=ids[1:], attempt=0))  # no end
         await _wait_for(lambda: len(env.service._pending[w.rid].tokens) == 4, what="all tokens at the router")

@@ -148,7 +148,7 @@ class FakeCluster:
         self.works.append(w)
         if node not in self.answering:
             return
-        out = lambda c: self.bus.publish(REQ_OUT, c, rid=w.rid)  # noqa: E731
+        out = lambda c: self.bus.publish(REQ_OUT, c, rid=w.rid, node=c.node)  # noqa: E731
         cached = min(self.cached.get(node, 0), len(w.block_hashes)) * BS
         if node in self.abort_nodes:
             error = "no decode node for the request: no live decode (phase decode) or collocated (both) node: d9: fenced"
@@ -475,7 +475,7 @@ async def test_minted_branch_ids_are_capped_keeping_the_one_in_flight(nats_url, 
         assert [e.rid for e in ends] == [rid_of[f"u{i}"] for i in range(5)]
         await env.bus.publish(
             REQ_OUT, m.TokenChunk(rid=w.rid, node="c0", index=0, token_ids=[5], prompt_tokens=2, finished=True,
-                                  finish_reason="length", attempt=w.attempt), rid=w.rid,
+                                  finish_reason="length", attempt=w.attempt), rid=w.rid, node="c0",
         )  # fmt: skip
         assert (await held).status_code == 200
         r = await env.http.post("/v1/completions", json={"prompt": [4], "max_tokens": 1}, headers={"X-Branch-Id": "u0"})
@@ -746,14 +746,14 @@ async def test_stale_attempt_output_is_dropped_and_its_node_told_to_stop(nats_ur
         await _wait_for(lambda: len(env.cluster.works) == 2, what="re-dispatch")
         assert env.cluster.works[1].attempt == 1
         env.cluster.alive.add(node0)  # back: it sends the old attempt's output
-        await env.bus.publish(REQ_OUT, m.TokenChunk(rid=first.rid, node=node0, index=0, token_ids=[5, 6], attempt=0), rid=first.rid)
+        await env.bus.publish(REQ_OUT, m.TokenChunk(rid=first.rid, node=node0, index=0, token_ids=[5, 6], attempt=0), rid=first.rid, node=node0)
         await _wait_for(lambda: any(a.attempt == 0 and n == node0 and "superseded" in a.reason for n, a in env.cluster.aborts), what="abort")
         assert {a.router for _, a in env.cluster.aborts} == {"router"}  # stamped: a node drops only a request this router owns
         other = env.service.core.view.placement(first.rid)[0]
         ids = [output_token(i) for i in range(4)]
         for i, t in enumerate(ids):
             await env.bus.publish(REQ_OUT, m.TokenChunk(rid=first.rid, node=other, index=i, token_ids=[t], attempt=1, finished=i == 3,
-                                                        finish_reason="length" if i == 3 else None), rid=first.rid)  # fmt: skip
+                                                        finish_reason="length" if i == 3 else None), rid=first.rid, node=other)  # fmt: skip
         r = await asyncio.wait_for(req, 10)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == env.service.tokenizer.decode(ids)
         st = await env.stats()
@@ -912,10 +912,10 @@ async def test_a_client_disconnect_after_a_redispatch_aborts_the_current_attempt
 async def test_malformed_payloads_are_counted_and_router_keeps_serving(nats_url, tmp_path):
     async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
         subj = Subjects("p0")
-        await env.bus.publish_raw(subj.prefix + "req.cmpl-x.out", b"\xc1garbage")
+        await env.bus.publish_raw(subj.prefix + "req.cmpl-x.out.c0", b"\xc1garbage")
         await env.bus.publish_raw(subj.prefix + "node.state.c0", b"not msgpack")
         await env.bus.publish_raw(subj.prefix + "split.commands", msgspec.msgpack.encode({"epoch": -3, "phases": {}}))
-        await env.bus.publish(REQ_OUT, m.TokenChunk(rid="cmpl-unknown", finished=True), rid="cmpl-unknown")
+        await env.bus.publish(REQ_OUT, m.TokenChunk(rid="cmpl-unknown", node="c0", finished=True), rid="cmpl-unknown", node="c0")
         await env.bus.publish(NODE_STATE, m.NodeState(node="bad.id"), node="c0")
         await env.bus.publish(SPLIT_COMMANDS, m.SplitCommand(epoch=0, phases={"c0": "both"}))  # older epoch
 
@@ -924,11 +924,11 @@ async def test_malformed_payloads_are_counted_and_router_keeps_serving(nats_url,
 
         for _ in range(100):
             c = await counters()
-            # req.*.out arrives through JetStream, the others through core NATS: wait for all
-            if all(c.get(k) for k in ("splits_stale", "invalid.node.state.{node}", "dropped.split.commands", "dropped.req.{rid}.out", "chunks_unknown_rid")):
+            # req.*.out.* arrives through JetStream, the others through core NATS: wait for all
+            if all(c.get(k) for k in ("splits_stale", "invalid.node.state.{node}", "dropped.split.commands", "dropped.req.{rid}.out.{node}", "chunks_unknown_rid")):
                 break
             await asyncio.sleep(0.05)
-        assert c["dropped.req.{rid}.out"] == 1
+        assert c["dropped.req.{rid}.out.{node}"] == 1
         # the state naming "bad.id" on node.state.c0 is dropped at the edge (shared.validate)
         assert c["dropped.node.state.{node}"] == 2 and c["invalid.node.state.{node}"] == 1
         assert c["dropped.split.commands"] == 1

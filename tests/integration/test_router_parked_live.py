@@ -298,7 +298,7 @@ async def test_a_router_started_while_a_request_is_parked_counts_it_as_its_owner
             async def out(node: str, i: int, finished: bool = False, of: str = rid, router: str = owner) -> None:
                 chunk = m.TokenChunk(rid=of, node=node, index=i, token_ids=[output_token(i)], prompt_tokens=70, finished=finished,
                                      finish_reason="length" if finished else None, router=router)  # fmt: skip
-                await env.cluster.bus.publish(REQ_OUT, chunk, rid=of)
+                await env.cluster.bus.publish(REQ_OUT, chunk, rid=of, node=chunk.node)
 
             await out("p0", 0)  # the prompt's end on p0: its first token, before the binding
             # another router's request B never heard of: a peer's chunk, not an unknown id

@@ -1,5 +1,5 @@
 """Two routers, one worker, a real nats-server: a router that starts while its peer has a request in flight
-hears that request's chunks (every router subscribes to ``req.*.out``) without having heard its placement
+hears that request's chunks (every router subscribes to ``req.*.out.*``) without having heard its placement
 (``route.sent`` went by before it started). Those chunks are the peer's business, counted ``chunks_peer_rid``
 (``TokenChunk.router``, stamped by the worker from the work's owner, names the peer); ``chunks_unknown_rid``
 stays for ids no router here placed.

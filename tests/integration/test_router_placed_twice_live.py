@@ -76,7 +76,7 @@ async def test_a_rid_placed_by_two_routers_at_once_one_gives_way_and_streams_nev
             # must not mix in (before, this one ended the stream here early)
             attempt = r._pending["keep-1"].attempt  # that of a retry of an id's earlier request: the same for both routers
             await bus.publish(REQ_OUT, m.TokenChunk(rid="keep-1", node="w0", index=0, finished=True, finish_reason="stop", router="router-z",
-                                                    attempt=attempt), rid="keep-1")  # fmt: skip
+                                                    attempt=attempt), rid="keep-1", node="w0")  # fmt: skip
             res = await asyncio.wait_for(keep, 60.0)
             assert res.status_code == 200, res.text
             assert res.json()["usage"]["completion_tokens"] == 120, res.json()["usage"]

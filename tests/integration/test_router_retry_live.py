@@ -36,7 +36,7 @@ async def test_a_retry_with_the_same_request_id_is_not_ended_by_the_first_ones_l
         await _wait_for(lambda: len(env.cluster.works) == 2, what="retry dispatched")
         old, new = env.cluster.works
         assert new.attempt > old.attempt  # the node serves the newest attempt and drops the other
-        out = lambda c: env.bus.publish(REQ_OUT, c, rid="retry-7")  # noqa: E731
+        out = lambda c: env.bus.publish(REQ_OUT, c, rid="retry-7", node=c.node)  # noqa: E731
         # the first request's node ends it only now (its abort arrived late): an abort chunk of its attempt
         await out(m.TokenChunk(rid="retry-7", node="c0", index=0, finished=True, finish_reason="abort", error="client gone",
                                attempt=old.attempt))  # fmt: skip

@@ -101,10 +101,10 @@ class TtftCluster:
             arrived_at=ARRIVED_AT,
             fetch_s=FETCH_S if fetched else None, exposed_fetch_s=0.0 if fetched else None, fetched_tokens=fetched,
         )  # fmt: skip
-        await self.bus.publish(REQ_OUT, first, rid=w.rid)
+        await self.bus.publish(REQ_OUT, first, rid=w.rid, node=first.node)
         if w.max_tokens > 1:
             rest = m.TokenChunk(rid=w.rid, node=w.decode_node or node, index=1, token_ids=[8] * (w.max_tokens - 1), finished=True, finish_reason="length")
-            await self.bus.publish(REQ_OUT, rest, rid=w.rid)
+            await self.bus.publish(REQ_OUT, rest, rid=w.rid, node=rest.node)
 
 
 Env = RouterEnv[TtftCluster]

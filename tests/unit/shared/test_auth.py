@@ -50,7 +50,12 @@ def test_roles_are_confined():
     assert not allowed(w0, "subscribe", p + "svc.heartbeat.worker") and not allowed(w0, "subscribe", p + "svc.heartbeat.router")
     assert not allowed(w0, "publish", p + "kv.countsync.w1") and allowed(w0, "publish", p + "kv.countsync.w0")  # its own counts only
     assert not allowed(w0, "publish", p + "work.w1.prefill")
-    assert not allowed(w0, "subscribe", p + "req.x.out") and not allowed(w0, "subscribe", p + "work.w1.prefill")
+    assert not allowed(w0, "subscribe", p + "req.x.out.w0") and not allowed(w0, "subscribe", p + "work.w1.prefill")
+    # a request's output only on its own node's subject: another node's stream is out of its reach
+    assert allowed(w0, "publish", p + "req.x.out.w0")
+    assert not allowed(w0, "publish", p + "req.x.out.w1") and not allowed(w0, "publish", p + "req.x.out")
+    router = permissions(identity("router-1"))  # its own end of a request that ended parked, under its name
+    assert allowed(router, "publish", p + "req.x.out.router-1") and not allowed(router, "publish", p + "req.x.out.w0")
     assert not allowed(w0, "subscribe", "_INBOX.router.abc")
     for n in SERVICES:
         perm = permissions(identity(n))
@@ -58,7 +63,9 @@ def test_roles_are_confined():
         if n != "planner":
             assert not allowed(perm, "publish", p + "split.commands"), n
         if n not in ("router", "planner"):
-            assert not allowed(perm, "subscribe", p + "req.r1.out"), n
+            assert not allowed(perm, "subscribe", p + "req.r1.out.w0"), n
+        if not n.startswith("worker-") and n not in ("router", "admin"):
+            assert not allowed(perm, "publish", p + "req.r1.out.w0") and not allowed(perm, "publish", p + f"req.r1.out.{n}"), n
         if n != "router":
             assert not allowed(perm, "publish", p + "work.w0.prefill"), n
     op = permissions(identity("operator"))
@@ -90,12 +97,12 @@ def test_a_consumer_only_on_a_reliable_subject_the_identity_reads():
     w0 = permissions(identity("worker-w0"))
     for s in ("work.w0.prefill", "work.w0.decode", "work.w0.abort"):
         assert allowed(w0, "publish", f"{create}.c1.{p}{s}"), s
-    for s in ("work.w1.prefill", "work.*.prefill", "req.r1.out", "req.*.out", "kv.events.w0", ">"):
+    for s in ("work.w1.prefill", "work.*.prefill", "req.r1.out.w0", "req.*.out.*", "kv.events.w0", ">"):
         assert not allowed(w0, "publish", f"{create}.c1.{p}{s}"), s
     router = permissions(identity("router"))
-    assert allowed(router, "publish", f"{create}.c1.{p}req.*.out") and not allowed(router, "publish", f"{create}.c1.{p}work.w0.prefill")
+    assert allowed(router, "publish", f"{create}.c1.{p}req.*.out.*") and not allowed(router, "publish", f"{create}.c1.{p}work.w0.prefill")
     kvd = permissions(identity("kvdirectory"))
-    assert allowed(kvd, "publish", f"{create}.c1.{p}kv.events.*") and not allowed(kvd, "publish", f"{create}.c1.{p}req.*.out")
+    assert allowed(kvd, "publish", f"{create}.c1.{p}kv.events.*") and not allowed(kvd, "publish", f"{create}.c1.{p}req.*.out.*")
 
 
 def test_generate_writes_private_files_and_a_server_block(tmp_path):

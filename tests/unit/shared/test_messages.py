@@ -28,7 +28,9 @@ def test_subject_builder_and_match():
     assert full == "ei.p1.kv.events.w3"
     assert s.wildcard(KV_EVENTS) == "ei.p1.kv.events.*"
     assert s.match(full) == (KV_EVENTS, {"node": "w3"})
-    assert s.match(s.format(REQ_OUT, rid="abc"))[0] is REQ_OUT
+    assert s.match(s.format(REQ_OUT, rid="abc", node="w0")) == (REQ_OUT, {"rid": "abc", "node": "w0"})
+    with pytest.raises(ValueError, match="needs its parameter 'node'"):
+        s.format(REQ_OUT, rid="abc")
     assert s.match("ei.p2.kv.events.w3") is None
     with pytest.raises(ValueError):
         s.format(KV_EVENTS, node="a.b")

@@ -56,7 +56,19 @@ def test_ids_used_as_subject_tokens_refuse_a_trailing_newline():
         assert "NATS token" in check(msgspec.structs.replace(work, rid=bad), {"node": "w0"}), repr(bad)
     assert check(m.KvEventBatch(node="w0\n", seq=1), {}) is not None
     with pytest.raises(ValueError):
-        Subjects("p0").format(REQ_OUT, rid="fz-1\n")
+        Subjects("p0").format(REQ_OUT, rid="fz-1\n", node="w0")
+
+
+def test_a_token_chunk_names_the_node_of_its_subject():
+    """``req.<rid>.out.<node>``: each identity may publish only its own node's (``shared.auth``), so a chunk whose
+    ``node`` is another (or none) was written by a node in another's name: with the one ``req.<rid>.out`` a worker
+    ended a stream another node served with ``TokenChunk(node=<that node>, finished=True)``."""
+    chunk = m.TokenChunk(rid="r-1", node="w0", index=5, finished=True, finish_reason="stop")
+    assert check(chunk, {"rid": "r-1", "node": "w0"}) is None
+    for sent_on in ("w1", "router"):
+        assert "does not match the subject's node" in check(chunk, {"rid": "r-1", "node": sent_on}), sent_on
+    assert "does not match the subject's node" in check(msgspec.structs.replace(chunk, node=""), {"rid": "r-1", "node": "w0"})
+    assert "does not match the subject's rid" in check(chunk, {"rid": "r-2", "node": "w0"})
 
 
 def test_a_branch_eviction_names_a_rid_as_a_route_placed_does():
