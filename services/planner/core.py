@@ -19,7 +19,7 @@ s), and publishes what they return or what the outboxes hold:
 * ``take_decisions()`` → every :class:`PlannerDecision` (``planner.decisions``);
 * ``take_models()`` → :class:`PlannerModels` when they changed (``planner.models``).
 
-Per-request completions (w̄ of paper §5.2) come from the ``req.<rid>.out``
+Per-request completions (w̄ of paper §5.2) come from the ``req.<rid>.out.<node>``
 token streams the workers already publish (:class:`RequestTracker`): the first
 chunk carries the prompt and cached tokens and the prefill node, the last one
 the output count and the decode node. No new subject is needed.

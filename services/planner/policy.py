@@ -52,7 +52,7 @@ class RequestDone(Value):
     """A finished request as the planner sees it (w̄ of paper §5.2, arrivals for the SLO guard).
 
     In the simulator every field is exact. The live planner builds it from the
-    ``req.<rid>.out`` token stream (``core.RequestTracker``): ``arrived_at`` is
+    ``req.<rid>.out.<node>`` token stream (``core.RequestTracker``): ``arrived_at`` is
     the first-token time minus the wait in the prefill node's queue
     (``TokenChunk.queue_s``), ``ttft_s`` that wait, ``e2e_s`` arrival → last token.
     The planners only use ``arrived_at + ttft_s`` (first-token time) and the token counts.

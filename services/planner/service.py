@@ -1,7 +1,7 @@
 """Planner service shell: subscribe, decode, call the core, publish what it returns.
 
 Contains zero decision logic (it lives in ``core.py`` and the policies). Inputs:
-``node.iters.*``, ``node.state.*``, ``req.*.out`` (request completions for w̄),
+``node.iters.*``, ``node.state.*``, ``req.*.out.*`` (request completions for w̄),
 ``split.applied``; request/reply: ``split.get``, ``split.set``. At start the planner reads
 the node states for up to ``adopt_grace_s`` (wall s) and adopts the split the nodes serve
 (``core.PlannerCore`` adoption: a restarted planner neither reverts an operator's split nor

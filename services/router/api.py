@@ -916,7 +916,7 @@ def parse_request_id(value: str | None) -> str | None:
 
 def request_rid(client_id: str) -> str:
     """The request's id (``rid``) for the client's ``X-Request-ID`` ``client_id`` (:func:`parse_request_id`):
-    one NATS subject token (``req.<rid>.out``; ``shared.subjects.check_token``: ``[A-Za-z0-9_-]``) of at most
+    one NATS subject token (``req.<rid>.out.<node>``; ``shared.subjects.check_token``: ``[A-Za-z0-9_-]``) of at most
     :data:`RID_MAX_LEN` characters, the same for the same id on every call and router.
 
     An id of 1 to :data:`RID_MAX_LEN` characters of ``[A-Za-z0-9_-]`` is its own rid (a UUID; the rid,

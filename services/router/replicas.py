@@ -4,7 +4,7 @@ Pure bookkeeping; no I/O. Several routers serve one partition; each publishes a
 ``RouteSent`` on ``route.sent`` for every placement it makes, and every router counts the
 others' placements in its ``NodeLoadView`` and policy (``RouterCore.remote_dispatch``)
 until the request's first token (prefill load) and its end (decode load), which it sees on
-``req.<rid>.out`` like its own. The owner sends it again when it binds the decode node at prefill
+``req.<rid>.out.<node>`` like its own. The owner sends it again when it binds the decode node at prefill
 start (``route.bind``); a prefill node sends a parked request's first token at the prompt's end,
 before that binding, so the first token a re-sent placement of the same attempt already had is kept
 (:meth:`RemoteSends.first_token`), and the owner says it has seen it (``RouteSent.first_token``: a router

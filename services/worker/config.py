@@ -191,7 +191,7 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     owner_gone_after_s: Annotated[
         float, Meta(ge=0, description="wall seconds nobody serves an owning router's route.held (no responders) before "
                     "its requests on this node are dropped: a router cut off from NATS looks the same as a dead one, but "
-                    "its streams may still complete after it reconnects (req.*.out is reliable), so this is the router's "
+                    "its streams may still complete after it reconnects (req.*.out.* is reliable), so this is the router's "
                     "bus_outage_wait_s; a restarted router answers for its predecessor's requests at once")
     ] = 30.0
     # real-bytes host KV pool (services/worker/kvpool, issue 6 part 2); the fields of KvPoolSettings

@@ -20,7 +20,7 @@ so a query that waited instead reached the router's subscription, and the router
 
 The grace (``gone_after_s``, 30 s by default: the router's ``bus_outage_wait_s``) covers a router
 cut off from NATS, which looks the same as a dead one (nobody serves its subject) but whose
-streams may still complete after it reconnects (``req.*.out`` is reliable), and a NATS restart,
+streams may still complete after it reconnects (``req.*.out.*`` is reliable), and a NATS restart,
 after which a live router may subscribe again a moment after the node. A router restarted under
 the same ``--instance`` answers for its predecessor's requests (it has none of them in flight: all
 dropped) at the first query that reaches it. While a router is missing (its streak runs) the node asks
