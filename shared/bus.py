@@ -287,6 +287,12 @@ def stream_api_subject(api: str, name: str) -> str:
     return f"$JS.API.STREAM.{api}.{name}"
 
 
+CONSUMER_CHECK_TASKS = ("_hbtask", "_fctask")
+"""nats-py's attributes (2.16, private) of an ordered consumer's ``_JSI`` holding its idle-heartbeat activity check and
+its flow-control responder tasks: :meth:`Bus._stop_consumer_checks` cancels them at the close's drain
+(``tests/integration/test_bus_close_ordered_drain_live.py`` fails if nats-py renames them)."""
+
+
 def _ordered_state(sub: Subscription) -> Any:
     """nats-py's state of the ordered consumer behind ``sub`` (``_JSI``: next stream sequence, the
     consumer's config, its reset), or None. ``js.subscribe`` returns a ``PushSubscription`` that
@@ -1750,6 +1756,19 @@ class Bus:
         if caller_cancel is not None:
             raise caller_cancel
 
+    def _stop_consumer_checks(self) -> None:
+        """Cancel nats-py's background tasks of each reliable subscription's ordered consumer (:data:`CONSUMER_CHECK_TASKS`
+        of its ``_JSI``, :func:`_ordered_state`) before :meth:`_drain` unsubscribes it. nats-py cancels them only in
+        ``PushSubscription.unsubscribe``, not in a drain: its activity check went on, took the drained consumer's
+        silence for two missed heartbeats (``CONSUMER_HEARTBEAT_S``), subscribed again and made a new consumer on the
+        server, left behind by the close (a drain of 3 s left 2 consumers)."""
+        for sub, _pos in self._js_subs:
+            jsi = _ordered_state(sub)
+            for name in CONSUMER_CHECK_TASKS:
+                task = getattr(jsi, name, None)
+                if isinstance(task, asyncio.Task):
+                    task.cancel()
+
     def _connection_subscriptions(self) -> list[Subscription]:
         """Every subscription of the connection, as nats-py's ``Client.drain`` drains them: its ``Client._subs``
         (the bus's, the subscription behind each JetStream consumer as it stands after a reset, a request's reply
@@ -1829,6 +1848,7 @@ class Bus:
         Raises:
             asyncio.CancelledError: the caller was cancelled; the drains still running are cancelled first."""
         deadline = time.monotonic() + limit_s
+        self._stop_consumer_checks()
         subs = self._connection_subscriptions()
         quiet_since: float | None = None  # lost, and no handler busy, since
         first_look = True
