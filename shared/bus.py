@@ -1197,7 +1197,7 @@ class Bus:
                 kept = (now, full, data, hdr)
                 self._recent.append(kept)
                 self._trim_recent(now)
-                if self._holding:
+                if self._holding and not self.nc.is_closed:  # closed: refused below (BusUnavailable), as before
                     # only kept: sent after the window, in publish order, once the reconnect's check found the stream
                     # (_publish_kept). Before, it went to nats-py's buffer, which the reconnect flushes before the bus
                     # publishes the older window again: a stream that kept its store stored newer before older, and

@@ -42,8 +42,11 @@ class _FullBuffer:
     def __init__(self, accepted: int) -> None:
         self.accepted = accepted
         self.sent: list[bytes] = []
+        self.is_closed = False
 
     async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+        if self.is_closed:
+            raise nats.errors.ConnectionClosedError
         if len(self.sent) >= self.accepted:
             raise nats.errors.OutboundBufferLimitError
         self.sent.append(data)
@@ -111,3 +114,20 @@ async def test_a_disconnect_while_the_kept_publishes_go_out_leaves_them_to_the_n
     nc.publish = publish_then_lost  # type: ignore[method-assign]
     await bus._publish_kept(window)
     assert bus._holding and [e[2] for e in bus._resend] == nc.sent and len(nc.sent) == 2
+
+
+async def test_a_reliable_publish_on_a_closed_client_is_refused_not_kept():
+    """A client closed under the bus (its disconnected callback started the holding) never reconnects: a reliable
+    publish is refused as :class:`BusUnavailable` (a router answers 503), not kept for a check that never comes (the
+    request waited out its timeout, 504: tests/integration/test_router_live.py)."""
+    nc = _FullBuffer(accepted=100)
+    nc.is_closed = True
+    bus = Bus(nc, Subjects("p0"), service="router", instance="r")  # type: ignore[arg-type]
+    bus.jetstream = bus._stream_checked = bus._holding = True
+    try:
+        await bus.publish(WORK_ABORT, m.RequestAbort(rid="r0"), node="w0")
+    except BusUnavailable as e:
+        assert "ConnectionClosedError" in str(e)
+    else:
+        raise AssertionError("a publish on a closed client was not refused")
+    assert not bus._held and not bus._recent and bus.counters["publish_failed.work.{node}.abort"] == 1
