@@ -144,6 +144,7 @@ def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | 
                             decode_binding=args.decode_binding)
         opts = parse_key_values(args.planner_opt or [], "--planner-opt")
         router_args = routing_option_args(parse_key_values(args.routing_opt or [], "--routing-opt"))
+        check_planner_options(ps.planner, opts)
     except (PolicyError, ValueError) as e:
         raise UsageError(f"error: {e}") from None
     notes = []
@@ -168,6 +169,58 @@ def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | 
     items = tuple(f"{k}={_fmt(v)}" for k, v in opts.items())
     return LivePolicy(name=ps.name, routing=ps.routing, planner=ps.planner, planner_args=items, eviction=ps.eviction,
                       decode_binding=binding, router_args=router_args, split=ps.split, notes=tuple(notes))
+
+
+def _planner_params(planner: str) -> type | None:
+    """The parameter dataclass of planner ``planner`` (``EvolvingParams``, ``DynamoParams``, ``ArrowParams``);
+    None for a planner without one (``static``) or one not known here."""
+    if planner == "evolving":
+        from services.planner.evolving import EvolvingParams
+
+        return EvolvingParams
+    if planner in ("dynamo", "arrow"):
+        from services.planner.baselines import ArrowParams, DynamoParams
+
+        return DynamoParams if planner == "dynamo" else ArrowParams
+    return None
+
+
+def check_planner_options(planner: str, options: Mapping[str, Any]) -> None:
+    """Check the types and values of ``--planner-opt`` items for ``planner`` against its parameter dataclass, as
+    ``--routing-opt`` values are checked against the router's config: ``t_learn_s=abc`` ran into the planner's own
+    checks as "'<' not supported between instances of 'str' and 'int'", and ``slo_guard=maybe`` (a str, truthy)
+    ran the SLO guard on. The values themselves are left as given (an int for a float field stays an int).
+
+    Args:
+        planner: the planner's name (``evolving``, ``dynamo``, ``arrow``; others are not checked here).
+        options: name → value as ``parse_key_values`` decoded it. Names the planner does not take are left to
+            the planner's own error (``params_from``: the list of valid names; a sweep drops them per item).
+
+    Raises:
+        ValueError: ``--planner-opt KEY=VALUE: <reason> (planner NAME)``: a value of the wrong type (an int for a
+            float field is fine; a bool, a str or a float for an int field is not) or one the dataclass refuses.
+    """
+    import dataclasses
+
+    import msgspec
+
+    cls = _planner_params(planner)
+    if cls is None:
+        return
+    fields = {f.name for f in dataclasses.fields(cls)}
+    given = {k: v for k, v in options.items() if k in fields}
+    for key, value in given.items():  # each alone first, so the message names the item at fault
+        try:
+            msgspec.convert({key: value}, cls)
+        except msgspec.ValidationError as e:
+            reason = str(e).replace("`", "")
+            if f"$.{key}" in reason:
+                raise ValueError(f"--planner-opt {key}={_fmt(value)}: {reason} (planner {planner})") from None
+    try:  # then together (checks across fields, e.g. min_slices <= slices)
+        msgspec.convert(given, cls)
+    except msgspec.ValidationError as e:
+        shown = " ".join(f"{k}={_fmt(v)}" for k, v in given.items())
+        raise ValueError(f"--planner-opt {shown}: {str(e).replace('`', '')} (planner {planner})") from None
 
 
 ROUTER_OWN_FLAGS = {"profile": "--profile", "block_size": "--block-size"}

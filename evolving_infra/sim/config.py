@@ -243,7 +243,8 @@ def resolve(cfg: SimConfig) -> Resolved:
     """Apply the policy set, overrides and checks.
 
     Raises:
-        SimConfigError: unknown set or component, bad split, bad sizes, a bad ``--routing-opt``.
+        SimConfigError: unknown set or component, bad split, bad sizes, a bad ``--routing-opt``, a ``--planner-opt``
+            value of the wrong type or one the planner refuses.
     """
     if cfg.nodes < 1:
         raise SimConfigError("--nodes must be >= 1")
@@ -307,6 +308,12 @@ def resolve(cfg: SimConfig) -> Resolved:
             ps = with_overrides(ps, planner="static")
         else:
             raise SimConfigError(f"planner {ps.planner!r} is not registered; known: {', '.join(planner_names())}")
+    try:
+        from evolving_infra.policy_args import check_planner_options
+
+        check_planner_options(ps.planner, cfg.planner_options)
+    except ValueError as e:
+        raise SimConfigError(str(e)) from None
     if subs:
         from dataclasses import replace
 

@@ -81,6 +81,11 @@ def test_routing_options_reach_the_live_router_as_its_flags(tmp_path):
     (["--planner", "nope"], "planner 'nope'"),
     (["--planner-opt", "objective=e2e"], "objective"),
     (["--planner-opt", "novalue"], "key=value"),
+    # the types of the planner's parameters: t_learn_s=abc failed as "'<' not supported between instances of 'str' and
+    # 'int'" and slo_guard=maybe (a truthy str) ran the SLO guard
+    (["--planner-opt", "t_learn_s=abc"], r"^error: --planner-opt t_learn_s=abc: Expected float, got str - at \$\.t_learn_s \(planner evolving\)$"),
+    (["--planner-opt", "slo_guard=maybe"], r"^error: --planner-opt slo_guard=maybe: Expected bool, got str - at \$\.slo_guard \(planner evolving\)$"),
+    (["--planner", "dynamo", "--planner-opt", "min_endpoint=x"], r"^error: --planner-opt min_endpoint=x: Expected int, got str .*\(planner dynamo\)$"),
     (["--planner", "static", "--planner-opt", "x=1"], "takes no parameters"),
     (["--routing-opt", "nope=1"], "not a routing policy option"),
     (["--routing-opt", "block_size=8"], "set it with --block-size"),
