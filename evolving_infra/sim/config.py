@@ -210,6 +210,25 @@ def _profile(cfg: SimConfig) -> Profile:
     return msgspec.structs.replace(p, **top) if top else p
 
 
+def node_names(partition: int, n: int, partitions: int) -> list[str]:
+    """Node ids of a partition: ``w0..`` for one partition, ``p<k>w<i>`` otherwise."""
+    return [f"w{i}" for i in range(n)] if partitions == 1 else [f"p{partition}w{i}" for i in range(n)]
+
+
+def _check_node_names(cfg: SimConfig, parts: list[int]) -> None:
+    """``--slow-node`` and ``--switch-at`` name nodes the cluster has: on ``--nodes 4``, ``--slow-node w9:2``
+    and ``--switch-at 10:w9:decode`` ran with no effect and exit 0."""
+    names = [n for k, size in enumerate(parts) for n in node_names(k, size, cfg.partitions)]
+    have = set(names)
+    shown = f"{names[0]}..{names[-1]}" if len(names) > 3 else ", ".join(names)
+    for node, factor in cfg.node_slowdown:
+        if node not in have:
+            raise SimConfigError(f"--slow-node {node}:{factor:g}: the cluster has no node {node!r} (nodes: {shown})")
+    for f in cfg.forced_switches:
+        if f.node not in have:
+            raise SimConfigError(f"--switch-at {f.t:g}:{f.node}:{f.phase}: the cluster has no node {f.node!r} (nodes: {shown})")
+
+
 def _split_nodes(total: int, k: int) -> list[int]:
     base, extra = divmod(total, k)
     return [base + (1 if i < extra else 0) for i in range(k)]
@@ -244,7 +263,8 @@ def resolve(cfg: SimConfig) -> Resolved:
 
     Raises:
         SimConfigError: unknown set or component, bad split, bad sizes, a bad ``--routing-opt``, a ``--planner-opt``
-            value of the wrong type or one the planner refuses.
+            value of the wrong type or one the planner refuses, a ``--slow-node`` or ``--switch-at`` node the
+            cluster does not have.
     """
     if cfg.nodes < 1:
         raise SimConfigError("--nodes must be >= 1")
@@ -337,6 +357,7 @@ def resolve(cfg: SimConfig) -> Resolved:
     for node, factor in cfg.node_slowdown:
         if not factor > 0:
             raise SimConfigError(f"--slow-node {node}:{factor}: the factor must be > 0")
+    _check_node_names(cfg, parts)
     if cfg.pool_fetch_min_tokens < 0:
         raise SimConfigError("--pool-fetch-min-tokens must be >= 0")
     if (cfg.switch_every_s is None) != (cfg.switch_to is None):

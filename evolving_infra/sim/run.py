@@ -29,7 +29,7 @@ from evolving_infra.report.records import RequestRecord
 from evolving_infra.report.timeline import RunTimeline, SplitPoint, SwitchRecord
 from evolving_infra.report.write import build_report
 from evolving_infra.sim.cluster import DIRECTORY_SAMPLE_S, ClusterResult, ClusterSim, SimStats
-from evolving_infra.sim.config import Resolved, SimConfig, SimConfigError, resolve
+from evolving_infra.sim.config import Resolved, SimConfig, SimConfigError, node_names, resolve
 from evolving_infra.sim.workload import PlainWorkload, TiledWorkload, WorkloadError
 from evolving_infra.traces.compact import CompactTrace
 from evolving_infra.traces.io import paused_gc
@@ -139,11 +139,6 @@ class SimRun(Value):
 def partition_of(agent: str, k: int) -> int:
     """The partition a user (agent) is bound to: CRC-32 of its id mod ``k`` (stable across runs)."""
     return zlib.crc32(agent.encode()) % k if k > 1 else 0
-
-
-def node_names(partition: int, n: int, partitions: int) -> list[str]:
-    """Node ids of a partition: ``w0..`` for one partition, ``p<k>w<i>`` otherwise."""
-    return [f"w{i}" for i in range(n)] if partitions == 1 else [f"p{partition}w{i}" for i in range(n)]
 
 
 def convert_block_size(requests: Sequence[TraceRequest] | CompactTrace, from_size: int, to_size: int) -> Any:

@@ -117,3 +117,20 @@ def test_a_planner_option_an_int_for_a_float_is_taken_as_given() -> None:
     assert opts == {"t_learn_s": 900, "slo_guard": False, "objective": "throughput"}
     with pytest.raises(ValueError, match=r"^--planner-opt interval_s=soon: Expected float, got str - at \$\.interval_s \(planner arrow\)$"):
         check_planner_options("arrow", {"interval_s": "soon"})
+
+
+@pytest.mark.parametrize(
+    "extra, frag",
+    [
+        (["--slow-node", "w9:2"], "error: --slow-node w9:2: the cluster has no node 'w9' (nodes: w0..w3)"),
+        (["--switch-at", "10:w9:decode"], "error: --switch-at 10:w9:decode: the cluster has no node 'w9' (nodes: w0..w3)"),
+        (["--partitions", "2", "--slow-node", "w0:2"], "error: --slow-node w0:2: the cluster has no node 'w0' (nodes: p0w0..p1w1)"),
+    ],
+)
+def test_a_node_the_cluster_does_not_have_is_an_error_line(tmp_path: Path, capsys, extra: list[str], frag: str) -> None:
+    """On ``--nodes 4``, ``--slow-node w9:2`` and ``--switch-at 10:w9:decode`` ran with no effect, exit 0."""
+    argv = ["simulate", "--trace", str(SAMPLE), "--nodes", "4", *extra, "--duration", "5", "--no-plots", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(frag) and "Traceback" not in err, err
+    assert not (tmp_path / "o").exists()
