@@ -30,7 +30,7 @@ from evolving_infra.sim.policies import (
     with_overrides,
 )
 from shared.profile import Profile, ProfileError, load_profile
-from shared.split import SplitError, parse_split
+from shared.split import SplitError, canonical_split, parse_split
 from shared.values import FrozenValue, set_field
 
 
@@ -341,6 +341,12 @@ def resolve(cfg: SimConfig) -> Resolved:
     profile = _profile(cfg)
     parts = _split_nodes(cfg.nodes, cfg.partitions)
     split = cfg.split or ps.split or default_split(parts[0])
+    try:  # a malformed split is a syntax error whatever the size: "split '3P' does not fit a partition of 4 nodes
+        canonical_split(split)  # (split '3P' must look like '4P5D' ...)" worded it as a size error
+    except SplitError as e:
+        raise SimConfigError(str(e) if cfg.split is None else f"--split {split}: {e}") from e
+    except ValueError:  # more digits than int() takes: parse_split says so below
+        pass
     for n in sorted(set(parts)):
         try:
             parse_split(split, n)

@@ -134,3 +134,13 @@ def test_a_node_the_cluster_does_not_have_is_an_error_line(tmp_path: Path, capsy
     err = capsys.readouterr().err
     assert err.startswith(frag) and "Traceback" not in err, err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("split", ["3P", "three"])
+def test_a_malformed_split_is_a_syntax_error_not_a_size_error(tmp_path: Path, capsys, split: str) -> None:
+    """``--split 3P`` on 4 nodes said "split '3P' does not fit a partition of 4 nodes (split '3P' must look like
+    '4P5D' or 'collocated')": a syntax error worded as a size error."""
+    argv = ["simulate", "--trace", str(SAMPLE), "--nodes", "4", "--split", split, "--duration", "5", "--no-plots", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --split {split}: split {split!r} must look like '4P5D' or 'collocated'\n", err
