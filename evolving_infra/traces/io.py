@@ -83,15 +83,35 @@ valid trace of no request, which they refuse (exit 2) before any run: ``simulate
 and exited 0. ``trace validate`` still passes it (the format allows it) and ``trace stats`` gives its zeros."""
 
 
+def _run_record(obj: dict[str, Any]) -> bool:
+    """Whether ``obj`` (a decoded line 1) is a record of a run's ``requests.jsonl``: it has every field a
+    ``RequestRecord`` requires (``id``, ``agent``, ``branch``, ``sent_at``), ``sent_at`` being no trace field."""
+    from evolving_infra.report.records import RequestRecord
+
+    return all(f.name in obj for f in msgspec.structs.fields(RequestRecord) if f.required)
+
+
+_RUN_RECORDS = ("this is a run's requests.jsonl (one record per request served: ttft_s, e2e_s ...), not a trace; the "
+                "trace that run replayed is named in its report.json (meta.trace)")
+_RUN_REPORT = ("'{' alone: a JSON document over several lines, such as a run's report.json, not a trace (a "
+               "trace is JSON Lines: its line 1 is the header {\"format\": \"" + FORMAT + "\", ...}); the trace a run "
+               "replayed is named in its report.json (meta.trace)")
+
+
 def _header_problem(raw: bytes, e: msgspec.DecodeError) -> str:
     """The problem of a line 1 that is no valid header: the decoder's reason, and :data:`_NOT_CANONICAL` unless
-    the line is a JSON object with a ``format`` key (a canonical header with a bad field)."""
+    the line is a JSON object with a ``format`` key (a canonical header with a bad field). A line 1 of a run's
+    ``requests.jsonl`` or ``report.json`` is named as what it is."""
+    if raw.strip() == b"{":
+        return _RUN_REPORT
     try:
         obj = msgspec.json.decode(raw)
     except msgspec.DecodeError:
         obj = None
     if isinstance(obj, dict) and "format" in obj:
         return f"invalid trace header: {_short(e)}"
+    if isinstance(obj, dict) and _run_record(obj):
+        return _RUN_RECORDS
     return f"invalid trace header: {_short(e)}; {_NOT_CANONICAL}"
 _REQUEST_DECODER = msgspec.json.Decoder(TraceRequest)
 _MISSING_HEADER = f'missing trace header (expected {{"format": "{FORMAT}", "block_size": ...}} first)'

@@ -171,8 +171,8 @@ def test_a_runs_requests_jsonl_is_no_trace_not_a_headerless_one(tmp_path: Path) 
     """A run's ``requests.jsonl`` given as a trace: its records have ``id``, ``agent`` and ``branch``
     (3 of a request's required fields) among keys of their own, and every reader took it for a
     headerless trace: 'missing trace header' and 'invalid request: ... `input_tokens`' on line 1, and
-    the loading readers read on through every record. It is no trace: line 1's one problem, with
-    the hint, as any other JSON object there."""
+    the loading readers read on through every record. It is no trace: line 1's one problem, saying what the
+    file is (it read 'invalid trace header ...; a raw public trace is converted first', a wrong lead)."""
     from evolving_infra.report.records import RequestRecord, write_records
     from evolving_infra.traces.compact import read_trace_compact
     from evolving_infra.traces.io import read_header
@@ -187,10 +187,30 @@ def test_a_runs_requests_jsonl_is_no_trace_not_a_headerless_one(tmp_path: Path) 
             with pytest.raises(TraceError) as ei:
                 read(path)
             (problem,) = ei.value.problems
-            assert problem.line == 1 and "not a canonical trace" in problem.reason, (read, str(ei.value))
+            assert problem.line == 1 and problem.reason.startswith(RUN_RECORDS), (read, str(ei.value))
         problems = list(iter_validate(path))
-        assert problems[0].line == 1 and "not a canonical trace" in problems[0].reason, problems
+        assert problems[0].line == 1 and problems[0].reason.startswith(RUN_RECORDS), problems
         assert not any("missing trace header" in p.reason for p in problems), problems
+
+
+RUN_RECORDS = "this is a run's requests.jsonl (one record per request served: ttft_s, e2e_s ...), not a trace"
+
+
+def test_a_runs_report_json_is_named_as_no_trace(tmp_path: Path) -> None:
+    """``--trace report.json`` (a run's report: JSON over several lines, line 1 '{') read 'invalid trace header:
+    Input data was truncated; ... a raw public trace is converted first'."""
+    from evolving_infra.traces.compact import read_trace_compact
+    from evolving_infra.traces.io import read_header
+
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"meta": {"trace": "cc.jsonl.gz"}, "requests": 3}, indent=2) + "\n")
+    for read in (read_trace, read_trace_compact, read_header):
+        with pytest.raises(TraceError) as ei:
+            read(path)
+        (problem,) = ei.value.problems
+        assert problem.line == 1 and problem.reason.startswith("'{' alone: a JSON document over several lines, such as a "
+                                                              "run's report.json, not a trace"), (read, str(ei.value))
+        assert "truncated" not in problem.reason and "trace convert" not in problem.reason
 
 
 def test_iter_requests_streams_then_raises(tmp_path: Path) -> None:
