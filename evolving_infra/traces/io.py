@@ -97,11 +97,30 @@ _RUN_REPORT = ("'{' alone: a JSON document over several lines, such as a run's r
                "trace is JSON Lines: its line 1 is the header {\"format\": \"" + FORMAT + "\", ...}); the trace a run "
                "replayed is named in its report.json (meta.trace)")
 
+DYNAMO_AGENTIC = "dynamo.agentic_mooncake"
+"""The ``schema`` of NVIDIA Dynamo's ``agentic_mooncake`` trace header (``bench/sim_speed.py`` ``dynamo_trace``
+writes one)."""
+
+
+def dynamo_agentic_problem(obj: dict[str, Any]) -> str:
+    """What to say of a Dynamo ``agentic_mooncake`` trace given where a canonical trace or a Mooncake FAST'25
+    trace is read (``obj``: its header line, ``{"schema": "dynamo.agentic_mooncake", "version", "block_size",
+    "source", ...}``): what it is, that no converter here reads it, and the trace it was written from when its
+    header names one (``source.format`` is this project's)."""
+    src = obj.get("source")
+    made_from = ""
+    if isinstance(src, dict) and src.get("format") == FORMAT and isinstance(src.get("digest"), str):
+        made_from = (f"; its header says it was written from this project's trace {src['digest']!r} (bench/sim_speed.py "
+                     "dynamo_trace): give that file instead")
+    return (f"a Dynamo agentic_mooncake trace (header schema {DYNAMO_AGENTIC!r}, version {obj.get('version')!r}), not "
+            "a canonical trace nor a Mooncake FAST'25 trace: no converter here reads its request graph (play_id, "
+            "session_id, dependencies); replay it with Dynamo, or convert the trace it was made from" + made_from)
+
 
 def _header_problem(raw: bytes, e: msgspec.DecodeError) -> str:
     """The problem of a line 1 that is no valid header: the decoder's reason, and :data:`_NOT_CANONICAL` unless
     the line is a JSON object with a ``format`` key (a canonical header with a bad field). A line 1 of a run's
-    ``requests.jsonl`` or ``report.json`` is named as what it is."""
+    ``requests.jsonl`` or ``report.json``, or of a Dynamo ``agentic_mooncake`` trace, is named as what it is."""
     if raw.strip() == b"{":
         return _RUN_REPORT
     try:
@@ -112,6 +131,8 @@ def _header_problem(raw: bytes, e: msgspec.DecodeError) -> str:
         return f"invalid trace header: {_short(e)}"
     if isinstance(obj, dict) and _run_record(obj):
         return _RUN_RECORDS
+    if isinstance(obj, dict) and obj.get("schema") == DYNAMO_AGENTIC:
+        return dynamo_agentic_problem(obj)
     return f"invalid trace header: {_short(e)}; {_NOT_CANONICAL}"
 _REQUEST_DECODER = msgspec.json.Decoder(TraceRequest)
 _MISSING_HEADER = f'missing trace header (expected {{"format": "{FORMAT}", "block_size": ...}} first)'

@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -54,6 +55,16 @@ class _Row(msgspec.Struct):
     input_length: int
     output_length: int
     hash_ids: list[int] = []
+    session_id: Any = None
+    """aiperf / Dynamo multi-turn rows' session (not used: see :data:`_UNUSED`)."""
+    delay: Any = None
+    """aiperf / Dynamo multi-turn rows' wait before the turn, ms (not used: see :data:`_UNUSED`)."""
+
+
+_UNUSED = ("session_id", "delay")
+"""Fields of aiperf / Dynamo multi-turn Mooncake rows that this converter does not use: rows are linked into
+agents only by ``infer_sessions`` (prefix extension), with the recorded send gaps. Each row carrying one is counted
+(``meta.counts.rows_with_<field>_unused``) and a note on stderr says so, rather than dropping them unsaid."""
 
 
 _DECODER = msgspec.json.Decoder(_Row)
@@ -94,6 +105,8 @@ def _read_rows(path: Path, skipped: Skipped) -> list[_Row]:
         try:
             row = _DECODER.decode(line)
         except msgspec.DecodeError as e:
+            if n == 1:
+                _not_mooncake(path, line)
             skipped.row(path, n, str(e))
             continue
         if row.input_length < 1 or row.output_length < 0:
@@ -106,6 +119,39 @@ def _read_rows(path: Path, skipped: Skipped) -> list[_Row]:
             rows.append(row)
     skipped.end_file(path)
     return rows
+
+
+def _not_mooncake(path: Path, line: bytes) -> None:
+    """Line 1 of ``path`` is no Mooncake row: stop at once when it is the header of another format that
+    converters are told apart by (each of its rows would be refused one by one otherwise).
+
+    Raises:
+        ConvertError: line 1 is a Dynamo ``agentic_mooncake`` header, or a canonical trace's header.
+    """
+    from evolving_infra.traces.io import DYNAMO_AGENTIC, dynamo_agentic_problem
+    from evolving_infra.traces.schema import FORMAT
+
+    try:
+        obj = msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        return
+    if isinstance(obj, dict) and obj.get("schema") == DYNAMO_AGENTIC:
+        raise ConvertError(f"{path}: {dynamo_agentic_problem(obj)}")
+    if isinstance(obj, dict) and obj.get("format") == FORMAT:
+        raise ConvertError(f"{path}: already a canonical trace (line 1 is its header): give it to simulate as it is")
+
+
+def _note_unused(path: Path, rows: list[_Row], st: _State) -> None:
+    """Count the rows of ``path`` carrying a field of :data:`_UNUSED` and say so on stderr."""
+    import sys
+
+    for name in _UNUSED:
+        n = sum(1 for r in rows if getattr(r, name) is not None)
+        if n:
+            st.counts[f"rows_with_{name}_unused"] += n
+            print(f"note: {path}: {n} row(s) carry {name!r} (aiperf/Dynamo multi-turn Mooncake rows): not used; rows "
+                  "become agents of one request each, or are linked by prefix with --infer-sessions "
+                  "(docs/trace-format.md §7.2)", file=sys.stderr)
 
 
 def convert(
@@ -149,6 +195,7 @@ def convert(
             rows = skipped.call(path, lambda: _read_rows(path, skipped))
             if rows is None:
                 continue
+            _note_unused(path, rows, st)
             for r in _convert_file(path, rows, block_size, infer_sessions, min_shared_blocks, st):
                 n += 1
                 yield r

@@ -275,3 +275,36 @@ def test_azure_header_lists_bounded_inputs_and_skipped_files(tmp_path: Path, mon
     header, _ = convert_to_file("azure", good[:3], tmp_path / "few.jsonl")
     assert header.meta["inputs"] == ["a0.csv", "a1.csv", "a2.csv"] and "inputs_count" not in header.meta
     assert header.source == f"azure: {good[0]}, {good[1]}, {good[2]}"
+
+
+def test_mooncake_refuses_a_dynamo_agentic_trace_and_names_multi_turn_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Dynamo ``agentic_mooncake`` trace (``bench/sim_speed.py`` ``dynamo_trace``) given to ``--from mooncake``
+    had every row refused ('Object missing required field `timestamp`'); it is now named at its header. aiperf /
+    Dynamo multi-turn rows with a ``timestamp`` had ``session_id`` / ``delay`` dropped unsaid: they are counted and
+    a note says they are not used."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+    import sim_speed
+
+    sample = Path(__file__).resolve().parents[3] / "evolving_infra" / "data" / "claude-code-sample.jsonl.gz"
+    dyn = tmp_path / "dynamo.jsonl"
+    sim_speed.dynamo_trace(sample, dyn, 64)
+    with pytest.raises(ConvertError, match=r"dynamo\.jsonl: a Dynamo agentic_mooncake trace \(header schema "
+                                           r"'dynamo\.agentic_mooncake', version 2\).*written from this project's trace "
+                                           r"'claude-code-sample\.jsonl\.gz'"):
+        convert_inputs("mooncake", [dyn], strict=True)
+    with pytest.raises(ConvertError, match="none of the input files could be converted"):
+        convert_inputs("mooncake", [dyn])
+    assert "timestamp" not in capsys.readouterr().err
+    multi = tmp_path / "multi.jsonl"
+    rows = [{"session_id": "s1", "timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]},
+            {"session_id": "s1", "timestamp": 100, "delay": 50, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 3]}]
+    multi.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = convert_inputs("mooncake", [multi])
+    assert len(t.requests) == 2
+    counts = t.header.meta["counts"]
+    assert counts["rows_with_session_id_unused"] == 2 and counts["rows_with_delay_unused"] == 1, counts
+    err = capsys.readouterr().err
+    assert "2 row(s) carry 'session_id' (aiperf/Dynamo multi-turn Mooncake rows): not used" in err, err
+    assert "1 row(s) carry 'delay'" in err, err

@@ -213,6 +213,33 @@ def test_a_runs_report_json_is_named_as_no_trace(tmp_path: Path) -> None:
         assert "truncated" not in problem.reason and "trace convert" not in problem.reason
 
 
+def test_a_dynamo_agentic_mooncake_trace_is_named_with_what_to_do(tmp_path: Path) -> None:
+    """A Dynamo ``agentic_mooncake`` trace (``bench/sim_speed.py`` ``dynamo_trace`` writes one) given as a trace
+    read 'invalid trace header ...; a raw public trace is converted first: trace convert --from {...,mooncake}',
+    and that converter then refused every row. It is named, with the trace it was written from."""
+    import sys
+
+    from evolving_infra.traces.compact import read_trace_compact
+    from evolving_infra.traces.io import read_header
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+    import sim_speed
+
+    src = tmp_path / "ours.jsonl"
+    write_trace(src, TraceHeader(format=FORMAT, block_size=4), [TraceRequest(**_req("r0", kind="main", ends_branch=True))])
+    dyn = tmp_path / "dynamo.jsonl"
+    sim_speed.dynamo_trace(src, dyn, 4)
+    for read in (read_trace, read_trace_compact, read_header):
+        with pytest.raises(TraceError) as ei:
+            read(dyn)
+        (problem,) = ei.value.problems
+        assert problem.line == 1 and problem.reason.startswith(
+            "a Dynamo agentic_mooncake trace (header schema 'dynamo.agentic_mooncake', version 2), not a canonical trace "
+            "nor a Mooncake FAST'25 trace"), problem.reason
+        assert problem.reason.endswith("written from this project's trace 'ours.jsonl' (bench/sim_speed.py dynamo_trace): "
+                                       "give that file instead"), problem.reason
+
+
 def test_iter_requests_streams_then_raises(tmp_path: Path) -> None:
     lines = _good_lines() + ['{"nope"']
     header, it = iter_requests(_write_lines(tmp_path / "s.jsonl", lines))
