@@ -167,8 +167,9 @@ def input_differences(reports: Sequence[Mapping[str, Any]], labels: Sequence[str
     out of that key's comparison (a live demo has no seed: ``seed: demo=None, sim=0`` would read as
     a missing setting), and is shown as ``n/a`` when the others differ; so is a simulated run for
     :data:`LIVE_ONLY_KEYS`.
-    ``trace`` values naming the same file (one run recorded it relative, the other absolute, or a
-    copy with the same bytes) are equal: :func:`trace_identities`.
+    ``trace`` values of the same input are equal (the same header source and request count, whichever file
+    held it: a ``.jsonl.gz`` and the ``.eipack`` packed from it; else the same file or a copy with the same
+    bytes): :func:`trace_identities`.
     Empty when the runs served the same input for the same time."""
     out = []
     metas: list[Mapping[str, Any]] = [meta if isinstance(meta := r.get("meta"), Mapping) else {} for r in reports]
@@ -177,19 +178,33 @@ def input_differences(reports: Sequence[Mapping[str, Any]], labels: Sequence[str
               for m in metas]
         vals = [m.get(key) for m, skip in zip(metas, na) if not skip]
         if key == "trace":
-            vals = trace_identities(vals)
+            vals = trace_identities(vals, [m for m, skip in zip(metas, na) if not skip])
         if any(v is not None for v in vals) and any(v != vals[0] for v in vals[1:]):
             shown = ["n/a" if skip else m[key] if key in m else "not recorded" for m, skip in zip(metas, na)]
             out.append(f"{key}: " + ", ".join(f"{lab}={v}" for lab, v in zip(labels, shown)))
     return out
 
 
-def trace_identities(values: Sequence[Any]) -> list[Any]:
-    """``meta["trace"]`` values made comparable: a path to an existing file becomes its resolved path
-    (relative ones resolved against the current directory: ``report compare`` run where the runs
-    were), and when those still differ, the SHA-256 of each file's bytes (read only then; O(file
-    size)). Other values (``-`` for stdin, None, a file no longer there) are kept as they are."""
+TRACE_IDENTITY_KEYS = ("trace_source", "trace_requests", "trace_block_size")
+"""``meta`` keys that identify a run's input trace by its content, whichever file held it: the header's
+``source``, the number of requests read and the trace's block size (``simulate`` records all three; a
+``report compare`` of a run on ``cc.jsonl.gz`` and one on ``cc.eipack`` warned that they served different
+inputs)."""
+
+
+def trace_identities(values: Sequence[Any], metas: Sequence[Mapping[str, Any]] | None = None) -> list[Any]:
+    """``meta["trace"]`` values made comparable. When every run's ``meta`` (``metas``, in the order of
+    ``values``) records :data:`TRACE_IDENTITY_KEYS`, each trace is those three values (no file is read).
+    Otherwise a path to an existing file becomes its resolved path (relative ones resolved against the
+    current directory: ``report compare`` run where the runs were), and when those still differ, the
+    SHA-256 of each file's bytes (read only then; O(file size)). Other values (``-`` for stdin, None, a file
+    no longer there) are kept as they are."""
     import hashlib
+
+    if metas is not None and len(metas) == len(values) and all(
+        isinstance(m.get("trace_source"), str) and isinstance(m.get("trace_requests"), int) for m in metas
+    ):
+        return [None if v is None else tuple(m.get(k) for k in TRACE_IDENTITY_KEYS) for v, m in zip(values, metas)]
 
     paths: list[Path | None] = []
     for v in values:

@@ -168,7 +168,10 @@ def load_workload(args: argparse.Namespace, ahead: InflateAhead | None = None) -
         if not trace.requests:
             raise SimConfigError(f"--trace: {args.trace}: {NO_REQUESTS}")
         trace, remapped = trace.rechained()
-        prov: dict[str, Any] = {"trace": str(args.trace), "trace_source": trace.header.source}
+        # trace_source + trace_requests (+ trace_block_size, from meta): the input's identity for report compare,
+        # whichever file held it (the .jsonl.gz or the .eipack packed from it)
+        prov: dict[str, Any] = {"trace": str(args.trace), "trace_source": trace.header.source,
+                                "trace_requests": len(trace.requests)}
         if remapped:
             print(f"note: {args.trace}: {remapped} block occurrences followed another prefix than their id's first "
                   "occurrence (ids must be chained, docs/trace-format.md); remapped to fresh ids", file=sys.stderr)

@@ -223,6 +223,41 @@ def test_compare_warns_when_runs_served_different_inputs(tmp_path: Path, capsys:
     assert json.loads((tmp_path / "c2" / "compare.json").read_text())["input_differences"] == ["duration_s: a=3600.0, short=600.0"]
 
 
+def test_compare_knows_a_packed_trace_and_its_jsonl_are_one_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """One run on ``cc.eipack``, another on the ``cc.jsonl.gz`` it was packed from (the same requests) made
+    ``report compare`` warn "the runs served different inputs — trace: evolving=cc.eipack, dynamo=cc.jsonl.gz":
+    it compared file names (then the files' bytes). The input is now known by what ``simulate`` records of it
+    (header source, request count, block size; no trace file is read), and truly different inputs still warn."""
+    import subprocess
+    import sys
+
+    from evolving_infra.report.compare import input_differences
+    from evolving_infra.report.write import load_run
+
+    repo = Path(__file__).resolve().parents[3]
+    sample = repo / "evolving_infra" / "data" / "claude-code-sample.jsonl.gz"
+    packed = tmp_path / "cc.eipack"
+    run = [sys.executable, "-m", "evolving_infra.cli"]
+    subprocess.run([*run, "trace", "pack", str(sample), str(packed)], cwd=repo, check=True, capture_output=True)
+    runs = {}
+    for name, trace in (("plain", sample), ("packed", packed)):
+        subprocess.run([*run, "simulate", "--trace", str(trace), "--nodes", "2", "--concurrency", "4", "--no-plots",
+                        "--duration", "20", "--out", str(tmp_path / name)], cwd=repo, check=True, capture_output=True)
+        runs[name], _ = load_run(tmp_path / name)
+    assert runs["plain"]["meta"]["trace_requests"] == runs["packed"]["meta"]["trace_requests"] == 742
+    assert input_differences([runs["plain"], runs["packed"]], ["plain", "packed"]) == []
+    assert main(["report", "compare", str(tmp_path / "plain"), str(tmp_path / "packed"), "--out", str(tmp_path / "c")]) == 0
+    assert "different inputs" not in capsys.readouterr().err
+    # another trace of the same source (fewer requests), or another source: different inputs, no file read
+    other = {**runs["packed"], "meta": {**runs["packed"]["meta"], "trace_requests": 700}}
+    assert input_differences([runs["plain"], other], ["plain", "other"]) == [f"trace: plain={sample}, other={packed}"]
+    renamed = {**runs["plain"], "meta": {**runs["plain"]["meta"], "trace_source": "generate claude-code --seed 0"}}
+    assert input_differences([runs["plain"], renamed], ["plain", "gen"]) == [f"trace: plain={sample}, gen={sample}"]
+    # a run that does not record the identity (an older report, a live demo): files compared as before
+    old = {**runs["packed"], "meta": {k: v for k, v in runs["packed"]["meta"].items() if k != "trace_requests"}}
+    assert input_differences([runs["plain"], old], ["plain", "old"]) == [f"trace: plain={sample}, old={packed}"]
+
+
 def test_eviction_share_label_says_it_is_a_share_of_the_lost_reuse(capsys: pytest.CaptureFixture[str]):
     """0.6 is 60% of what was lost (e.g. 60% of 0.1%), not 60% of the reuse: the label must say so."""
     from evolving_infra.report.html import _LABELS
