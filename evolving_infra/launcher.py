@@ -22,8 +22,9 @@ loses only the streams it held.
 ``demo`` does the same, replays real Claude Code sessions through the router
 (closed loop, N concurrent agents), writes ``OUT/report.json`` plus
 ``OUT/requests.jsonl`` and prints a summary (each answered request's record is appended to ``OUT/requests.jsonl`` as
-it completes, as ``replay`` does, so a SIGKILLed or OOM-killed demo keeps them; an earlier run's outputs are moved to
-``OUT/previous/`` once the cluster is ready); SIGINT / SIGTERM / SIGHUP stop it as
+it completes, as ``replay`` does, so a SIGKILLed or OOM-killed demo keeps them; files of a run's output names already
+in ``OUT`` are moved to ``OUT/previous/`` once the cluster is ready, which keeps only the last run's; ``OUT`` is held
+for the whole demo: a second run into it stops before its cluster starts); SIGINT / SIGTERM / SIGHUP stop it as
 they stop ``up`` (cluster, nats-server store and state file gone; one line on
 stderr; status 128 + the signal); during the replay they stop it (no new request; those in flight cancelled) and the
 demo writes and prints the report of what was answered, headed ``PARTIAL REPORT: the replay was stopped by SIGINT ...``
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import json
 import math
@@ -1247,8 +1249,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 async def _demo(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as held:  # OUT's lock (hold_out), once taken, until the report is written
+        return await _demo_held(args, held)
+
+
+async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     from evolving_infra.replay.core import Arrival
-    from evolving_infra.replay.cli import PREVIOUS, OutFolderError, check_previous_run, set_aside_previous_run
+    from evolving_infra.replay.cli import PREVIOUS, OutFolderError, check_previous_run, hold_out, set_aside_previous_run
     from evolving_infra.replay.live import LiveReplayer, RecordAppender
     from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
     from evolving_infra.report.write import REQUESTS_JSONL, build_report, print_summary, report_line, write_report
@@ -1306,10 +1313,14 @@ async def _demo(args: argparse.Namespace) -> int:
                   "use a profile with more KV memory (the default gb300-glm52) or --engine torch, which scales the "
                   "trace to its node", file=sys.stderr)  # fmt: skip
             return 2
-    try:  # before the cluster starts: an OUT/previous of the user's is never replaced, nor a traceback after the start
+    made = not out.exists()
+    try:  # before the cluster starts: a second run into OUT, or an OUT/previous of the user's, stops the demo here
+        held.enter_context(hold_out(out))  # makes OUT; held until the report is written (its logs too: OUT/logs)
         check_previous_run(out)
-        out.mkdir(parents=True, exist_ok=True)  # after the checks of _spec: a refused demo leaves no folder
     except (OutFolderError, OSError) as e:
+        held.close()  # the lock file removed
+        if made and out.is_dir() and not any(out.iterdir()):  # after the checks of _spec: a refused demo leaves no folder
+            out.rmdir()
         print(f"error: --out {out}: {e}", file=sys.stderr)
         return 2
     if not args.log_dir:  # OUT/logs belongs to this run, as OUT/report.json does: an earlier demo's lines go
@@ -1370,14 +1381,15 @@ async def _demo(args: argparse.Namespace) -> int:
 
         # each answered request's record appended to OUT/requests.jsonl as it completes, as `replay` does: a demo
         # SIGKILLed or OOM-killed keeps them (write_report replaces the file, sorted, at the end); an earlier run's
-        # outputs (a run's own names only) go to OUT/previous/ first, so they are never read as this run's
-        try:  # checked before the start; a change since (a previous/ made meanwhile) stops the demo here
+        # outputs (any file of a run's output names) go to OUT/previous/ first, never overwritten nor read as this run's
+        try:  # checked before the start; a change since (a previous/ made meanwhile, a failed move) stops the demo here
             moved = set_aside_previous_run(out)
         except (OutFolderError, OSError) as e:
             print(f"error: --out {out}: {e}", file=sys.stderr, flush=True)
             return 1
         if moved:
-            print(f"demo: an earlier run's outputs in {out} moved to {out / PREVIOUS}/ ({', '.join(moved)})", flush=True)
+            print(f"demo: the outputs in {out} this run would overwrite moved to {out / PREVIOUS}/ ({', '.join(moved)}; "
+                  "it keeps only the last run's)", flush=True)
         try:
             append = RecordAppender(out / REQUESTS_JSONL)
         except OSError as e:
@@ -1814,7 +1826,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0, log_dir="OUT/logs, whose *.log files a new demo replaces; the NATS credentials the demo generates in it are deleted when it stops",
                       warmup="900 s of simulated time in the demo, --engine torch 240 s", fence_after_s=DEMO_FENCE_S)
-    d.add_argument("--out", default="demo-out", type=folder, help="output directory for report.json, requests.jsonl, plots and report.html (default demo-out); each answered request's record is appended to requests.jsonl as it completes (a killed demo keeps them), and an earlier run's outputs there move to OUT/previous/ once the cluster is ready (an OUT/previous holding other files stops the demo before it starts)")
+    d.add_argument("--out", default="demo-out", type=folder, help="output directory for report.json, requests.jsonl, plots, report.html and logs/ (default demo-out); each answered request's record is appended to requests.jsonl as it completes (a killed demo keeps them). Files of those names already there (an earlier run's, or your own) move to OUT/previous/ once the cluster is ready, never overwritten; OUT/previous/ keeps only the last run's (replaced each run). The demo stops before its cluster starts when OUT/previous holds other files, or while another run is writing to OUT (it holds OUT/.evolving-infra.lock)")
     d.add_argument("--trace", default=None, help="canonical trace to replay instead of the shipped Claude Code sample (- reads stdin)")
     d.add_argument("--sessions", type=int, default=None, help="sessions (agents) to replay (default 60; --engine torch: 4)")
     d.add_argument("--concurrency", type=int, default=None, help="concurrent agents, closed loop (default 16; --engine torch: 4)")

@@ -127,3 +127,36 @@ def test_a_demo_into_a_folder_whose_previous_is_the_users_stops_before_the_clust
     assert f"error: --out {out_dir}: {prev} {why}" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert "cluster ready" not in proc.stdout, proc.stdout[-2000:]
     assert sorted((str(p.relative_to(tmp_path)), p.is_dir()) for p in tmp_path.rglob("*")) == before
+
+
+
+def test_a_demo_into_an_out_another_run_is_writing_to_stops_before_the_cluster_starts(tmp_path):
+    """Two runs into one ``--out`` at once (the default ``demo-out`` makes it easy): before, the second moved the
+    first's records to ``previous/``, cleared its ``OUT/logs`` and both wrote the same files, two runs lost without a
+    word. Now a run holds ``OUT`` (an exclusive ``flock``, :func:`~evolving_infra.replay.cli.hold_out`) for its
+    whole run: the demo names the holder's pid and exits 2 before any service starts, every file as it was."""
+    state_dir = tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")} | {"EI_STATE_DIR": str(state_dir)}
+    out_dir = tmp_path / "g"
+    out_dir.mkdir()
+    (out_dir / "report.json").write_text('{"earlier": true}\n')  # the running one's, as far as the demo can tell
+    holder = subprocess.Popen(  # another run holding OUT, as replay and demo hold it
+        [sys.executable, "-c", "import sys; from pathlib import Path; from evolving_infra.replay.cli import hold_out\n"
+         "with hold_out(Path(sys.argv[1])):\n    print('held', flush=True); sys.stdin.read()", str(out_dir)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        before = sorted((str(p.relative_to(tmp_path)), p.is_dir()) for p in tmp_path.rglob("*"))
+        cmd = [sys.executable, "-m", "evolving_infra.cli", "demo", "--sessions", "1", "--concurrency", "1",
+               "--speedup", "25", "--nodes", "1", "--out", str(out_dir)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        after = sorted((str(p.relative_to(tmp_path)), p.is_dir()) for p in tmp_path.rglob("*"))
+    finally:
+        with contextlib.suppress(OSError):
+            holder.stdin.close()  # type: ignore[union-attr]
+        holder.wait(30)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    assert f"error: --out {out_dir}: another run (pid {holder.pid}) is writing to it" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "cluster ready" not in proc.stdout, (proc.stdout[-2000:], proc.stderr)
+    assert after == before
+    assert holder.returncode == 0 and sorted(p.name for p in out_dir.iterdir()) == ["report.json"]  # its lock file gone

@@ -152,16 +152,18 @@ class StubRouter:
 
 
 @contextmanager
-def stub_router_thread(speedup: float | None = None, faults: list[str] | None = None) -> Iterator[tuple[str, StubRouter]]:
+def stub_router_thread(speedup: float | None = None, faults: list[str] | None = None,
+                       hold: bool = False) -> Iterator[tuple[str, StubRouter]]:
     """A :class:`StubRouter` served by its own event loop in a thread (for code that runs ``asyncio.run``
-    itself, such as the ``replay`` command); yields ``(base URL, stub)``. ``speedup``, ``faults``: as :class:`StubRouter`'s."""
+    itself, such as the ``replay`` command); yields ``(base URL, stub)``. ``speedup``, ``faults``: as :class:`StubRouter`'s;
+    ``hold``: no completion is ever answered (a run that stays in flight until it is stopped)."""
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     box: dict[str, object] = {}
 
     def run() -> None:
         asyncio.set_event_loop(loop)
-        stub = StubRouter(speedup=speedup, faults=faults)
+        stub = StubRouter(speedup=speedup, faults=faults, hold=asyncio.Event() if hold else None)
         box["stub"] = stub
         box["url"] = loop.run_until_complete(stub.start())
         ready.set()
