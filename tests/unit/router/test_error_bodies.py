@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from services.router.api import error_body
-from services.router.ingress import IngressGuard
+from services.router.ingress import IngressGuard, key_id
 
 # status -> (type, code): the router sends each of these statuses with an error body
 BODIES = {
@@ -65,6 +65,16 @@ async def _call(guard: IngressGuard, key: str | None) -> tuple[int, dict[str, An
     return sent[0]["status"], json.loads(body), dict(sent[0].get("headers", []))
 
 
+async def _until_in_flight(guard: IngressGuard, key: str, n: int) -> None:
+    """Yield to the loop until ``key`` has ``n`` requests in flight; fail after 10,000 turns instead of spinning to
+    pytest's timeout (the counts were re-keyed from ``"key0"`` to :func:`key_id` and these waits hung for 300 s)."""
+    for _ in range(10_000):
+        if guard.inflight[key_id(key)] >= n:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{key!r} never had {n} requests in flight: {dict(guard.inflight)}")
+
+
 async def test_the_key_guards_401_and_429_are_openais_bodies():
     release = asyncio.Event()
 
@@ -81,8 +91,7 @@ async def test_the_key_guards_401_and_429_are_openais_bodies():
                                   "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}  # fmt: skip
         assert body == error_body(401, body["error"]["message"])
     first = asyncio.create_task(_call(guard, "k1"))
-    while not guard.inflight["key0"]:
-        await asyncio.sleep(0)
+    await _until_in_flight(guard, "k1", 1)
     status, body, head = await _call(guard, "k1")
     assert status == 429 and head[b"retry-after"] == b"1"
     assert body == {"error": {"message": "this API key has 1 request in flight, its limit; retry when it ends",
@@ -102,8 +111,7 @@ async def test_the_429_says_request_for_one_and_requests_for_more():
 
     guard = IngressGuard(held, ["k1"], max_inflight=2, counters=Counter())
     first = [asyncio.create_task(_call(guard, "k1")) for _ in range(2)]
-    while guard.inflight["key0"] < 2:
-        await asyncio.sleep(0)
+    await _until_in_flight(guard, "k1", 2)
     status, body, _ = await _call(guard, "k1")
     assert status == 429
     assert body == error_body(429, "this API key has 2 requests in flight, its limit; retry when one ends")
