@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -125,7 +125,9 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     router_env: tuple[tuple[str, str], ...] = ()
     """Environment variables set for the router process only, over the launcher's (``up``/``demo``: the API keys
     they read at start, ``EI_API_KEYS``, so that no key is on a command line and a restarted router serves the
-    same keys without reading a file again)."""
+    same keys without reading a file again; with a regular keys file, its path in ``EI_API_KEYS_RELOAD_FILE``, which
+    only the router's SIGHUP reload reads; ``evolving_infra.launcher.router_keys_env``). ``up``'s SIGUSR1 replaces
+    the keys for later restarts in the running cluster's children (:meth:`LocalCluster.set_router_env`), not here."""
     router_args: tuple[str, ...] = ()
     """Extra router flags, after the launcher's own (e.g. routing policy options: ``("--ttft-fetch-min-tokens",
     "64")``; ``up``/``demo`` make them from ``--routing-opt``, ``evolving_infra.policy_args``)."""
@@ -275,6 +277,20 @@ def child_env(
     out = {k: v for k, v in (os.environ if base is None else base).items() if k not in drop}
     out.update(env or {})
     return out
+
+
+def _ignoring_sighup(preexec: Callable[[], None] | None) -> Callable[[], None]:
+    """A ``preexec_fn`` that runs ``preexec`` and sets SIGHUP to ignored in the child before its exec, which keeps it
+    (an ignored signal stays ignored across exec): a router started by the cluster then lives through a SIGHUP that
+    comes before its key-reload handler is set (``up``'s SIGUSR1 sends every running router SIGHUP; one restarted a
+    moment before was still starting its interpreter and died, status 129, counted as a crash)."""
+
+    def preexec_ignoring() -> None:
+        if preexec is not None:
+            preexec()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    return preexec_ignoring
 
 
 @dataclass
@@ -757,7 +773,7 @@ class LocalCluster:
             stdout=child.log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=die_with_parent(),
+            preexec_fn=_ignoring_sighup(die_with_parent()) if is_router(child.name) else die_with_parent(),
             pass_fds=child.pass_fds,
         )
         child.started_at = time.monotonic()
@@ -1000,6 +1016,14 @@ class LocalCluster:
         with_others = f" (also exited cleanly: {', '.join(also)})" if also else ""
         raise ServiceStopped(f"{c.name} exited cleanly (code 0){with_others}; log {c.log_path}", service=c.name,
                              log_path=c.log_path, log_tail=self._log_tail(c), reason=f"{c.name} exited cleanly (code 0){with_others}")
+
+    def set_router_env(self, env: dict[str, str]) -> None:
+        """Set ``env`` over every router's own environment for its next starts (a restart by the supervisor), not
+        the running process's: ``up``'s key reload keeps the keys it checked (``EI_API_KEYS``) for routers restarted
+        after it. :attr:`spec` keeps the environment the cluster started with."""
+        for c in self.children:
+            if is_router(c.name):
+                c.env = {**(c.env or {}), **env}
 
     def signal_routers(self, sig: int) -> list[str]:
         """Send ``sig`` to every router process that runs now (``up``'s key reload: SIGHUP). Returns their names."""

@@ -583,23 +583,40 @@ def router_api_keys(args: argparse.Namespace) -> frozenset[str]:
 def reloadable_keys_file(args: argparse.Namespace) -> str:
     """The absolute path of the API keys file (``--api-keys-file``, else env ``EI_API_KEYS_FILE``) when it is a regular
     file, which the routers can read again on a reload (``up``: SIGUSR1, :func:`reload_router_keys`); "" for none, or
-    for a pipe or device (``<(pass show key)``: read once, its keys go to the routers in their environment)."""
+    for a pipe or device (``<(pass show key)``: read once, its keys go to the routers in their environment).
+
+    The path as given, made absolute, with its symbolic links kept: a reload follows them again, so a secret whose
+    link is swapped to a new file (a Kubernetes Secret volume's ``..data``) is read at its new target, where a path
+    resolved at start kept reading the old one (or nothing once it was removed)."""
     path = args.api_keys_file or os.environ.get("EI_API_KEYS_FILE", "")
     if not path:
         return ""
-    p = Path(path)
-    try:
-        return str(p.resolve()) if p.is_file() else ""  # is_file: after links, a regular file (no pipe, no /dev/fd/N)
+    try:  # is_file: after links, a regular file (no pipe, no /dev/fd/N)
+        return os.path.abspath(path) if Path(path).is_file() else ""
     except OSError:
         return ""
 
 
+def router_keys_env(keys: frozenset[str], reload_file: str) -> tuple[tuple[str, str], ...]:
+    """The router's environment for its API keys under ``up``/``demo`` (:attr:`ClusterSpec.router_env`): the keys
+    ``up`` checked, in ``EI_API_KEYS``, which a router reads at each start (a restart after the file was deleted serves
+    the same keys; no key or path on a command line), and with a regular keys file ``reload_file`` its path in
+    ``EI_API_KEYS_RELOAD_FILE`` (with ``up``'s own ``EI_API_KEYS`` in ``EI_API_KEYS_RELOAD_KEYS``), which only the
+    router's SIGHUP reload reads. ``EI_API_KEYS_FILE`` is emptied: the router never reads a path at its start. () for
+    an open router (no keys)."""
+    if not keys:
+        return ()
+    return (("EI_API_KEYS", ",".join(sorted(keys))), ("EI_API_KEYS_FILE", ""), ("EI_API_KEYS_RELOAD_FILE", reload_file),
+            ("EI_API_KEYS_RELOAD_KEYS", os.environ.get("EI_API_KEYS", "") if reload_file else ""))
+
+
 def reload_router_keys(args: argparse.Namespace, cluster: LocalCluster) -> str:
-    """``up``'s SIGUSR1: check the API keys file, then send SIGHUP to every running router, which reads it again
-    (``RouterService.reload_api_keys``: a key taken out is refused from its next request on, one added accepted,
-    requests in flight go on). Returns the line ``up`` prints: how many keys and routers, or why nothing was sent
-    (no keys file to read again: keys from a pipe or ``EI_API_KEYS`` only, or an open router; the file unreadable or
-    holding no key: the routers keep their keys)."""
+    """``up``'s SIGUSR1: check the API keys file, keep its keys for the routers ``up`` restarts from now on (their
+    ``EI_API_KEYS``, :meth:`LocalCluster.set_router_env`), then send SIGHUP to every running router, which reads the
+    file again (``RouterService.reload_api_keys``: a key taken out is refused from its next request on, one added
+    accepted, requests in flight go on). Returns the line ``up`` prints: how many keys and routers, or why nothing was
+    sent (no keys file to read again: keys from a pipe or ``EI_API_KEYS`` only, or an open router; the file unreadable,
+    holding no key or a key with a comma: the routers keep their keys)."""
     from services.router.ingress import ApiKeyError, load_api_keys
 
     path = getattr(args, "reloadable_keys_file", "")
@@ -611,9 +628,15 @@ def reload_router_keys(args: argparse.Namespace, cluster: LocalCluster) -> str:
         keys = load_api_keys(path, os.environ.get("EI_API_KEYS", ""))
     except ApiKeyError as e:
         return f"SIGUSR1: API keys NOT reloaded, the routers keep theirs: {e}"
+    if comma := sum("," in k for k in keys):  # a restarted router gets them in EI_API_KEYS, comma-separated
+        return (f"SIGUSR1: API keys NOT reloaded, the routers keep theirs: {comma} of the keys in {path} hold a comma, "
+                "which the router's EI_API_KEYS cannot carry")
+    args.router_api_keys = keys
+    cluster.set_router_env(dict(router_keys_env(keys, path)))  # before the signal: a router restarted now starts with them
     sent = cluster.signal_routers(signal.SIGHUP)
-    return (f"SIGUSR1: API keys reloaded from {path} ({len(keys)} keys): SIGHUP sent to {', '.join(sent) or 'no running router'} "
-            "(each logs 'API keys reloaded'; a router restarted later reads the file at its start)")
+    return (f"SIGUSR1: {path} holds {len(keys)} keys; SIGHUP sent to {len(sent)} router{'' if len(sent) == 1 else 's'}"
+            f" ({', '.join(sent) or 'none running'}); each logs 'API keys reloaded' and counts "
+            "ei_router_api_key_reloads_total{result}; a router restarted from now on starts with these keys")
 
 
 def routers_line(spec: ClusterSpec) -> str | None:
@@ -915,16 +938,7 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
     torch_values = _torch_values(args)
     args.router_api_keys = router_api_keys(args)
     args.reloadable_keys_file = reloadable_keys_file(args)
-    # a regular file goes to the router as its path, which it reads again on SIGHUP (up forwards SIGUSR1): keys can be
-    # rotated without a restart. Other keys go in its environment: a path to read again broke a pipe
-    # (--api-keys-file <(pass show key): the router got /proc/PID/fd/pipe:[N]); the command line (ps) shows neither
-    if args.reloadable_keys_file:
-        router_env: tuple[tuple[str, str], ...] = (("EI_API_KEYS_FILE", args.reloadable_keys_file),
-                                                   ("EI_API_KEYS", os.environ.get("EI_API_KEYS", "")))
-    elif args.router_api_keys:
-        router_env = (("EI_API_KEYS", ",".join(sorted(args.router_api_keys))), ("EI_API_KEYS_FILE", ""))
-    else:
-        router_env = ()
+    router_env = router_keys_env(args.router_api_keys, args.reloadable_keys_file)
     if args.tokenizer != "sim":  # fail here, with the reason, not in every service's log
         from shared.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
 
@@ -1241,8 +1255,20 @@ def _write_state(info: dict[str, object]) -> Path | None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    """``evolving-infra up``: run :func:`_up` in its own event loop; returns its exit status.
+
+    SIGUSR1 (a key reload, :func:`reload_router_keys`) is ignored until ``_up`` sets its handler (the checks and a
+    tokenizer's load before it take seconds) and again once the loop closed, which put it back to its default:
+    one sent then killed ``up`` (status 138) and left its cluster to die with it."""
     setup_logging("console", "warning")
-    return asyncio.run(_up(args))
+    ignoring = contextlib.suppress(ValueError)  # not the main thread (a test's): the caller's signals are its own
+    with ignoring:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        return asyncio.run(_up(args))
+    finally:
+        with ignoring:
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 # ----------------------------------------------------------------------------- demo

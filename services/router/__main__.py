@@ -8,6 +8,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 
 from shared.config import ConfigError, load_config
@@ -26,7 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     one line on stderr naming the task; the traceback is in the router's log). A line after the configuration is read
     names the instance where it is not ``router`` (``router router-2: --listen-fd 9 is not ...``, as every service's
     exit line, :func:`~shared.service.process_label`): ``up --routers N`` runs router, router-1, ...; each said
-    ``router:``."""
+    ``router:``.
+
+    SIGHUP is ignored from here on except while the service runs, when it reloads the API keys
+    (:meth:`RouterService.reload_api_keys`): one that came during the start (``up``'s SIGUSR1 forwarded to a router
+    it had just restarted) killed it (status 129, counted as a crash), and so did one during the stop. ``up`` starts
+    its routers with SIGHUP ignored already (``LocalCluster``), which covers the interpreter's start before this."""
+    with contextlib.suppress(ValueError):  # not the main thread (a test): the caller's signals are its own
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         cfg = load_config(RouterConfig, argv, prog="router", description="Evolving Infra router: OpenAI-compatible HTTP ingress and PD routing")
     except ConfigError as e:

@@ -236,6 +236,15 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     api_keys: Annotated[
         str, Meta(description="accepted API keys, comma-separated (set it through the environment, EI_API_KEYS, not a flag); empty and no file = open")
     ] = ""
+    api_keys_reload_file: Annotated[
+        str, Meta(description="file read on SIGHUP in place of api_keys_file: its keys and api_keys_reload_keys become the accepted "
+                  "ones; the keys at start still come from api_keys_file and api_keys, so a restart does not need this file "
+                  "(up sets it to its --api-keys-file and the keys it last checked in EI_API_KEYS); empty = SIGHUP reads api_keys_file")
+    ] = ""
+    api_keys_reload_keys: Annotated[
+        str, Meta(description="with api_keys_reload_file: keys accepted beside that file's after a SIGHUP, comma-separated "
+                  "(set it through the environment, EI_API_KEYS_RELOAD_KEYS; up: its own EI_API_KEYS)")
+    ] = ""
     api_key_public_paths: Annotated[
         list[str], Meta(description="paths served without an API key, comma-separated")
     ] = msgspec.field(default_factory=lambda: ["/healthz", "/health", "/ping", "/metrics"])

@@ -799,6 +799,8 @@ class RouterService(WatchedService):
         self.api_keys_on = guard.enabled
         self._sighup = False
         """A SIGHUP handler (key reload) is installed on the loop (:meth:`_watch_sighup`)."""
+        self._sighup_before: Any = signal.SIG_IGN
+        """SIGHUP's disposition before :meth:`_watch_sighup` (the router's ``main``: ignored), put back at the stop."""
         self.ingress = guard
         """The API-key guard (its ``inflight`` per key)."""
         self.http_responses: Counter[tuple[str, str]] = Counter()
@@ -1079,29 +1081,35 @@ class RouterService(WatchedService):
         thread runs this loop (``python -m services.router``; a router made inside another program's thread, a
         test's, leaves the signal alone)."""
         with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals
+            before = signal.getsignal(signal.SIGHUP)
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_api_keys)
             self._sighup = True
+            self._sighup_before = before if before is not None else signal.SIG_IGN  # None: set outside Python
 
     def reload_api_keys(self) -> bool:
-        """Read the API keys again, as at start: ``--api-keys-file`` (env ``EI_API_KEYS_FILE``) and ``EI_API_KEYS`` (this
-        process's environment, which does not change). From the next request on only the keys read are accepted: a
-        key taken out of the file is refused (401), one added is accepted; requests already in flight go on. Logged
-        as ``API keys reloaded`` (how many; each key's :func:`~services.router.ingress.key_id`, never a key) and
-        counted (``ei_router_api_key_reloads_total{result}``).
+        """Read the API keys again: ``--api-keys-reload-file`` (env ``EI_API_KEYS_RELOAD_FILE``) with
+        ``EI_API_KEYS_RELOAD_KEYS`` when set (``up`` sets them: its router starts from the keys in ``EI_API_KEYS``, so a
+        restart does not need the file), else as at start, ``--api-keys-file`` (env ``EI_API_KEYS_FILE``) with
+        ``EI_API_KEYS`` (this process's environment, which does not change). From the next request on only the keys
+        read are accepted: a key taken out of the file is refused (401), one added is accepted; requests already in
+        flight go on. Logged as ``API keys reloaded`` (how many; each key's :func:`~services.router.ingress.key_id`,
+        never a key) and counted (``ei_router_api_key_reloads_total{result}``).
 
         Returns:
             True when the keys were replaced. False (a warning logged, counted as ``failed``; the keys in use stay)
             when the router has no keys file to read (keys given inline only, or an open router: a reload cannot
             turn authentication on or off), or the file cannot be read or holds no key.
         """
-        path = self.cfg.api_keys_file
+        reload_file = self.cfg.api_keys_reload_file
+        path = reload_file or self.cfg.api_keys_file
         if not path or not self.api_keys_on:
             self.counters["api_keys.reload_failed"] += 1
-            self.log.warning("API keys not reloaded: " + ("this router has no --api-keys-file (EI_API_KEYS_FILE) to read again"
+            self.log.warning("API keys not reloaded: " + ("this router has no --api-keys-file or --api-keys-reload-file "
+                                                          "(EI_API_KEYS_FILE, EI_API_KEYS_RELOAD_FILE) to read again"
                              if self.api_keys_on else "this router is open (no API keys): a reload does not turn keys on"))
             return False
         try:
-            keys = load_api_keys(path, self.cfg.api_keys)
+            keys = load_api_keys(path, self.cfg.api_keys_reload_keys if reload_file else self.cfg.api_keys)
         except ApiKeyError as e:
             self.counters["api_keys.reload_failed"] += 1
             self.log.warning("API keys not reloaded; the keys in use stay", error=str(e))
@@ -1124,6 +1132,10 @@ class RouterService(WatchedService):
             self._sighup = False
             with contextlib.suppress(RuntimeError):  # the loop is closing
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            # remove_signal_handler set SIG_DFL: a SIGHUP during the stop killed the router (129). Put back what was
+            # there (python -m services.router: ignored, its main)
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGHUP, self._sighup_before)
         if self.cfg.listen_fd >= 0:
             self._stop_accepting()
         self._bg.stopping = True  # the HTTP server's end from here on is no failure

@@ -153,6 +153,64 @@ def test_a_router_restarted_after_its_key_file_was_deleted_keeps_the_keys_none_i
     assert not [p.name for p in (tmp_path / "logs").glob("*.log") if "k-secret-rl36" in p.read_text()]
 
 
+def _sigusr1_handled_or_ignored(pid: int) -> bool:
+    """Whether process ``pid`` ignores or catches SIGUSR1 (its SigIgn / SigCgt masks in /proc)."""
+    bit = 1 << (signal.SIGUSR1 - 1)
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return bool((int(fields["SigIgn"], 16) | int(fields["SigCgt"], 16)) & bit)
+
+
+def test_up_sigusr1_rotates_the_keys_and_a_router_restarted_later_keeps_the_rotated_ones(tmp_path):
+    """``up``'s SIGUSR1 during its start killed it (the default action, 138); after READY it sends each router SIGHUP
+    (a key reload), and a router ``up`` restarts afterwards, with the file gone, starts with the rotated keys (it read
+    the path at its start: exit 1 at every restart until ``up`` gave up)."""
+    keys = tmp_path / "keys"
+    keys.write_text("k-before-rot\n")
+    proc = subprocess.Popen(_small_up(tmp_path, 1, "--api-keys-file", str(keys)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=_env(tmp_path))  # fmt: skip
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not _sigusr1_handled_or_ignored(proc.pid):  # the interpreter's start: no process can help that
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-2000:]
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGUSR1)  # during the start
+        info = json.loads(_read_until(proc, "READY ", lines)[len("READY "):])
+        url = info["router_url"]
+
+        def code(key: str) -> int:
+            return httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=5).status_code
+
+        assert code("k-before-rot") == 200
+        keys.write_text("k-after-rot\n")
+        proc.send_signal(signal.SIGUSR1)
+        line = _read_until(proc, "SIGUSR1: ", lines, timeout_s=30)
+        assert line.startswith(f"SIGUSR1: {keys} holds 1 keys; SIGHUP sent to 1 router (router); each logs"), line
+        deadline = time.monotonic() + 30
+        while code("k-after-rot") != 200:
+            assert time.monotonic() < deadline, (tmp_path / "logs" / "router.log").read_text()[-2000:]
+            time.sleep(0.2)
+        assert code("k-before-rot") == 401
+        keys.unlink()
+        os.kill(info["pids"]["router"], signal.SIGKILL)
+        _read_until(proc, "restarted router", lines, timeout_s=60)
+        deadline = time.monotonic() + 30
+        while True:  # the restarted router listens on the same port, with the keys of the last SIGUSR1
+            with contextlib.suppress(httpx.HTTPError):
+                if code("k-after-rot") == 200:
+                    break
+            assert time.monotonic() < deadline, (tmp_path / "logs" / "router.log").read_text()[-2000:]
+            time.sleep(0.2)
+        assert code("k-before-rot") == 401
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0, "".join(lines)[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not [p.name for p in (tmp_path / "logs").glob("*.log") if "k-after-rot" in p.read_text()]
+
+
 _SIGINT_WHILE_WRITING = """
 import os, signal, sys, time
 import evolving_infra.report.write as w

@@ -409,3 +409,35 @@ async def test_sighup_reloads_the_api_keys_file_and_in_flight_requests_go_on(nat
             metrics = (await http.get("/metrics")).text
             assert 'ei_router_api_key_reloads_total{result="ok"} 1.0' in metrics
             assert 'ei_router_api_key_reloads_total{result="failed"} 1.0' in metrics
+
+
+async def test_sighup_reads_the_reload_file_not_the_start_keys_and_the_stop_leaves_sighup_as_it_found_it(nats_url, tmp_path):
+    """``up`` gives its router the keys it checked in ``EI_API_KEYS`` (a restart needs no file: one deleted after the
+    start failed every restart) and the file in ``EI_API_KEYS_RELOAD_FILE``, which only SIGHUP reads, with
+    ``EI_API_KEYS_RELOAD_KEYS``: the keys at start are replaced, not kept beside the file's. The stop put SIGHUP back
+    to its default (asyncio's remove_signal_handler): a SIGHUP while ``python -m services.router`` stopped killed it
+    (129); it now puts back what was there before (its ``main``: ignored)."""
+    import os
+    import signal
+
+    keys = tmp_path / "keys"
+    keys.write_text("k-new\n")
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as the router's main leaves it
+    try:
+        async with router_env(nats_url, tmp_path, {"c0": "both"}, api_keys="k-start,k-gone", api_keys_reload_file=str(keys),
+                              api_keys_reload_keys="k-extra") as env:  # fmt: skip
+            assert signal.getsignal(signal.SIGHUP) not in (signal.SIG_IGN, signal.SIG_DFL)  # the reload handler
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{env.service.port}", timeout=30.0) as http:
+                os.kill(os.getpid(), signal.SIGHUP)
+                await _wait_for(lambda: env.service.counters["api_keys.reloaded"] == 1, what="keys reloaded")
+                for key, code in (("k-start", 401), ("k-gone", 401), ("k-new", 200), ("k-extra", 200)):
+                    r = await http.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {key}"})
+                    assert r.status_code == code, (key, r.text)
+                keys.unlink()  # the file gone: the reload fails, the keys in use stay
+                os.kill(os.getpid(), signal.SIGHUP)
+                await _wait_for(lambda: env.service.counters["api_keys.reload_failed"] == 1, what="reload refused")
+                r = await http.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer k-new"})
+                assert r.status_code == 200, r.text
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN  # was SIG_DFL: a SIGHUP in the stop killed the router
+    finally:
+        signal.signal(signal.SIGHUP, before)

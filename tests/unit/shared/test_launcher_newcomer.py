@@ -76,11 +76,14 @@ def test_api_keys_file_goes_to_the_router(command, tmp_path, monkeypatch):
     keys.write_text("# ops\nk-one\nk-two\n")
     args = build_parser(command).parse_args([command, "--api-keys-file", str(keys), "--log-dir", str(tmp_path)])
     router = {c.name: c for c in LocalCluster(_spec(args))._plan_children()}["router"]
-    # a regular file: its path, which the router reads again on SIGHUP (up's SIGUSR1); never the keys on a command line
-    assert router.env == {"EI_API_KEYS_FILE": str(keys.resolve()), "EI_API_KEYS": ""}
+    # the keys up read go in the router's environment, which it reads at each start: a restart after the file was
+    # deleted serves them (it got the path for a while, and a restart without the file exited 1 until up gave up);
+    # the path goes in a variable only its SIGHUP reload reads (up's SIGUSR1); never a key on a command line
+    assert router.env == {"EI_API_KEYS": "k-one,k-two", "EI_API_KEYS_FILE": "", "EI_API_KEYS_RELOAD_FILE": str(keys),
+                          "EI_API_KEYS_RELOAD_KEYS": ""}  # fmt: skip
     assert "k-one" not in " ".join(router.argv)
     assert api_keys_line(args) is not None and api_keys_line(args).startswith(f"API keys ON (2 from --api-keys-file {keys})")
-    assert f"to rotate, edit {keys.resolve()} and send up SIGUSR1" in api_keys_line(args)
+    assert f"to rotate, edit {keys} and send up SIGUSR1" in api_keys_line(args)
     assert "--api-keys-file" not in " ".join(args.live_policy.describe().split())  # not a routing option
 
 
@@ -119,7 +122,8 @@ def test_the_router_gets_the_keys_read_at_start_in_its_environment_not_a_path_to
     finally:
         os.close(r)
     assert "--api-keys-file" not in router.argv and "k-pipe" not in " ".join(router.argv)  # not in `ps`
-    assert router.env == {"EI_API_KEYS": "k-pipe", "EI_API_KEYS_FILE": ""}
+    assert router.env == {"EI_API_KEYS": "k-pipe", "EI_API_KEYS_FILE": "", "EI_API_KEYS_RELOAD_FILE": "",
+                          "EI_API_KEYS_RELOAD_KEYS": ""}  # fmt: skip
     assert demo_client_key(args) == "k-pipe"  # the keys read once, not the file again
     monkeypatch.setenv("EI_API_KEY", "mine")
     assert demo_client_key(args) == "mine"
@@ -227,12 +231,21 @@ def test_up_sigusr1_checks_the_keys_file_then_sends_sighup_to_each_router(tmp_pa
         line = reload_router_keys(args, cluster)
         assert line.startswith("SIGUSR1: API keys NOT reloaded, the routers keep theirs:") and "holds no API key" in line
         assert all(c.proc.poll() is None for c in sleepers.values())  # type: ignore[union-attr]
+        assert all(c.env is None for c in sleepers.values())  # nothing kept from a refused file
         keys.write_text("k-two\nk-three\n")
         line = reload_router_keys(args, cluster)
-        assert line.startswith(f"SIGUSR1: API keys reloaded from {keys.resolve()} (2 keys): SIGHUP sent to router, router-1"), line
+        # up's own read is no proof the routers took the keys: the line says what each router does and where it shows
+        assert line == (f"SIGUSR1: {keys} holds 2 keys; SIGHUP sent to 2 routers (router, router-1); each logs 'API keys "
+                        "reloaded' and counts ei_router_api_key_reloads_total{result}; a router restarted from now on "
+                        "starts with these keys")  # fmt: skip
         for name in ("router", "router-1"):
             assert sleepers[name].proc.wait(10) == -signal.SIGHUP  # type: ignore[union-attr]
-        assert sleepers["planner"].proc.poll() is None  # type: ignore[union-attr]
+            assert sleepers[name].env == {"EI_API_KEYS": "k-three,k-two", "EI_API_KEYS_FILE": "",
+                                          "EI_API_KEYS_RELOAD_FILE": str(keys), "EI_API_KEYS_RELOAD_KEYS": ""}  # fmt: skip
+        assert sleepers["planner"].proc.poll() is None and sleepers["planner"].env is None  # type: ignore[union-attr]
+        keys.write_text("k,comma\n")  # a restarted router could not take it in EI_API_KEYS
+        assert "hold a comma" in reload_router_keys(args, cluster)
+        assert sleepers["router"].env["EI_API_KEYS"] == "k-three,k-two"  # type: ignore[index]
     finally:
         for child in sleepers.values():
             child.proc.kill()  # type: ignore[union-attr]
@@ -246,3 +259,51 @@ def test_up_sigusr1_checks_the_keys_file_then_sends_sighup_to_each_router(tmp_pa
     finally:
         os.close(r)
     assert reload_router_keys(piped, cluster).startswith("SIGUSR1: no API keys file to reload: its keys were read once")
+
+
+def test_a_symlinked_keys_file_is_reloaded_through_its_link(tmp_path, monkeypatch):
+    """The reload path was the file's target, resolved at start: a secret whose link is swapped (a Kubernetes Secret
+    volume's ``..data`` -> a new folder, the old one removed) pinned every reload to the old target. The path keeps
+    its links, made absolute, so a reload reads the new target (reviewer rr-sec, /tmp/rr-sec/symlink.py)."""
+    from evolving_infra.launcher import reloadable_keys_file
+
+    monkeypatch.delenv("EI_API_KEYS", raising=False)
+    monkeypatch.delenv("EI_API_KEYS_FILE", raising=False)
+    secret = tmp_path / "secret"
+    (secret / "..v1").mkdir(parents=True)
+    (secret / "..v1" / "keys").write_text("k-old\n")
+    (secret / "..data").symlink_to("..v1")
+    (secret / "keys").symlink_to("..data/keys")
+    monkeypatch.chdir(tmp_path)
+    args = build_parser("up").parse_args(["up", "--api-keys-file", "secret/keys", "--log-dir", str(tmp_path)])
+    spec = _spec(args)
+    assert reloadable_keys_file(args) == str(secret / "keys") == dict(spec.router_env)["EI_API_KEYS_RELOAD_FILE"]
+    (secret / "..v2").mkdir()
+    (secret / "..v2" / "keys").write_text("k-new\n")
+    (secret / "..tmp").symlink_to("..v2")
+    os.replace(secret / "..tmp", secret / "..data")
+    (secret / "..v1" / "keys").unlink()
+    assert load_api_keys(dict(spec.router_env)["EI_API_KEYS_RELOAD_FILE"], "") == {"k-new"}
+
+
+_SIGUSR1_IN_START = """
+import asyncio, os, signal, sys
+import evolving_infra.launcher as launcher
+async def _up(args):  # a SIGUSR1 before _up's handler (its checks, a tokenizer's load), then after the loop
+    os.kill(os.getpid(), signal.SIGUSR1)
+    await asyncio.sleep(0.2)
+    return 7
+launcher._up = _up
+status = launcher.cmd_up(None)
+os.kill(os.getpid(), signal.SIGUSR1)
+print(signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)
+sys.exit(status)
+"""
+
+
+def test_up_lives_through_a_sigusr1_before_its_handler_and_after_its_loop():
+    """``up`` died of a SIGUSR1 (a key reload) that came before ``_up`` set its handler, and of one after its loop had
+    closed (the default action, status -SIGUSR1): it ignores the signal outside the handler's life."""
+    p = subprocess.run([sys.executable, "-c", _SIGUSR1_IN_START], capture_output=True, text=True, timeout=60,
+                       preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_DFL))  # fmt: skip
+    assert (p.returncode, p.stdout) == (7, "True\n"), p.stderr[-2000:]
