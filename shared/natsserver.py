@@ -34,7 +34,16 @@ from pathlib import Path
 
 _LISTEN = re.compile(r"Listening for client connections on [^\s]*?:(\d+)")
 
+_ROTATED = re.compile(r'Rotated log, backup saved as "([^"\n]+)"')
+
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+LOG_MAX_BYTES = 10 * 1024 * 1024
+"""The server's ``logfile_size_limit``: past it nats-server renames ``nats.log`` to ``nats.log.<time>`` and starts
+a new one (its first line names the backup). ``nats.log`` in ``up``'s log folder was appended to without bound across
+restarts and runs: a client that retried a refused login every few ms grew it by MBs a minute."""
+LOG_MAX_FILES = 5
+"""The server's ``logfile_max_num``: ``nats.log`` and its rotated backups together, the oldest backups removed past it
+(at most ``LOG_MAX_FILES * LOG_MAX_BYTES`` of log per folder)."""
 JS_MAX_FILE_BYTES = 256 * 1024 * 1024
 JS_MAX_MEMORY_BYTES = 64 * 1024 * 1024
 GO_MEMORY_LIMIT = "512MiB"
@@ -213,6 +222,8 @@ class EmbeddedNatsServer:
             f"max_payload: {MAX_PAYLOAD_BYTES}",
             "max_pending: 268435456",
             f'log_file: "{log_file}"',
+            f"logfile_size_limit: {LOG_MAX_BYTES}",
+            f"logfile_max_num: {LOG_MAX_FILES}",
         ]
         if self.jetstream:
             lines.append(
@@ -252,13 +263,29 @@ class EmbeddedNatsServer:
 
     @staticmethod
     def _read_log(path: Path, start: int) -> str:
-        """The log's text from byte ``start`` on ("" when it is not there)."""
+        """The log's text from byte ``start`` on, the offset where this server began to write ("" when it is not there).
+
+        A log shorter than ``start`` was rotated (:data:`LOG_MAX_BYTES`) since: its whole text, after the rotated
+        backup's from ``start`` on when its first line names one (the server rotates at a write, so its first
+        lines, the listen line among them, may be in the backup)."""
         try:
             with open(path, "rb") as f:
-                f.seek(start)
-                return f.read().decode(errors="replace")
+                size = f.seek(0, os.SEEK_END)
+                f.seek(start if size >= start else 0)
+                text = f.read().decode(errors="replace")
         except FileNotFoundError:
             return ""
+        if size >= start:
+            return text
+        rotated = _ROTATED.search(text.split("\n", 1)[0])
+        if rotated is None:
+            return text
+        try:
+            with open(rotated.group(1), "rb") as f:
+                f.seek(start)
+                return f.read().decode(errors="replace") + text
+        except OSError:  # removed meanwhile (logfile_max_num)
+            return text
 
     @property
     def log_path(self) -> Path | None:

@@ -85,3 +85,32 @@ async def test_cluster_writes_the_nats_log_into_its_log_dir(tmp_path):
     assert cluster.nats is None
     assert "Server is ready" in (logs / "nats.log").read_text()
     _public_key((logs / "nats.conf").read_text(), "router")
+
+
+def test_the_log_is_rotated_at_its_limit_and_a_server_still_finds_its_listen_line(tmp_path, monkeypatch):
+    """``nats.log`` in the log folder was appended to without bound (every restart and run, every refused login). The
+    generated config caps it (``logfile_size_limit``, ``logfile_max_num``); a server whose first write rotates the
+    log (a full one left by an earlier run) or whose listen line lands in the backup still reads its port."""
+    import shared.natsserver as natsserver
+
+    logs = tmp_path / "logs"
+    with EmbeddedNatsServer(log_dir=logs, jetstream=False):
+        pass
+    conf = (logs / "nats.conf").read_text()
+    assert f"logfile_size_limit: {natsserver.LOG_MAX_BYTES}\n" in conf and f"logfile_max_num: {natsserver.LOG_MAX_FILES}\n" in conf
+    assert natsserver.LOG_MAX_BYTES == 10 * 1024 * 1024 and natsserver.LOG_MAX_FILES == 5
+    monkeypatch.setattr(natsserver, "LOG_MAX_BYTES", 4000)
+    monkeypatch.setattr(natsserver, "LOG_MAX_FILES", 3)
+    log_file = logs / "nats.log"
+    with open(log_file, "a") as f:
+        f.write("x" * 5000 + "\n")  # full: the next server's first write rotates it
+    ports = []
+    for fill in (0, 3000, 3400, 3600, 3800):  # the limit crossed at the start's first lines, or in its middle
+        if fill:
+            with open(log_file, "a") as f:
+                f.write("y" * max(0, fill - log_file.stat().st_size) + "\n")
+        with EmbeddedNatsServer(log_dir=logs, jetstream=False, startup_timeout_s=10.0) as srv:
+            ports.append(srv.port)
+    assert all(ports), ports
+    assert len(list(logs.glob("nats.log*"))) <= 3, sorted(p.name for p in logs.glob("nats.log*"))
+    assert "Rotated log, backup saved as" in log_file.read_text()
