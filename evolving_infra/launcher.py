@@ -307,11 +307,11 @@ def _add_cluster_args(
     )
     g.add_argument(
         "--metrics-host",
-        default="127.0.0.1",
+        default=None,
         metavar="ADDR",
-        help="with --metrics / --metrics-base-port: the address every service's metrics port binds (its /metrics and "
-        "/readyz, served without authentication); default 127.0.0.1 whatever --host is; 0.0.0.0 for a Prometheus on "
-        "another machine (the ready banner warns)",
+        help="with --metrics / --metrics-base-port (refused without one): the address every service's metrics port binds "
+        "(its /metrics and /readyz, served without authentication); default 127.0.0.1 whatever --host is; 0.0.0.0 for "
+        "a Prometheus on another machine (the ready banner warns)",
     )
     g.add_argument(
         "--metrics-base-port",
@@ -711,14 +711,24 @@ def api_keys_line(args: argparse.Namespace, port: int | None = None) -> str | No
             f"except the router's public paths ({public}){reload}")
 
 
+DEFAULT_METRICS_HOST = "127.0.0.1"
+"""``up --metrics``' metrics address without ``--metrics-host``, whatever the router's ``--host``."""
+
+
 def metrics_host_line(spec: ClusterSpec) -> str | None:
-    """``up``'s ready-banner warning when the services' metrics ports (``--metrics``) listen on an address other than
-    loopback (``--metrics-host 0.0.0.0``): their ``/metrics`` and ``/readyz`` have no authentication. None when metrics
-    are off or bound to loopback (``up --host 0.0.0.0 --metrics`` bound them on every interface without a word)."""
-    if not spec.metrics or _loopback(spec.metrics_host):
+    """``up``'s ready-banner line on where the services' metrics ports (``--metrics``) listen: a ``WARNING:`` when on an
+    address other than loopback (``--metrics-host 0.0.0.0``): their ``/metrics`` and ``/readyz`` have no
+    authentication; a note when they stay on loopback under a router reachable from elsewhere (``--host 0.0.0.0``: a
+    remote Prometheus cannot reach them, and nothing said so). None when metrics are off, or both on loopback."""
+    if not spec.metrics:
         return None
-    return (f"metrics ports listen on {spec.metrics_host} with no authentication: anyone who reaches them reads every "
-            "service's /metrics and /readyz (--metrics-host 127.0.0.1, the default, keeps them on this machine)")
+    if _loopback(spec.metrics_host):
+        if _loopback(spec.host):
+            return None
+        return f"metrics on {spec.metrics_host} (--metrics-host 0.0.0.0 for a remote Prometheus)"
+    return (f"WARNING: metrics ports listen on {spec.metrics_host} with no authentication: anyone who reaches them reads "
+            f"every service's /metrics and /readyz (--metrics-host {DEFAULT_METRICS_HOST}, the default, keeps them on "
+            "this machine)")
 
 
 def _loopback(host: str) -> bool:
@@ -907,6 +917,10 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
     if fence is not None and not (math.isfinite(fence) and fence > 0):  # the router and planner would exit 2 after the cluster started
         raise UsageError(f"error: --fence-after-s {fence:g}: wall seconds, a number > 0")
     base = getattr(args, "metrics_base_port", None)
+    if getattr(args, "metrics_host", None) is not None and not args.metrics and base is None:
+        # no metrics port listens without them: the flag did nothing, silently
+        raise UsageError(f"error: --metrics-host {args.metrics_host} needs --metrics or --metrics-base-port: without them no "
+                         "service has a metrics port")
     if base is not None and not 1024 <= base <= 65535 - (args.nodes + 1 + routers):
         # 0 too: it read as "no base port" and silently turned metrics off while 80 was refused (newcomer walk)
         free = "; --metrics alone gives every service a free port" if base == 0 else ""
@@ -996,7 +1010,7 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
         ready_timeout_s=args.ready_timeout,
         metrics=args.metrics or getattr(args, "metrics_base_port", None) is not None,
         metrics_base_port=getattr(args, "metrics_base_port", None) or 0,
-        metrics_host=getattr(args, "metrics_host", "127.0.0.1"),
+        metrics_host=DEFAULT_METRICS_HOST if getattr(args, "metrics_host", None) is None else args.metrics_host,
         tokenizer=args.tokenizer,
         restart=args.restart,
         max_restarts=args.max_restarts,
@@ -1088,7 +1102,7 @@ async def _up(args: argparse.Namespace) -> int:
         if keys_line := api_keys_line(args, cluster.router_port):
             print(f"  {keys_line}")
         if metrics_line := metrics_host_line(cluster.spec):
-            print(f"  WARNING: {metrics_line}")
+            print(f"  {metrics_line}")
         for line in tokenizer_lines(args):
             print(f"  {line}")
         print("READY " + json.dumps(_shown(info)), flush=True)
