@@ -47,6 +47,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shlex
 import signal
 import socket
@@ -64,7 +65,7 @@ from evolving_infra.cluster import (
     THREAD_ENV, WILDCARD_HOSTS, ClusterConfigError, ClusterError, ClusterSpec, LocalCluster, ServiceStopped, worker_placement, write_json,
 )
 from evolving_infra.replay.retry import RetryPolicy
-from shared.auth import redact_argv, redact_url
+from shared.auth import redact_argv, redact_url, write_private
 from shared.log import setup_logging
 from shared.profile import ProfileError, available_profiles
 from shared.service import until_stopped
@@ -597,17 +598,19 @@ def reloadable_keys_file(args: argparse.Namespace) -> str:
         return ""
 
 
-def router_keys_env(keys: frozenset[str], reload_file: str) -> tuple[tuple[str, str], ...]:
+def router_keys_env(keys: frozenset[str], reload_file: str, id_salt: str = "") -> tuple[tuple[str, str], ...]:
     """The router's environment for its API keys under ``up``/``demo`` (:attr:`ClusterSpec.router_env`): the keys
     ``up`` checked, in ``EI_API_KEYS``, which a router reads at each start (a restart after the file was deleted serves
     the same keys; no key or path on a command line), and with a regular keys file ``reload_file`` its path in
     ``EI_API_KEYS_RELOAD_FILE`` (with ``up``'s own ``EI_API_KEYS`` in ``EI_API_KEYS_RELOAD_KEYS``), which only the
-    router's SIGHUP reload reads. ``EI_API_KEYS_FILE`` is emptied: the router never reads a path at its start. () for
-    an open router (no keys)."""
+    router's SIGHUP reload reads. ``EI_API_KEYS_FILE`` is emptied: the router never reads a path at its start.
+    ``id_salt`` (``EI_API_KEY_ID_SALT``, the cluster's one, :func:`_spec`): the salt of the key ids in the routers'
+    logs (``services.router.ingress.key_id``). () for an open router (no keys)."""
     if not keys:
         return ()
     return (("EI_API_KEYS", ",".join(sorted(keys))), ("EI_API_KEYS_FILE", ""), ("EI_API_KEYS_RELOAD_FILE", reload_file),
-            ("EI_API_KEYS_RELOAD_KEYS", os.environ.get("EI_API_KEYS", "") if reload_file else ""))
+            ("EI_API_KEYS_RELOAD_KEYS", os.environ.get("EI_API_KEYS", "") if reload_file else ""),
+            ("EI_API_KEY_ID_SALT", id_salt))
 
 
 def reload_router_keys(args: argparse.Namespace, cluster: LocalCluster) -> str:
@@ -632,7 +635,7 @@ def reload_router_keys(args: argparse.Namespace, cluster: LocalCluster) -> str:
         return (f"SIGUSR1: API keys NOT reloaded, the routers keep theirs: {comma} of the keys in {path} hold a comma, "
                 "which the router's EI_API_KEYS cannot carry")
     args.router_api_keys = keys
-    cluster.set_router_env(dict(router_keys_env(keys, path)))  # before the signal: a router restarted now starts with them
+    cluster.set_router_env(dict(router_keys_env(keys, path, getattr(args, "key_id_salt", ""))))  # before the signal: a router restarted now starts with them
     sent = cluster.signal_routers(signal.SIGHUP)
     return (f"SIGUSR1: {path} holds {len(keys)} keys; SIGHUP sent to {len(sent)} router{'' if len(sent) == 1 else 's'}"
             f" ({', '.join(sent) or 'none running'}); each logs 'API keys reloaded' and counts "
@@ -710,6 +713,10 @@ def api_keys_line(args: argparse.Namespace, port: int | None = None) -> str | No
     return (f"API keys ON ({len(keys)} from {where}): every request needs 'Authorization: Bearer <key>' (401 without one) "
             f"except the router's public paths ({public}){reload}")
 
+
+KEY_ID_SALT_FILE = "api-key-id.salt"
+"""``up``'s file in its log folder (mode 0600, kept at the stop) with the salt of the API key ids in its routers' logs
+(``services.router.ingress.key_id``), when keys are on."""
 
 DEFAULT_METRICS_HOST = "127.0.0.1"
 """``up --metrics``' metrics address without ``--metrics-host``, whatever the router's ``--host``."""
@@ -952,7 +959,10 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
     torch_values = _torch_values(args)
     args.router_api_keys = router_api_keys(args)
     args.reloadable_keys_file = reloadable_keys_file(args)
-    router_env = router_keys_env(args.router_api_keys, args.reloadable_keys_file)
+    # one secret per cluster for the key ids in the routers' logs: the same id in every router and restart, and none
+    # that identifies a short key offline (an unsalted SHA-256 prefix did); up keeps it in LOG_DIR/api-key-id.salt
+    args.key_id_salt = secrets.token_hex(16)
+    router_env = router_keys_env(args.router_api_keys, args.reloadable_keys_file, args.key_id_salt)
     if args.tokenizer != "sim":  # fail here, with the reason, not in every service's log
         from shared.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
 
@@ -1078,6 +1088,12 @@ async def _up(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ClusterConfigError) else 1  # credentials refused the stream: a configuration error
     ready = True
+    if args.router_api_keys:  # the key ids' salt, for an operator who maps a key to its log lines (README Security)
+        try:
+            write_private(cluster.log_dir / KEY_ID_SALT_FILE, (args.key_id_salt + "\n").encode())
+        except OSError as e:
+            print(f"warning: cannot write {cluster.log_dir / KEY_ID_SALT_FILE} ({e.strerror or e}): the key ids in the "
+                  "router logs cannot be matched to keys", file=sys.stderr)
     info = cluster.describe()
     write_json(cluster.log_dir / "cluster.json", _shown(info))
     state = _write_state({**info, **_state_fields(cluster.spec)})  # the URL whole: split and tap connect with it (0600)

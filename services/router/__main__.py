@@ -17,6 +17,7 @@ from shared.log import setup_logging
 from shared.service import process_label, run_service_main
 
 from services.router.config import RouterConfig
+from services.router.ingress import set_key_id_salt
 from services.router.service import RouterService
 from shared.net import inherited_socket
 from shared.tokenizer import TokenizerError, load_tokenizer
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"router: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg.log_format, cfg.log_level, service="router")
+    if cfg.api_key_id_salt:  # the ids in its log lines agree with the other routers' of the cluster
+        set_key_id_salt(cfg.api_key_id_salt)
     instance = cfg.instance or "router"
     label = process_label("router", instance)
     try:

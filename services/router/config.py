@@ -241,6 +241,11 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
                   "ones; the keys at start still come from api_keys_file and api_keys, so a restart does not need this file "
                   "(up sets it to its --api-keys-file and the keys it last checked in EI_API_KEYS); empty = SIGHUP reads api_keys_file")
     ] = ""
+    api_key_id_salt: Annotated[
+        str, Meta(description="secret the API key ids in the log are made with (HMAC-SHA256; set it through the environment, "
+                  "EI_API_KEY_ID_SALT, not a flag); empty = random per process (ids stable for the router's life); up "
+                  "gives its routers one per cluster, in LOG_DIR/api-key-id.salt")
+    ] = ""
     api_keys_reload_keys: Annotated[
         str, Meta(description="with api_keys_reload_file: keys accepted beside that file's after a SIGHUP, comma-separated "
                   "(set it through the environment, EI_API_KEYS_RELOAD_KEYS; up: its own EI_API_KEYS)")

@@ -32,7 +32,9 @@ value (``EI_API_KEYS``); see :func:`load_api_keys`.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
+import secrets
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -109,11 +111,31 @@ def _digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key if isinstance(key, bytes) else key.encode()).digest()
 
 
+_key_id_salt: bytes = secrets.token_bytes(16)
+"""The secret :func:`key_id` is made with: random per process unless :func:`set_key_id_salt` gave one."""
+
+
+def set_key_id_salt(salt: str) -> None:
+    """Make :func:`key_id` with ``salt`` from now on (the router's ``--api-key-id-salt``, env ``EI_API_KEY_ID_SALT``:
+    ``up`` gives all the routers of one cluster the same, so their ids agree across routers and restarts).
+
+    Raises:
+        ValueError: ``salt`` is empty.
+    """
+    global _key_id_salt
+    if not salt:
+        raise ValueError("an API key id salt cannot be empty")
+    _key_id_salt = salt.encode()
+
+
 def key_id(key: str | bytes) -> str:
-    """A short name of an API key for logs: the first 8 hex digits of its SHA-256 (``key_id("k1")`` ->
-    ``"9e12b1f7"``-like). Not reversible; the same key gives the same id in every router and every run, so an
-    operator finds a key's lines with ``printf %s KEY | sha256sum | cut -c1-8``."""
-    return _digest(key).hex()[:8]
+    """A short name of an API key for logs: the first 8 hex digits of its HMAC-SHA256 under a secret salt
+    (:func:`set_key_id_salt`; without one, random per process: ids stable for the router's life). An unsalted
+    SHA-256 prefix in a world-readable log identified a short or guessable key offline (hash the candidates, compare);
+    without the salt the id says nothing about the key. An operator with the salt finds a key's lines:
+    ``printf %s "$KEY" | openssl dgst -sha256 -hmac "$SALT" | awk '{print substr($NF, 1, 8)}'`` (``up``: the salt is
+    in ``LOG_DIR/api-key-id.salt``, mode 0600)."""
+    return hmac.new(_key_id_salt, key if isinstance(key, bytes) else key.encode(), hashlib.sha256).hexdigest()[:8]
 
 
 class RepeatedAuthorization(ValueError):

@@ -5,9 +5,12 @@ supervisor's restarts; ``demo`` ended by SIGINT/SIGTERM removes its state file a
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -191,6 +194,14 @@ def test_up_sigusr1_rotates_the_keys_and_a_router_restarted_later_keeps_the_rota
             assert time.monotonic() < deadline, (tmp_path / "logs" / "router.log").read_text()[-2000:]
             time.sleep(0.2)
         assert code("k-before-rot") == 401
+        # the reload's line names each key by its id: an HMAC under the cluster's salt (0600), not a plain SHA-256
+        # prefix anyone who reads the log could match against guessed keys
+        salt_file = tmp_path / "logs" / "api-key-id.salt"
+        assert stat.S_IMODE(salt_file.stat().st_mode) == 0o600
+        kid = hmac.new(salt_file.read_text().strip().encode(), b"k-after-rot", hashlib.sha256).hexdigest()[:8]
+        router_log = (tmp_path / "logs" / "router.log").read_text()
+        assert "API keys reloaded" in router_log and kid in router_log, router_log[-2000:]
+        assert hashlib.sha256(b"k-after-rot").hexdigest()[:8] not in router_log
         keys.unlink()
         os.kill(info["pids"]["router"], signal.SIGKILL)
         _read_until(proc, "restarted router", lines, timeout_s=60)

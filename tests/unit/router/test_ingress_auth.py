@@ -63,3 +63,25 @@ async def test_two_authorization_headers_with_different_values_are_a_400_not_the
     open_guard = IngressGuard(_ok, [], counters=counters)
     assert (await _call(open_guard, [good, other]))[0] == 200  # no keys: not read
     assert counters["http.auth_header_repeated"] == 5
+
+
+def test_a_key_id_is_a_salted_hmac_not_a_sha256_prefix_that_names_a_short_key(monkeypatch):
+    """The id in the (world-readable) router log was the first 8 hex digits of the key's plain SHA-256: hashing
+    candidates offline named a short or guessable key (``k1``: ``printf %s k1 | sha256sum``). It is an HMAC under a
+    secret salt now: random per process, or the cluster's (``EI_API_KEY_ID_SALT``), the same id for the same salt."""
+    import hashlib
+    import hmac
+    import re
+
+    import pytest
+
+    from services.router import ingress
+
+    monkeypatch.setattr(ingress, "_key_id_salt", ingress._key_id_salt)  # put back after the test
+    assert re.fullmatch(r"[0-9a-f]{8}", ingress.key_id("k1")) and ingress.key_id("k1") == ingress.key_id(b"k1")
+    assert ingress.key_id("k1") != hashlib.sha256(b"k1").hexdigest()[:8]
+    assert ingress.key_id("k1") != ingress.key_id("k2")
+    ingress.set_key_id_salt("cluster-salt")
+    assert ingress.key_id("k1") == hmac.new(b"cluster-salt", b"k1", hashlib.sha256).hexdigest()[:8]
+    with pytest.raises(ValueError, match="cannot be empty"):
+        ingress.set_key_id_salt("")

@@ -80,7 +80,8 @@ def test_api_keys_file_goes_to_the_router(command, tmp_path, monkeypatch):
     # deleted serves them (it got the path for a while, and a restart without the file exited 1 until up gave up);
     # the path goes in a variable only its SIGHUP reload reads (up's SIGUSR1); never a key on a command line
     assert router.env == {"EI_API_KEYS": "k-one,k-two", "EI_API_KEYS_FILE": "", "EI_API_KEYS_RELOAD_FILE": str(keys),
-                          "EI_API_KEYS_RELOAD_KEYS": ""}  # fmt: skip
+                          "EI_API_KEYS_RELOAD_KEYS": "", "EI_API_KEY_ID_SALT": args.key_id_salt}  # fmt: skip
+    assert len(args.key_id_salt) == 32  # the cluster's secret for the key ids in its routers' logs
     assert "k-one" not in " ".join(router.argv)
     assert api_keys_line(args) is not None and api_keys_line(args).startswith(f"API keys ON (2 from --api-keys-file {keys})")
     assert f"to rotate, edit {keys} and send up SIGUSR1" in api_keys_line(args)
@@ -123,7 +124,7 @@ def test_the_router_gets_the_keys_read_at_start_in_its_environment_not_a_path_to
         os.close(r)
     assert "--api-keys-file" not in router.argv and "k-pipe" not in " ".join(router.argv)  # not in `ps`
     assert router.env == {"EI_API_KEYS": "k-pipe", "EI_API_KEYS_FILE": "", "EI_API_KEYS_RELOAD_FILE": "",
-                          "EI_API_KEYS_RELOAD_KEYS": ""}  # fmt: skip
+                          "EI_API_KEYS_RELOAD_KEYS": "", "EI_API_KEY_ID_SALT": args.key_id_salt}  # fmt: skip
     assert demo_client_key(args) == "k-pipe"  # the keys read once, not the file again
     monkeypatch.setenv("EI_API_KEY", "mine")
     assert demo_client_key(args) == "mine"
@@ -241,7 +242,8 @@ def test_up_sigusr1_checks_the_keys_file_then_sends_sighup_to_each_router(tmp_pa
         for name in ("router", "router-1"):
             assert sleepers[name].proc.wait(10) == -signal.SIGHUP  # type: ignore[union-attr]
             assert sleepers[name].env == {"EI_API_KEYS": "k-three,k-two", "EI_API_KEYS_FILE": "",
-                                          "EI_API_KEYS_RELOAD_FILE": str(keys), "EI_API_KEYS_RELOAD_KEYS": ""}  # fmt: skip
+                                          "EI_API_KEYS_RELOAD_FILE": str(keys), "EI_API_KEYS_RELOAD_KEYS": "",
+                                          "EI_API_KEY_ID_SALT": args.key_id_salt}  # fmt: skip
         assert sleepers["planner"].proc.poll() is None and sleepers["planner"].env is None  # type: ignore[union-attr]
         keys.write_text("k,comma\n")  # a restarted router could not take it in EI_API_KEYS
         assert "hold a comma" in reload_router_keys(args, cluster)
