@@ -408,7 +408,7 @@ async def test_request_lines_name_the_client_address_and_the_keys_id_and_every_4
     """A newcomer's walk: a 401's ``request rejected`` line had no client address (who is guessing keys?), the
     accepted / finished lines did not say which key sent them, and ``ei_router_requests_total{code}`` counted no
     401 of ``GET /v1/models``, ``/version``, ``/docs``, ``/openapi.json``. Now every such line has ``client``
-    (``host:port``), a request let through has ``key`` (8 hex of the key's SHA-256, never the key), and
+    (``host:port``), a request let through has ``key`` (its key_id: 8 hex of an HMAC-SHA256 under a secret salt, never the key), and
     ``ei_router_http_responses_total{endpoint,code}`` counts every response with a bounded endpoint label."""
     import re
 
