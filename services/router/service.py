@@ -285,6 +285,12 @@ class _Pending:
     """Output position of the current attempt's first output token."""
     attempt_first: bool = False
     """The current attempt's first chunk arrived (its prefill finished)."""
+    handoff: tuple[int, str] | None = None
+    """``(attempt, decode node)`` once output of that attempt came from its decode node (the prefill → decode
+    hand-off reached it): from then on that decode node serves the stream, and a chunk of that attempt from the
+    prefill node is dropped (``chunks_prefill_after_handoff``). A re-dispatch (a new attempt) or a decode node
+    placed again (another node) makes it stale, so the prefill node's chunks count again until the new decode
+    node's first output."""
     next_index: int = 0
     """Output position of the next token the client does not have yet."""
     tokens: list[int] = field(default_factory=list)
@@ -1334,6 +1340,15 @@ class RouterService(WatchedService):
             return
         if chunk.node != p.prefill_node:  # output of its decode node: the hand-off reached it
             self.core.view.on_handoff(chunk.rid, chunk.node)
+            p.handoff = (p.attempt, chunk.node)
+        elif p.handoff is not None and p.handoff == (p.attempt, p.decode_node):
+            # the prefill node of a request its decode node serves: it handed the request off (its first token went
+            # out before the hand-off) and holds nothing of it; only a forged chunk (its key publishing on its own
+            # req.<rid>.out.<node>) comes now, and must not end or fill the stream the decode node serves
+            self.counters["chunks_prefill_after_handoff"] += 1
+            self.bus.droplog.event("chunks_prefill_after_handoff", "token chunk from the prefill node of a request "
+                                   "its decode node serves dropped", rid=chunk.rid, node=chunk.node)  # fmt: skip
+            return
         now = self.clock.now()
         failed = chunk.finish_reason in ("error", "abort")
         if not failed:

@@ -405,7 +405,10 @@ async def test_a_worker_identity_cannot_end_a_stream_another_node_serves(tmp_pat
     (``TokenChunk(node="w0", finished=True, finish_reason="stop")``) on a stream that node serves, one per
     ``attempt`` the request may have (the router's wall ms at its arrival), on the old shared subject
     (``req.<rid>.out``), on the other node's subject (``req.<rid>.out.w0``) and on its own with the other's
-    name in the body (``req.<rid>.out.w1``); and ``worker-w0``'s key the same in ``w1``'s name. Before, every
+    name in the body (``req.<rid>.out.w1``); and ``worker-w0``'s key the same in ``w1``'s name, and, as the prefill
+    node the request was handed off from, in its own name on its own subject (``req.<rid>.out.w0``, ``node="w0"``:
+    before, the router took it, as the prefill node is one of the request's, and the stream ended after 7 of 200
+    tokens; now it is dropped once the decode node's output came, ``chunks_prefill_after_handoff``). Before, every
     worker might publish ``req.*.out`` and the router took the body's ``node``: the client's stream ended with
     HTTP 200, ``stop``, after a few of its tokens. Now the server refuses the first two
     (each node publishes only its own ``req.*.out.<n>``) and the router drops the third (a body node that is
@@ -456,6 +459,9 @@ async def _forge_chunks(cluster: LocalCluster) -> None:
                 forged = m.encode(m.TokenChunk(rid=rid, node=victim, index=5, finished=True, finish_reason="stop", attempt=attempt, router="router"))
                 for subject in (f"ei.p0.req.{rid}.out", f"ei.p0.req.{rid}.out.{victim}", f"ei.p0.req.{rid}.out.{me[len('worker-'):]}"):
                     await nc.publish(subject, forged)
+                if me == "worker-w0":  # the prefill node (1P1D: w0), in its own name on its own subject, after the hand-off
+                    own = m.TokenChunk(rid=rid, node="w0", index=5, finished=True, finish_reason="stop", attempt=attempt, router="router")
+                    await nc.publish(f"ei.p0.req.{rid}.out.w0", m.encode(own))
             await nc.flush()
         await asyncio.wait_for(client, 120)
     finally:
@@ -468,3 +474,4 @@ async def _forge_chunks(cluster: LocalCluster) -> None:
     finally:
         await admin.close()
     assert router.counters.get("invalid.req.{rid}.out.{node}", 0) >= 2 * (t1 - t0 + 100), router.counters
+    assert router.counters.get("chunks_prefill_after_handoff", 0) >= 1, router.counters  # the request's own attempt
