@@ -26,19 +26,24 @@ import math
 import os
 import re
 import sys
+from typing import Any
 
 from evolving_infra.stdio_args import folder
 from shared.auth import AuthError, NatsAuth, auth_from_env, generate, redact_url, router_names, write_private
 
 
-async def make_stream(nats_url: str, partition: str, creds: str, timeout_s: float) -> str:
+async def make_stream(nats_url: str, partition: str, creds: str, timeout_s: float, *, recreate: bool = False) -> str:
     """Find or create ``partition``'s JetStream stream on ``nats_url`` as the ``launcher`` identity.
 
     Args:
         nats_url: the NATS server.
         partition: Evolving Infra partition (the stream is ``EI_<partition>``).
         creds: the launcher's credentials file (``auth gen``'s ``launcher.nk``); empty = none (open server).
+            With ``recreate``, credentials that may delete the stream (``admin.nk``; the launcher's may not).
         timeout_s: wall seconds for the connection (Bus.connect retries until then).
+        recreate: delete the stream of that name first, if there (its messages too: at most
+            ``shared.bus.STREAM_MAX_AGE_S``, 120 s of them), then create it: the way to replace another version's
+            stream that lacks some subjects. Services bound to the old stream are to be restarted after.
 
     Returns:
         The stream's name.
@@ -48,45 +53,51 @@ async def make_stream(nats_url: str, partition: str, creds: str, timeout_s: floa
         RuntimeError: the server has no JetStream or refused the stream (its reason when it gave one: another
             stream takes some of the subjects, ``shared.bus.stream_refusal``), did not answer the stream's lookup or
             create in ``shared.bus.STREAM_LOOKUP_TIMEOUT_S`` (5 s: a loaded or hung server), or the stream there does not
-            take every reliable subject (made by another version or by hand: what it lacks would not be kept).
+            take every reliable subject (made by another version or by hand: messages on what it lacks would reach
+            no consumer, e.g. no request's output its router); with ``recreate``, the server did not delete it.
     """
     from shared.bus import Bus, stream_name
-    from shared.subjects import ALL, Subjects
+    from shared.subjects import Subjects
 
     auth = NatsAuth.from_settings(creds=creds, name="launcher")
     subjects = Subjects(partition)
     bus = await asyncio.wait_for(Bus.connect(nats_url, subjects, service="launcher", instance="launcher", auth=auth), timeout_s)
     try:
         name = stream_name(subjects)
+        if recreate:
+            await _delete_stream(bus, name)
         if not await bus.ensure_stream(wait=False):  # a service's credentials: refused at once, not waited on
             if bus.stream_refused:  # the server answered the create with its reason (e.g. subjects overlap another stream's)
                 raise RuntimeError(f"no JetStream stream {name}: {bus.stream_refused}")
             if bus.stream_unanswered:  # silence is not "JetStream off": a loaded or hung server
                 raise RuntimeError(f"the server did not answer {bus.stream_unanswered} (loaded or hung?); try again")
             raise RuntimeError("no JetStream stream (JetStream off, or these credentials may not create it: the launcher's may)")
-        info = await bus.nc.jetstream(timeout=5.0).stream_info(name)
-        have = list(info.config.subjects or ())
-        lacks = [w for w in (subjects.wildcard(x) for x in ALL if x.reliable) if not any(covers(h, w) for h in have)]
-        if lacks:  # found, not made: ensure_stream accepts any stream of that name
-            raise RuntimeError(
-                f"stream {name} is there but lacks subjects {lacks} (it has {have}): messages on them would not be kept; "
-                f"delete it (nats stream rm {name}) or use another partition"
-            )
+        if bus.stream_lacking:  # found, not made: another version's (ensure_stream checks it as up's launcher does)
+            raise RuntimeError(bus.stream_lacking.replace("--nats-url URL", f"--nats-url {redact_url(nats_url)}"))
     finally:
         await bus.close()
     return stream_name(subjects)
 
 
-def covers(pattern: str, subject: str) -> bool:
-    """Whether NATS subject ``pattern`` (``*`` one token, ``>`` the rest) matches every subject that
-    ``subject`` (itself possibly a wildcard) matches; e.g. ``ei.p0.>`` covers ``ei.p0.work.*.prefill``."""
-    p, s = pattern.split("."), subject.split(".")
-    for i, tok in enumerate(p):
-        if tok == ">":
-            return i < len(s)
-        if i >= len(s) or s[i] == ">" or (tok != "*" and tok != s[i]):
-            return False
-    return len(p) == len(s)
+async def _delete_stream(bus: Any, name: str) -> None:
+    """Delete stream ``name`` through ``bus`` (a :class:`shared.bus.Bus`), if there (5 s for the answer).
+
+    Raises:
+        RuntimeError: the server refused or did not answer (credentials that may not delete it: a permission
+            violation leaves the request unanswered)."""
+    import nats
+
+    from shared.bus import STREAM_LOOKUP_TIMEOUT_S, stream_api_subject, stream_refusal
+
+    try:
+        await bus.nc.jetstream(timeout=STREAM_LOOKUP_TIMEOUT_S).delete_stream(name)
+    except nats.js.errors.NotFoundError:
+        return  # not there: nothing to delete
+    except (nats.errors.Error, asyncio.TimeoutError) as e:
+        why = stream_refusal(e).replace("refused to create it", "refused to delete it") or (
+            f"no answer to {stream_api_subject('DELETE', name)} in {STREAM_LOOKUP_TIMEOUT_S:g} s: these credentials "
+            "may not delete it (auth gen's admin.nk may), or the server is loaded or hung")
+        raise RuntimeError(f"stream {name} not deleted: {why}") from e
 
 
 def cmd_stream(args: argparse.Namespace) -> int:
@@ -108,7 +119,7 @@ def cmd_stream(args: argparse.Namespace) -> int:
     shown = redact_url(url)  # a password in the URL is neither printed nor logged
     setup_logging("console", "error")  # the bus client's lines (and its fallback warning) are not this command's output
     try:
-        name = asyncio.run(make_stream(url, args.partition, args.creds, args.timeout))
+        name = asyncio.run(make_stream(url, args.partition, args.creds, args.timeout, recreate=args.recreate))
     except AuthError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -118,7 +129,7 @@ def cmd_stream(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"error: {shown}: {e}", file=sys.stderr)
         return 1
-    print(f"JetStream stream {name} on {shown}")
+    print(f"JetStream stream {name} on {shown}" + (" (made anew)" if args.recreate else ""))
     return 0
 
 
@@ -193,6 +204,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     st.add_argument("--creds", default="", help="the launcher's credentials file (auth gen's launcher.nk); empty = none")
     st.add_argument("--partition", default="p0", help="partition (default p0)")
     st.add_argument("--timeout", type=float, default=30.0, help="wall seconds to connect, > 0 (default 30)")
+    st.add_argument(
+        "--recreate", action="store_true", help="delete the stream of that name first (with its messages: at most 120 s of "
+        "them), then create it: replaces another version's stream that lacks some subjects; needs credentials that may "
+        "delete it (--creds auth gen's admin.nk; the launcher's may not); restart the services after",
+    )
     p.set_defaults(func=cmd_auth)
 
 

@@ -33,7 +33,7 @@ import structlog
 
 from shared import messages as m
 from shared.auth import AuthError, Credentials, NatsAuth, generate, redact_url, router_names
-from shared.bus import Bus, BusError, PermissionDenied, stream_api_subject, stream_name
+from shared.bus import Bus, BusError, PermissionDenied, StreamLacksSubjects, stream_api_subject, stream_name
 from shared.config import ENV_PREFIX, CommonConfig, ConfigError, field_from_text
 from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent, exit_text, signal_text
 from shared.net import http_url, listen_socket
@@ -671,6 +671,8 @@ class LocalCluster:
                 launcher's NATS connection is refused or its ``--nats-url`` is unusable (an empty server
                 in the list). :class:`ClusterConfigError` when the server refuses the launcher's credentials
                 the JetStream stream (its lookup or create: ``--nats-url`` with an identity not granted it).
+                A ClusterError naming what it lacks and the fix when the stream found there lacks some reliable
+                subjects (``shared.bus.StreamLacksSubjects``: another version's), before any service starts.
         """
         try:
             await self._start()
@@ -740,6 +742,8 @@ class LocalCluster:
             await asyncio.wait_for(self._bus.ensure_stream(maker=True), wait_s)
         except PermissionDenied as e:  # the server refuses these credentials the stream: waiting cannot help
             raise ClusterConfigError(f"{e}") from e
+        except StreamLacksSubjects as e:  # another version's stream there: its services would wait 600 s for output
+            raise ClusterError(str(e).replace("--nats-url URL", f"--nats-url {redact_url(self.nats_url)}")) from e
         except asyncio.TimeoutError as e:  # a loaded or hung server: the lookup gets no answer, or the create fails
             raise ClusterError(self._stream_timeout(wait_s)) from e
         seen: dict[str, m.Heartbeat] = {}

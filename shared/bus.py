@@ -54,7 +54,7 @@ import os
 import re
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -281,6 +281,38 @@ def stream_name(subjects: Subjects) -> str:
     return "EI_" + subjects.partition
 
 
+def covers(pattern: str, subject: str) -> bool:
+    """Whether NATS subject ``pattern`` (``*`` one token, ``>`` the rest) matches every subject that
+    ``subject`` (itself possibly a wildcard) matches; e.g. ``ei.p0.>`` covers ``ei.p0.work.*.prefill``."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return i < len(s)
+        if i >= len(s) or s[i] == ">" or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def stream_lacks(have: Sequence[str], want: Sequence[str]) -> list[str]:
+    """The subjects of ``want`` (the stream's config: every reliable subject) that no subject of ``have`` (a stream
+    found on the server) covers (:func:`covers`), in ``want``'s order; empty when it takes them all."""
+    return [w for w in want if not any(covers(h, w) for h in have)]
+
+
+STREAM_FIX = (
+    "delete it and make it anew (it keeps only {age:g} s of messages): `evolving-infra auth stream --recreate "
+    "--nats-url URL` (with credentials that may delete it: auth gen's admin.nk), or use another partition"
+)
+"""How to mend a stream that lacks reliable subjects (:class:`StreamLacksSubjects`); ``{age}``: its max age, s."""
+
+
+class StreamLacksSubjects(BusError):
+    """The partition's stream is there but does not take every reliable subject (another version's, or one made by
+    hand): messages on those subjects are kept by no stream and reach no JetStream consumer (a request's output
+    never reaches its router). Raised by :meth:`Bus.ensure_stream` for ``maker`` (``up``'s launcher); the message
+    names the stream, what it lacks and the fix (:data:`STREAM_FIX`)."""
+
+
 def stream_api_subject(api: str, name: str) -> str:
     """The JetStream API subject of ``api`` (``INFO``, ``CREATE``) on stream ``name``: ``$JS.API.STREAM.<api>.<name>``
     (what a lookup or create publishes to, and what a permission refusal names)."""
@@ -393,6 +425,10 @@ class Bus:
         self.stream_refused = ""
         """Why the server refused the create of :meth:`ensure_stream` ``(wait=False)`` (:func:`stream_refusal`);
         empty when it did not answer one (no JetStream, or credentials that may not create it)."""
+        self.stream_lacking = ""
+        """Why the stream found is unusable, when it lacks reliable subjects (:class:`StreamLacksSubjects`'s words:
+        the stream, what it lacks, the fix), else empty: logged at error, and a service's ``/readyz`` 503 reason
+        (``shared.service``) for the bus's life; ``auth stream`` exits 1 with it."""
         self.stream_unanswered = ""
         """What got no answer in time with :meth:`ensure_stream` ``(wait=False)`` (``auth stream``): "the stream lookup
         ($JS.API.STREAM.INFO.<stream>) in 5 s" (or the create, without a permission violation), a loaded or hung
@@ -1052,8 +1088,14 @@ class Bus:
         for another to make it (nobody will): before, ``up --nats-url`` with credentials that may not create the
         stream waited forever, a warning each minute.
 
+        A stream of that name found (not made) that lacks some reliable subjects (:func:`stream_lacks`; another
+        version's, one made by hand) sets :attr:`stream_lacking` (a service's ``/readyz`` 503 for good, logged at
+        error unless ``wait=False``, whose caller reports it; the bus goes on with it, so the service stays up and says why) or, for ``maker``, raises. Before,
+        any stream of that name was taken: ``up --nats-url`` reported READY and every request hung 600 s.
+
         Raises:
             PermissionDenied: ``maker``, and the server refused this identity the stream's lookup or create.
+            StreamLacksSubjects: ``maker``, and the stream there lacks some reliable subjects.
 
         Returns:
             Whether the stream is there (``self.jetstream``); False only without JetStream, with
@@ -1104,6 +1146,17 @@ class Bus:
             info = await self._await_stream(lambda: True, again=False, maker=maker)
             if info is None:  # the bus closed while it waited
                 return False
+        have = list(info.config.subjects or ())
+        lacks = stream_lacks(have, list(config.subjects or ()))
+        if lacks:  # found, not made (another version's, by hand): what it lacks reaches no consumer
+            self.stream_lacking = (
+                f"the JetStream stream {config.name} lacks subjects {lacks} (it has {have}; another version's, or made by "
+                f"hand): messages on them are kept by no stream and reach no consumer; " + STREAM_FIX.format(age=STREAM_MAX_AGE_S)
+            )  # fmt: skip
+            if maker:
+                raise StreamLacksSubjects(self.stream_lacking)
+            if wait:  # a service's; wait=False is auth stream's, which reports it itself (one line)
+                self.log.error("STREAM LACKS SUBJECTS: " + self.stream_lacking, stream=config.name)
         if self._stream_created is None:
             self._stream_created = info.created
         self._stream_checked = True

@@ -215,6 +215,9 @@ class Readiness:
       restarting; the bus reconnects forever);
     * ``the NATS server at <url> has no JetStream (stream <name>): reliable messages wait for it``: the bus, on
       JetStream, reconnected to a server restarted without it; reliable publishes are kept until it is back;
+    * ``the JetStream stream <name> lacks subjects [...] ...``: the stream found is another version's (or made by
+      hand) and keeps none of some must-arrive messages (``shared.bus.Bus.stream_lacking``): for good, until it is made
+      anew and the service restarted;
     * ``waiting for the JetStream stream <name>``: the bus waits for the partition's stream (at start; after a
       reconnect until the server has answered that it has it, the reliable publishes kept meanwhile; or, to a server
       that lost its store, until it or the launcher makes it again: ``shared.bus``). Before, a reconnect's first
@@ -258,6 +261,8 @@ class Readiness:
             return "disconnected", f"not connected to NATS at {self.url} (reconnecting)"
         if bus.jetstream_missing:
             return "no_jetstream", f"the NATS server at {self.url} has no JetStream (stream {bus.jetstream_missing}): reliable messages wait for it"
+        if bus.stream_lacking:  # a stream of another version: its must-arrive messages reach nobody (shared.bus)
+            return "stream", bus.stream_lacking
         if bus.stream_waiting:
             return "stream", f"waiting for the JetStream stream {bus.stream_waiting}"
         if self.phase != "serving":

@@ -108,7 +108,7 @@ def test_auth_stream_refuses_a_stream_that_does_not_take_every_reliable_subject(
 
 
 def test_covers_is_nats_subject_matching_of_patterns():
-    from evolving_infra.auth_cli import covers
+    from shared.bus import covers
 
     assert covers("ei.p0.>", "ei.p0.work.*.prefill") and covers("ei.p0.work.*.prefill", "ei.p0.work.*.prefill")
     assert covers("ei.*.work.*.prefill", "ei.p0.work.*.prefill") and covers("ei.p0.work.>", "ei.p0.work.*.prefill")
@@ -317,7 +317,7 @@ async def test_auth_stream_says_the_server_did_not_answer_when_the_lookup_times_
 
             await hung.nc.subscribe("$JS.API.STREAM.INFO.EI_p7", cb=silent)
             await hung.flush()  # Bus.flush: nats-py's writes its PING ahead of the queued SUB
-            args = argparse.Namespace(partition="p7", timeout=10.0, nats_url=srv.url, creds="")
+            args = argparse.Namespace(partition="p7", timeout=10.0, nats_url=srv.url, creds="", recreate=False)
             t0 = time.monotonic()
             rc = await asyncio.to_thread(cmd_stream, args)
             waited = time.monotonic() - t0
