@@ -117,7 +117,7 @@ def main() -> None:
         f"- command: `python bench/overhead_bench.py{' --quick' if args.quick else ''}`",
         f"- date: {time.strftime('%Y-%m-%d %H:%M')}, commit {commit_label(REPO)}, {platform.machine()} {platform.python_version()}, 2 shared cores",
         "- what: HTTP in → first SSE token out, one request at a time, through router → kv.lookup → work.<node>.prefill →"
-        " engine step → req.<rid>.out → SSE, with a zero-time profile (so simulated GPU time is 0 and all of it is control plane);"
+        " engine step → req.<rid>.out.<node> → SSE, with a zero-time profile (so simulated GPU time is 0 and all of it is control plane);"
         f" {n} requests per row after 3 warm-up requests; fresh random prompts (no cache hits); 1P1D, every service its own process.",
         "",
         "| path | p50 ms | p99 ms | mean ms | p50 / HTTP floor |",

@@ -134,6 +134,14 @@ def identity(name: str) -> Identity:
     return Identity(name, kind)
 
 
+def node_is_router_name(node: str) -> bool:
+    """Whether worker node id ``node`` is also a router identity's name (``router``, ``router-<x>``: :func:`identity`).
+    Such a node's output subject ``req.*.out.<node>`` is that router's own (a router publishes the end of a
+    parked request there, and its chunks name it as their node), so the node's key could end that router's streams:
+    :func:`generate` (``auth gen --nodes``, ``up``) and the worker's ``--node`` refuse it."""
+    return node == "router" or node.startswith("router-")
+
+
 def router_names(n: int) -> list[str]:
     """Names of ``n`` router instances: ``router``, ``router-1``, ..., ``router-{n-1}`` (identities of kind router,
     :func:`identity`): ``up --routers N``'s processes, ``auth gen --routers N``'s identities, the fault kit's routers.
@@ -333,13 +341,19 @@ def generate(
         client by its public key only (``$G/nkey:U...``), and the comment says whose key that is.
 
     Raises:
-        AuthError: a name of no known kind or not one subject token, a partition not one token, or
-            ``mode`` is ``off`` (checked before anything is written).
+        AuthError: a name of no known kind or not one subject token, a worker whose node id is a router's name
+            (:func:`node_is_router_name`), a partition not one token, or ``mode`` is ``off`` (checked before
+            anything is written).
     """
     if mode == "off":
         raise AuthError("generate() needs mode nkeys or password")
     all_names = list(dict.fromkeys([*names, "operator", "launcher", "admin"]))
-    table = {name: permissions(identity(name), partition) for name in all_names}
+    idents = [identity(name) for name in all_names]
+    clash = [i.node for i in idents if i.kind == "worker" and node_is_router_name(i.node)]
+    if clash:  # req.*.out.<node> would be a router's own output subject
+        raise AuthError(f"node id(s) {', '.join(clash)}: a router's instance name (router, router-<x>): that node's "
+                        "output subject would be the router's own; name the node otherwise (e.g. w0)")  # fmt: skip
+    table = {i.name: permissions(i, partition) for i in idents}
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)

@@ -123,7 +123,7 @@ _NOT_IN_RID = re.compile(r"[^A-Za-z0-9_-]")
 def request_id_for(record_id: str, used: set[str] | None = None) -> str:
     """The ``X-Request-ID`` sent for a request whose id (branch prefix + trace id) is ``record_id``.
 
-    The router takes any 1 to 256 visible ASCII characters but keeps an id as its rid (``req.<rid>.out``,
+    The router takes any 1 to 256 visible ASCII characters but keeps an id as its rid (``req.<rid>.out.<node>``,
     its logs and traces) only when it is 1 to ``RID_MAX_LEN`` (128) characters of ``[A-Za-z0-9_-]``
     (``services.router.api.request_rid`` maps the others), so for the id sent to be the rid of the
     server's records every other character becomes ``-``

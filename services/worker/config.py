@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from shared.profile import Profile
 
 from services.worker.kvpool.config import DEFAULT_MAX_POOL_BYTES
+from shared.auth import node_is_router_name
 from shared.config import CommonConfig
 from shared.subjects import check_token
 
@@ -228,6 +229,9 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
 
     def __post_init__(self) -> None:
         check_token(self.node, "node")
+        if node_is_router_name(self.node):  # its output subject req.*.out.<node> would be a router's own
+            raise ValueError(f"node {self.node!r}: a router's instance name (router, router-<x>) is no node id: "
+                             "its output subject would be that router's; name the node otherwise (e.g. w0)")  # fmt: skip
 
 
 def worker_profile(cfg: WorkerConfig) -> "Profile":

@@ -132,6 +132,27 @@ def test_generate_refuses_a_name_that_is_not_one_subject_token_and_writes_nothin
         generate(tmp_path / "creds", ["worker-w0"], partition="*")
 
 
+@pytest.mark.parametrize("nodes", ["w0,router", "router-1", "w0,router-x"])
+def test_a_node_id_that_is_a_routers_name_is_refused(tmp_path, capsys, nodes):
+    """A worker node id that is a router identity's name (``router``, ``router-<x>``) would get that router's output
+    subject (``req.*.out.router``: the router's own, where it ends a parked request) and could end its streams
+    (reviewer rr-chunk). Before, ``auth gen --nodes w0,router`` wrote it (exit 0) and the worker started. Now
+    ``generate`` (``auth gen``, ``up``) refuses it before writing anything (exit 2) and so does the worker's config."""
+    from evolving_infra.cli import main
+    from services.worker.config import WorkerConfig
+
+    with pytest.raises(AuthError, match="a router's instance name"):
+        generate(tmp_path / "creds", [f"worker-{n}" for n in nodes.split(",")])
+    assert not (tmp_path / "creds").exists()
+    assert main(["auth", "gen", "--dir", str(tmp_path / "gen"), "--nodes", nodes]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "a router's instance name" in err and not (tmp_path / "gen").exists(), err
+    with pytest.raises(ValueError, match="a router's instance name"):
+        WorkerConfig(node=nodes.split(",")[-1])
+    assert WorkerConfig(node="routerish").node == "routerish"  # only router and router-<x> are router names
+    assert main(["auth", "gen", "--dir", str(tmp_path / "ok"), "--nodes", "w0,routerish"]) == 0
+
+
 def test_auth_gen_server_block_is_private_and_bad_nodes_exit_2(tmp_path, capsys):
     """nats-auth.conf (its hashes, with ``--mode password``): mode 0600, as the credentials."""
     from evolving_infra.cli import main
