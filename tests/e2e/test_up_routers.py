@@ -351,12 +351,18 @@ def test_an_id_in_flight_on_another_router_is_409_and_503_once_that_router_died_
         pids: dict[str, int] = ready["pids"]  # type: ignore[assignment]
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         hdr = {"X-Request-ID": "dup-1"}
+        ended = threading.Event()  # the long stream's end reached the client (its [DONE], or the connection broke)
 
         def stream() -> None:
-            body = {"model": model, "prompt": "a long one", "max_tokens": 200, "stream": True, "ignore_eos": True}
-            with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", url + "/v1/completions", json=body, headers=hdr, timeout=60) as r:
-                for _ in r.iter_lines():
-                    pass
+            # 250 tokens (~38 ms each at --speedup 0.05: ~9.5 s), the most this cluster's nodes hold with the prompt
+            # (256 tokens of KV)
+            body = {"model": model, "prompt": "a long one", "max_tokens": 250, "stream": True, "ignore_eos": True}
+            try:
+                with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", url + "/v1/completions", json=body, headers=hdr, timeout=60) as r:
+                    for _ in r.iter_lines():
+                        pass
+            finally:
+                ended.set()
 
         threading.Thread(target=stream, daemon=True).start()
         deadline = time.monotonic() + 20
@@ -367,10 +373,20 @@ def test_an_id_in_flight_on_another_router_is_409_and_503_once_that_router_died_
             time.sleep(0.02)
         time.sleep(0.3)  # its route.sent reached the other router
         short = {"model": model, "prompt": "again", "max_tokens": 2}
-        answers = [httpx.post(url + "/v1/completions", json=short, headers=hdr, timeout=30) for _ in range(12)]
-        assert [r.status_code for r in answers] == [409] * 12, [(r.status_code, r.text[:200]) for r in answers]
-        # the kernel gave some of the 12 connections to the other router: it answered for its peer
-        assert any(f"on router {holder}" in r.text for r in answers), [r.text for r in answers]
+        # the same id again until both routers have answered (the kernel gives each new connection to either): the
+        # holder for its own request, the other for its peer's; at most 12. Each 409 comes after a 0.5-s grace for
+        # the id's end, and 12 in a row (6.9 s idle) outlasted the 200-token stream (~7.6 s) of a loaded run:
+        # the 12th was rightly served (200), the id being free by then
+        answers: list[httpx.Response] = []
+        began = time.monotonic()
+        while len(answers) < 12 and not (any(f"on router {holder}" in r.text for r in answers)
+                                         and any("in flight\"" in r.text for r in answers)):
+            answers.append(httpx.post(url + "/v1/completions", json=short, headers=hdr, timeout=30))
+        # all answered while the stream was open (a 200 for its id after its end would be right, not a second stream)
+        assert not ended.is_set(), f"the long stream ended within the answers ({time.monotonic() - began:.1f} s)"
+        assert [r.status_code for r in answers] == [409] * len(answers), [(r.status_code, r.text[:200]) for r in answers]
+        assert any(f"on router {holder}" in r.text for r in answers), [r.text for r in answers]  # the other, for its peer
+        assert any("in flight\"" in r.text for r in answers), [r.text for r in answers]  # the holder, for its own
 
         os.kill(pids[holder], signal.SIGKILL)
         seen: list[tuple[int, str, str | None]] = []
