@@ -30,9 +30,7 @@ died may never have been stored: each reliable message carries a
 ``Nats-Msg-Id``, the publisher keeps the last ``RESEND_WINDOW_S`` of them and
 publishes them again on reconnect; the stream drops the copies it already has
 (its duplicate window) and each consumer drops an id it has handled, so nothing
-is lost or handled twice. Reliable messages published from the disconnect until the reconnect's stream
-check found the stream are kept by the bus, not nats-py, and published after that window, so the stream
-stores them in publish order (``Bus._holding``). Without JetStream on the server (``--nats-url`` to a plain server) the
+is lost or handled twice. Without JetStream on the server (``--nats-url`` to a plain server) the
 bus falls back to core subscriptions and says so in the log (at the bus's first stream check; a bus on JetStream
 that reconnects to a server restarted without it keeps its reliable publishes until JetStream is back,
 :meth:`Bus._await_jetstream`, its ``/readyz`` 503 meanwhile); a server with JetStream that lacks the
@@ -213,8 +211,8 @@ RESEND_MAX_MSGS = 50_000
 """Bound of the resend window in messages, and of the reliable publishes kept while the stream may be lost (``HELD_MAX_BYTES``)."""
 HELD_MAX_BYTES = 64 * 1024 * 1024
 """Byte bound (payloads) of the reliable publishes a bus keeps from a disconnect until it knows the stream is there
-after the reconnect (:meth:`Bus._hold`), only kept, not sent: published after the resend window, in publish order,
-once it is there. Past it (or ``RESEND_MAX_MSGS``) the oldest are dropped, counted ``stream_held_dropped``."""
+after the reconnect (:meth:`Bus._hold`): published again, in order, when the server came back without its store.
+Past it (or ``RESEND_MAX_MSGS``) the oldest are dropped, counted ``stream_held_dropped``."""
 PUBLISH_STREAM_WAIT_S = 5.0
 """How long the first reliable publish of a bus that has not looked for the stream yet waits for it (seconds);
 past that it is sent over core NATS and the search goes on in the background (:meth:`Bus.publish`)."""
@@ -460,18 +458,20 @@ class Bus:
         self._resend: list[tuple[float, str, bytes, dict[str, str]]] = []
         self._holding = False
         """True from a disconnect (on JetStream) until the stream is known to be there after the reconnect: reliable
-        publishes are only kept in ``_held`` meanwhile (:meth:`_hold`), not sent, and go out after the resend window, in
-        publish order, when the reconnect's check ends (:meth:`_publish_kept`): a server back without its store drops
-        what is sent before the stream is made again, and one that kept it would store them ahead of the older window
-        published again (nats-py flushes its reconnect buffer before the reconnected callback)."""
+        publishes are kept in ``_held`` meanwhile (:meth:`_hold`), since a server back without its store drops them."""
         self._held: deque[tuple[float, str, bytes, dict[str, str]]] = deque()
         self._held_bytes = 0
+        self._held_unsent = False
+        """True once a reliable publish was only kept (:attr:`_stream_lost`), not sent: a stream found again after the
+        reconnect (the same one) lacks it, so what is kept is published again then, not dropped."""
         self._stream_lost = False
         """True while a reconnect's lookup has found the stream lost (the server answered "not found") and the bus waits
-        for it (:meth:`_await_stream` ``again``), or waits for JetStream, with publishes held (reliable publishes are
-        only kept all through :attr:`_holding`; before, they were sent unless the stream was known lost, and a consumer
-        got a token stream out of order). Set by :meth:`_wait_for_stream` and :meth:`_wait_for_jetstream`, cleared by
-        :meth:`_wait_over`."""
+        for it (:meth:`_await_stream` ``again``): reliable publishes are then only kept, not sent, and go out with the
+        rest in publish order once it is back. Before, they were sent too: nowhere, unless another bus had just made the
+        stream, where they were stored ahead of the older kept ones published again after it, and a consumer got a
+        token stream out of order (the router takes the older chunks for duplicates: their tokens were lost).
+        True too while a reconnect's check waits for JetStream with publishes held. Set by :meth:`_wait_for_stream` and
+        :meth:`_wait_for_jetstream`, cleared by :meth:`_wait_over`."""
         self._js_subs: list[tuple[Subscription, _StreamPosition]] = []
         self.identity = ""
         """Name of the NATS identity this bus connected as (``NatsAuth.name``); empty = no credentials."""
@@ -693,9 +693,8 @@ class Bus:
         # longer than RESEND_WINDOW_S the first one's window was lost (tests/integration/test_bus_resend_reconnect_live.py)
         self._trim_recent(time.monotonic())
         self._put_back([*self._resend, *self._recent])
-        # until the stream is known to be there after the reconnect, only keep what is published (nats-py's reconnect
-        # buffer would flush it into a server that may have come back without its store, where it goes nowhere, or
-        # into one that kept it ahead of the older window published again)
+        # until the stream is known to be there after the reconnect, keep what is published (nats-py's reconnect
+        # buffer flushes it into a server that may have come back without its store, where it goes nowhere)
         self._holding = self._holding or self.jetstream
         self._stream_unconfirmed(disconnect=True)
         self.log.warning("nats disconnected")
@@ -729,17 +728,15 @@ class Bus:
                 self._put_back([*resend, *self._resend])
                 return
             if not go_on():  # a later reconnect took over: its check ends the holding
-                if self._holding:  # and publishes the window with what it kept, in publish order
-                    for r in resend:
-                        self._hold(r)
-                    return
+                for r in (resend if self._holding else ()):
+                    self._hold(r)
             elif info is not None and self._stream_created is not None and info.created is not None and info.created != self._stream_created:
                 # a new stream (the server came back without its store): what was published since the disconnect, before
                 # the stream was there, went nowhere: published again, in order, with the window (ids drop any copy).
                 # Before, only the last RESEND_WINDOW_S of it was: a longer wait for the stream lost the rest
                 self._stream_created = info.created
                 self.counters["stream_recreated"] += 1
-                resend = self._in_order([*resend, *self._recent])  # and what it kept (_publish_kept), in publish order
+                resend = self._in_order([*resend, *self._stop_holding(), *self._recent])
                 first = max(0, int(info.state.first_seq) - 1)
                 self.log.warning("stream is new after the reconnect (the server lost its store); consumers resume at its start",
                                  consumers=len(self._js_subs), stream_first=first + 1)  # fmt: skip
@@ -751,15 +748,17 @@ class Bus:
                     jsi._sseq = first
                     await jsi.reset_ordered_consumer(first + 1)
                 info = None  # the consumers are placed
-            # else the same stream, or none to be found (a lookup refused this identity): what the bus kept since the
-            # disconnect was never sent (publish), so it goes out after the window, in publish order (_publish_kept)
+            else:  # the same stream (what was published meanwhile is in it, unless only kept), or none to be found
+                unsent = self._held_unsent
+                held = self._stop_holding()
+                if info is not None and unsent:
+                    # published while the server had no JetStream (or lacked the stream), only kept: the stream lacks
+                    # them. Before, they were dropped here (ids drop a copy of any the stream has)
+                    resend = self._in_order([*resend, *held])
         except asyncio.CancelledError:
             self._put_back([*resend, *self._resend])
             raise
-        if self._holding:
-            await self._publish_kept(resend)
-        else:  # a later check ended the holding already
-            await self._publish_again(resend)
+        await self._publish_again(resend)
         if info is None:
             return
         last = int(info.state.last_seq)
@@ -787,28 +786,6 @@ class Bus:
             self.droplog.event("resend", "reliable publishes dropped from the resend window: too many kept over "
                                "reconnects", dropped=excess, kept=len(resend))  # fmt: skip
         self._resend = resend
-
-    async def _publish_kept(self, resend: list[tuple[float, str, bytes, dict[str, str]]]) -> None:
-        """End the holding a reconnect's check found the stream for: publish ``resend`` (its window) and what the bus
-        kept since the disconnect (:attr:`_held`, never sent: :meth:`publish`), once each, in publish order, then what
-        was kept while those went out (nats-py's publish can wait on its buffer), and only then stop holding, so a
-        later publish follows them all. A disconnect meanwhile leaves the holding (and what is kept from then on) to
-        the next reconnect's check, with the batch it was publishing merged into the window (:attr:`_resend`: their
-        publish times can be older than the window :meth:`_disconnected` takes). Cancelled (:meth:`close`), it puts the batch
-        it was publishing back in :attr:`_resend` for the close (message ids drop the copies that went out)."""
-        disconnects = self._js_disconnects
-        batch = self._in_order([*resend, *self._take_held()])
-        while batch:
-            try:
-                await self._publish_again(batch)
-            except asyncio.CancelledError:
-                self._put_back([*batch, *self._resend])
-                raise
-            if self._js_disconnects != disconnects:  # they may have died in the socket; ids drop the copies stored
-                self._put_back([*batch, *self._resend])
-                return
-            batch = self._take_held()
-        self._holding = False
 
     async def _publish_again(self, resend: list[tuple[float, str, bytes, dict[str, str]]]) -> None:
         """Publish ``resend`` (reliable publishes ``(monotonic s, subject, payload, headers)``, in order) again after a
@@ -854,16 +831,19 @@ class Bus:
     def _wait_for_stream(self, name: str, *, lost: bool | None = None) -> None:
         """A stream check waits for stream ``name`` (a lookup without an answer, :meth:`_lookup_unanswered`, or a
         stream the server lacks, :meth:`_await_stream`): :attr:`stream_waiting` names it (``/readyz``); ``lost`` (None:
-        as it is): the check found the stream lost (:attr:`_stream_lost`)."""
+        as it is): reliable publishes are only kept meanwhile (:attr:`_stream_lost`)."""
         self.stream_waiting = name
         if lost is not None:
             self._stream_lost = lost
 
     def _wait_for_jetstream(self, name: str) -> None:
         """A reconnect's check waits for JetStream (:meth:`_await_jetstream`): :attr:`jetstream_missing` names the
-        stream (``/readyz``); reliable publishes are only kept meanwhile (:attr:`_holding`), as from the disconnect on."""
+        stream (``/readyz``); reliable publishes are only kept meanwhile when the bus holds them (:attr:`_holding`),
+        and what it kept since the disconnect counts as unsent (nats-py's reconnect buffer sent it to this server,
+        where nobody got it)."""
         self.jetstream_missing = name
         self._stream_lost = self._holding
+        self._held_unsent = self._holding
 
     def _wait_over(self, go_on: Callable[[], bool]) -> None:
         """A stream check's wait (or the check) is over: :attr:`stream_waiting`, :attr:`jetstream_missing` and
@@ -890,17 +870,13 @@ class Bus:
             self.droplog.event("stream_held", "reliable publish dropped: too many kept while the stream may be lost",
                                subject=old[1], kept=len(self._held), kept_bytes=self._held_bytes)  # fmt: skip
 
-    def _take_held(self) -> list[tuple[float, str, bytes, dict[str, str]]]:
-        """What was kept (:attr:`_held`, oldest first), taken off the bus; the holding goes on."""
+    def _stop_holding(self) -> list[tuple[float, str, bytes, dict[str, str]]]:
+        """End :attr:`_holding`; return what was kept (oldest first)."""
         held = list(self._held)
         self._held.clear()
         self._held_bytes = 0
-        return held
-
-    def _stop_holding(self) -> list[tuple[float, str, bytes, dict[str, str]]]:
-        """End :attr:`_holding`; return what was kept (oldest first)."""
-        held = self._take_held()
         self._holding = False
+        self._held_unsent = False
         return held
 
     @staticmethod
@@ -959,7 +935,7 @@ class Bus:
         """After a reconnect to a server without JetStream (its stream lookup answered "no responders" or "JetStream not
         enabled", ``first``), while this bus is on JetStream: its reliable subscriptions are JetStream consumers, which
         get nothing then, and a reliable publish sent would go to core NATS, where nobody listens. So reliable publishes
-        are only kept (:attr:`_holding`, bounded as :meth:`_hold`), :attr:`jetstream_missing` names the stream (a
+        are only kept (:attr:`_stream_lost`, bounded as :meth:`_hold`), :attr:`jetstream_missing` names the stream (a
         service's ``/readyz`` 503), a warning comes at once and every ``STREAM_BACK_WAIT_S`` (counter
         ``jetstream_missing_warnings``), and the stream is looked up each 0.5 s until JetStream answers: its info (the
         same stream, or one another bus made), or, when it answers "not found" (a store lost), :meth:`_await_stream`
@@ -1216,14 +1192,11 @@ class Bus:
     async def publish(self, subject: Subject, msg: msgspec.Struct, *, headers: dict[str, str] | None = None, **params: str) -> None:
         """Publish ``msg`` on ``subject`` formatted with ``params`` (``headers``: NATS headers, e.g. ``traceparent``).
 
-        While disconnected the message waits in the client's buffer (flushed on reconnect); a reliable one on
-        JetStream is only kept by the bus from the disconnect until the reconnect's check found the stream
-        (:attr:`_holding`, bounded by ``RESEND_MAX_MSGS`` and ``HELD_MAX_BYTES``, the oldest dropped), then sent after
-        the resend window, in publish order (the stream's lookup round trip later than before). The first reliable
+        While disconnected the message waits in the client's buffer (flushed on reconnect). The first reliable
         publish of a bus that has not looked for the stream yet waits up to ``PUBLISH_STREAM_WAIT_S`` for it
         (:meth:`ensure_stream`); a reliable message published while the stream is not known goes over core NATS
         without a message id (a stream there stores it all the same). After a reconnect to a server that lost the
-        stream, a reliable message is kept until the stream is back (:attr:`_stream_lost`).
+        stream, a reliable message is only kept until the stream is back (:attr:`_stream_lost`), then sent in order.
 
         Raises:
             BusUnavailable (a :class:`BusError`): the client refused the message (reconnect
@@ -1250,15 +1223,12 @@ class Bus:
                 kept = (now, full, data, hdr)
                 self._recent.append(kept)
                 self._trim_recent(now)
-                if self._holding and not self.nc.is_closed:  # closed: refused below (BusUnavailable), as before
-                    # only kept: sent after the window, in publish order, once the reconnect's check found the stream
-                    # (_publish_kept). Before, it went to nats-py's buffer, which the reconnect flushes before the bus
-                    # publishes the older window again: a stream that kept its store stored newer before older, and
-                    # the router took the late older token chunks for duplicates (a hole in the client's output;
-                    # tests/integration/test_bus_resend_reconnect_live.py); unless the stream was lost, then only kept
+                if self._holding:
                     self._hold(kept)
-                    self.counters["published." + subject.template] += 1
-                    return
+                    if self._stream_lost:  # sent with the kept ones, in order, once the stream is back (_stream_lost)
+                        self._held_unsent = True
+                        self.counters["published." + subject.template] += 1
+                        return
                 await self.nc.publish(full, data, headers={**headers, **hdr} if headers else hdr)
             else:
                 await self.nc.publish(full, data, headers=headers)

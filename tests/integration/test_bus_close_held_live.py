@@ -148,7 +148,7 @@ async def test_a_reconnect_during_the_close_publishes_what_the_bus_only_kept(mon
         await until(lambda: bus._stream_lost, what="the reconnect's check to find the stream lost")
         for branch in HELD:  # only kept: sent once the stream is back
             await bus.publish(BRANCH_EVENTS, m.BranchEnd(branch_id=branch))
-        assert len(bus._held) == len(HELD)
+        assert len(bus._held) == len(HELD) and bus._held_unsent
         await asyncio.sleep(0.3)  # older than the resend window the next disconnect takes
 
         finish = asyncio.Event()
