@@ -220,9 +220,18 @@ def bus_families(counters: Mapping[str, int], subscribed: Iterable[str] = ()) ->
     )
     yield counter_family(
         "ei_bus_stream_held_dropped",
-        "Reliable publishes lost: dropped, oldest first, from those kept while the JetStream stream may be lost (past "
-        "RESEND_MAX_MSGS or HELD_MAX_BYTES, shared/bus.py)",
+        "Reliable publishes dropped, oldest first, from the copies a bus keeps from a disconnect until the reconnect "
+        "found its JetStream stream (past RESEND_MAX_MSGS or HELD_MAX_BYTES, shared/bus.py): lost when the server came "
+        "back without the stream; those only kept while it was lost were never sent, and their publishers were told "
+        "they succeeded",
         {(): float(counters.get("stream_held_dropped", 0))},
+    )
+    yield counter_family(
+        "ei_bus_resend_dropped",
+        "Reliable publishes dropped, oldest first, from the resend window that no reconnect's check published again "
+        "yet (past RESEND_MAX_MSGS, merged over several disconnects: a flapping link, shared/bus.py): lost if they "
+        "died unstored",
+        {(): float(counters.get("resend_dropped", 0))},
     )
     yield counter_family(
         "ei_bus_stream_lookup_retries",

@@ -154,7 +154,7 @@ async def test_sigterm_drains_open_streams_and_refuses_new_requests(nats_url, tm
         assert scraped["ei_router_drain_refused_total"] == 1.0, sorted(k for k in scraped if k.startswith("ei_router_"))
         for name in ("ei_router_gone_before_dispatch_total", "ei_router_gate_disconnects_total", "ei_router_branches_active",
                      "ei_router_branches_expired_total", "ei_router_branches_evicted_total", "ei_router_branches_resumed_total",
-                     "ei_bus_stream_held_dropped_total", "ei_bus_stream_lookup_retries_total", "ei_nats_permission_violations_total"):
+                     "ei_bus_stream_held_dropped_total", "ei_bus_resend_dropped_total", "ei_bus_stream_lookup_retries_total", "ei_nats_permission_violations_total"):
             assert scraped[name] == 0.0, name
         # the router answers route.bind for its requests (their prefill node binding their decode node) meanwhile
         for w in cluster.works:

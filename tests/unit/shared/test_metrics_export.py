@@ -60,13 +60,14 @@ def test_bus_counters_become_per_subject_families():
 
 
 def test_the_bus_s_outage_counters_are_exported():
-    """A reliable message lost while the stream may be gone, a stream lookup retried, a publish left to the reconnect's
+    """A reliable message lost while the stream may be gone or cut from a resend window, a stream lookup retried, a publish left to the reconnect's
     resend, a server back without JetStream, a permission the server refused: each was only in ``/v1/stats``' JSON
     (``Bus.counters``), which no alert reads."""
     counters = Counter({"stream_held_dropped": 7, "stream_lookup_retries": 3, "publish_deferred.route.placed": 2,
-                        "jetstream_missing_warnings": 1, "nats.permission_violations": 4})  # fmt: skip
+                        "jetstream_missing_warnings": 1, "nats.permission_violations": 4, "resend_dropped": 5})  # fmt: skip
     fams = {f.name: f for f in text_string_to_metric_families(generate_latest(make_registry(SimpleNamespace(counters=counters))).decode())}
     assert [s.value for s in fams["ei_bus_stream_held_dropped"].samples] == [7]
+    assert [s.value for s in fams["ei_bus_resend_dropped"].samples] == [5]  # a resend window cut over a flapping link
     assert [s.value for s in fams["ei_bus_stream_lookup_retries"].samples] == [3]
     assert {s.labels["subject"]: s.value for s in fams["ei_bus_publishes_deferred"].samples} == {"route.placed": 2}
     assert [s.value for s in fams["ei_bus_jetstream_missing_warnings"].samples] == [1]
