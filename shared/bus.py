@@ -30,7 +30,10 @@ died may never have been stored: each reliable message carries a
 ``Nats-Msg-Id``, the publisher keeps the last ``RESEND_WINDOW_S`` of them and
 publishes them again on reconnect; the stream drops the copies it already has
 (its duplicate window) and each consumer drops an id it has handled, so nothing
-is lost or handled twice. Without JetStream on the server (``--nats-url`` to a plain server) the
+is lost or handled twice. One known limit on order: nats-py flushes its reconnect buffer (what was published during
+the outage) before the reconnected callback, where the bus publishes the older window again, so a server that kept
+its store stores an outage's publishes ahead of the window's unstored ones (a router takes those late older token
+chunks for duplicates); docs/architecture.md says so. Without JetStream on the server (``--nats-url`` to a plain server) the
 bus falls back to core subscriptions and says so in the log (at the bus's first stream check; a bus on JetStream
 that reconnects to a server restarted without it keeps its reliable publishes until JetStream is back,
 :meth:`Bus._await_jetstream`, its ``/readyz`` 503 meanwhile); a server with JetStream that lacks the
@@ -208,11 +211,16 @@ RESEND_WINDOW_S = 2.0
 """Reliable messages published this many seconds before a disconnect are published again
 on reconnect (they may have died in the socket or in the server's write buffer)."""
 RESEND_MAX_MSGS = 50_000
-"""Bound of the resend window in messages, and of the reliable publishes kept while the stream may be lost (``HELD_MAX_BYTES``)."""
+"""Bound in messages of the resend window (merged over disconnects no reconnect's check took, :meth:`Bus._put_back`:
+past it the oldest are dropped, counted ``resend_dropped``) and of the reliable publishes kept while the stream may be
+lost (``HELD_MAX_BYTES``)."""
 HELD_MAX_BYTES = 64 * 1024 * 1024
 """Byte bound (payloads) of the reliable publishes a bus keeps from a disconnect until it knows the stream is there
-after the reconnect (:meth:`Bus._hold`): published again, in order, when the server came back without its store.
-Past it (or ``RESEND_MAX_MSGS``) the oldest are dropped, counted ``stream_held_dropped``."""
+after the reconnect (:meth:`Bus._hold`): copies of what went to nats-py's reconnect buffer, published again, in
+order, when the server came back without its store; past it (or ``RESEND_MAX_MSGS``) the oldest copies are dropped,
+counted ``stream_held_dropped`` (lost if the stream was new). Once the reconnect's lookup found the stream lost
+(:attr:`Bus._stream_lost`) a publish is only kept, not sent: at the bound a new one is refused
+(:class:`BusUnavailable`, counted ``publish_failed.<subject>``), nothing kept is dropped."""
 PUBLISH_STREAM_WAIT_S = 5.0
 """How long the first reliable publish of a bus that has not looked for the stream yet waits for it (seconds);
 past that it is sent over core NATS and the search goes on in the background (:meth:`Bus.publish`)."""
@@ -870,6 +878,11 @@ class Bus:
             self.droplog.event("stream_held", "reliable publish dropped: too many kept while the stream may be lost",
                                subject=old[1], kept=len(self._held), kept_bytes=self._held_bytes)  # fmt: skip
 
+    def _held_full(self, size: int) -> bool:
+        """Whether keeping one more reliable publish of ``size`` payload bytes would pass ``RESEND_MAX_MSGS`` or
+        ``HELD_MAX_BYTES`` (:meth:`_hold` would drop the oldest kept)."""
+        return len(self._held) >= RESEND_MAX_MSGS or self._held_bytes + size > HELD_MAX_BYTES
+
     def _stop_holding(self) -> list[tuple[float, str, bytes, dict[str, str]]]:
         """End :attr:`_holding`; return what was kept (oldest first)."""
         held = list(self._held)
@@ -1200,7 +1213,9 @@ class Bus:
 
         Raises:
             BusUnavailable (a :class:`BusError`): the client refused the message (reconnect
-                buffer full, ``PENDING_BYTES``; connection closed), so no NATS exception escapes bare; a reliable
+                buffer full, ``PENDING_BYTES``; connection closed), so no NATS exception escapes bare; or, after a
+                reconnect to a server that lost the stream, a reliable message when ``RESEND_MAX_MSGS`` /
+                ``HELD_MAX_BYTES`` are kept already (nothing kept is dropped for it). A reliable
                 message refused so is not published again after a reconnect (:meth:`_unkeep`). A
                 reliable message on JetStream whose write met a transport the server's death just closed is
                 not refused: it is in the resend window the reconnect publishes again (``publish_deferred``).
@@ -1224,6 +1239,17 @@ class Bus:
                 self._recent.append(kept)
                 self._trim_recent(now)
                 if self._holding:
+                    if self._stream_lost and self._held_full(len(data)):
+                        # only kept, never sent, and no room: refused, as nats-py refuses a publish past its reconnect
+                        # buffer. Before, the oldest kept was dropped and the caller told it succeeded: a token stream
+                        # with a hole (reviewer rr-bus2)
+                        self._unkeep(kept)
+                        self.counters["publish_failed." + subject.template] += 1
+                        raise BusUnavailable(
+                            f"cannot publish on {subject.template}: the server lost the JetStream stream and this bus "
+                            f"already keeps {len(self._held)} reliable publishes ({self._held_bytes} bytes) for it "
+                            f"(RESEND_MAX_MSGS {RESEND_MAX_MSGS}, HELD_MAX_BYTES {HELD_MAX_BYTES})"
+                        )  # fmt: skip
                     self._hold(kept)
                     if self._stream_lost:  # sent with the kept ones, in order, once the stream is back (_stream_lost)
                         self._held_unsent = True

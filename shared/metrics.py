@@ -222,8 +222,7 @@ def bus_families(counters: Mapping[str, int], subscribed: Iterable[str] = ()) ->
         "ei_bus_stream_held_dropped",
         "Reliable publishes dropped, oldest first, from the copies a bus keeps from a disconnect until the reconnect "
         "found its JetStream stream (past RESEND_MAX_MSGS or HELD_MAX_BYTES, shared/bus.py): lost when the server came "
-        "back without the stream; those only kept while it was lost were never sent, and their publishers were told "
-        "they succeeded",
+        "back without the stream (once it is known lost, a publish past the bounds is refused instead)",
         {(): float(counters.get("stream_held_dropped", 0))},
     )
     yield counter_family(

@@ -64,3 +64,36 @@ async def test_a_publish_the_client_refused_is_neither_kept_nor_in_the_window():
             assert i >= 2
     assert [e[2] for e in bus._held] == nc.sent and [e[2] for e in bus._recent] == nc.sent, (bus._held, nc.sent)
     assert bus._held_bytes == sum(map(len, nc.sent)) and bus.counters["publish_failed.work.{node}.abort"] == 2
+
+
+async def test_a_publish_only_kept_for_a_lost_stream_is_refused_at_the_bounds_not_dropping_the_oldest(monkeypatch):
+    """While the reconnect's lookup found the stream lost (``Bus._stream_lost``) a reliable publish is only kept, never
+    sent; at ``RESEND_MAX_MSGS`` (or ``HELD_MAX_BYTES``) kept a new one is refused as :class:`BusUnavailable`, as
+    nats-py refuses a publish past its reconnect buffer, and what is kept stays. Before, the oldest kept was dropped
+    (``stream_held_dropped``) and the caller told it succeeded: a worker's token stream got a hole the client never
+    heard of (reviewer rr-bus2)."""
+    monkeypatch.setattr(busmod, "RESEND_MAX_MSGS", 3)
+    nc = _FullBuffer(accepted=100)
+    bus = Bus(nc, Subjects("p0"), service="worker", instance="w0")  # type: ignore[arg-type]
+    bus.jetstream = bus._stream_checked = bus._holding = bus._stream_lost = True
+    for i in range(3):
+        await bus.publish(WORK_ABORT, m.RequestAbort(rid=f"r{i}"), node="w0")
+    kept = list(bus._held)
+    try:
+        await bus.publish(WORK_ABORT, m.RequestAbort(rid="r3"), node="w0")
+    except BusUnavailable as e:
+        assert "lost the JetStream stream" in str(e) and "3 reliable publishes" in str(e), e
+    else:
+        raise AssertionError("a publish past the bound was taken (and the oldest kept dropped)")
+    assert list(bus._held) == kept and not bus.counters["stream_held_dropped"] and nc.sent == []
+    assert bus._recent[-1] is kept[-1]  # the refused one is not in the resend window either (not published again)
+    assert bus.counters["publish_failed.work.{node}.abort"] == 1 and bus.counters["published.work.{node}.abort"] == 3
+    monkeypatch.setattr(busmod, "HELD_MAX_BYTES", bus._held_bytes)  # the byte bound refuses the same way
+    monkeypatch.setattr(busmod, "RESEND_MAX_MSGS", 10)
+    try:
+        await bus.publish(WORK_ABORT, m.RequestAbort(rid="r4"), node="w0")
+    except BusUnavailable:
+        pass
+    else:
+        raise AssertionError("a publish past HELD_MAX_BYTES was taken")
+    assert list(bus._held) == kept and bus.counters["publish_failed.work.{node}.abort"] == 2
