@@ -1352,6 +1352,9 @@ class RouterService(WatchedService):
         now = self.clock.now()
         failed = chunk.finish_reason in ("error", "abort")
         if not failed:
+            if chunk.index > p.next_index:  # output between was lost: never filled in silently
+                self._chunk_gap(p, chunk)
+                return
             skip = p.next_index - chunk.index
             if skip > 0:  # output the client already has (a duplicate, or a continuation's overlap)
                 if skip >= len(chunk.token_ids) and not chunk.finished:
@@ -1469,6 +1472,21 @@ class RouterService(WatchedService):
         closes the connection before any other callback runs)."""
         if p.reset is not None and p.reset():
             self.counters["slow_client_resets"] += 1
+
+    def _chunk_gap(self, p: _Pending, chunk: m.TokenChunk) -> None:
+        """``chunk`` starts past the next output position of ``p`` (``p.next_index``): the tokens between never came
+        (a reliable message lost: dropped by a bus past its bounds, a core-NATS message on a server without JetStream).
+        The request fails: its nodes are told to drop it, its response gets a 502 error (what it has read stays its
+        own; a stream's error event) naming the missing positions, counted ``chunks_gap`` (and ``aborts.chunks_gap``),
+        finished as ``error``. Before, the later tokens were appended: the client got HTTP 200 with tokens missing
+        (reviewer rr-bus2)."""
+        why = (f"output lost: tokens {p.next_index}..{chunk.index - 1} of the request's output never arrived (the next "
+               f"chunk from node {chunk.node} starts at {chunk.index}); request failed")  # fmt: skip
+        self.counters["chunks_gap"] += 1
+        self.log.warning("token chunk index gap; request failed", rid=p.rid, node=chunk.node, next_index=p.next_index,
+                         chunk_index=chunk.index)  # fmt: skip
+        self._abandon(p, "output lost", "chunks_gap")
+        p.queue.put_nowait(_Failure(502, why))
 
     def _stale_chunk(self, p: _Pending, chunk: m.TokenChunk) -> None:
         """A chunk of another attempt than ``p``'s current one (a fenced node that came back):
