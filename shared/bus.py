@@ -1744,7 +1744,8 @@ class Bus:
         """Stop background tasks, drain subscriptions (in-flight handlers finish), close. The drain takes at most
         ``CLOSE_DRAIN_S`` (about 5 s), then is cut short (handlers still running are cancelled); with the connection
         lost and no handler running, at most ``CLOSE_LOST_GRACE_S`` (:meth:`_drain`). A connection lost meanwhile
-        (NATS down) is logged, not raised: what was buffered for it is dropped.
+        (NATS down) is logged, not raised: what was buffered for it is dropped, and the reliable publishes a reconnect
+        would have published again (the resend window, :attr:`_held`) are dropped with a warning, counted ``close_dropped``.
 
         Raises:
             asyncio.CancelledError: the caller was cancelled meanwhile; raised after the connection is closed (the
@@ -1800,6 +1801,17 @@ class Bus:
                     # Those messages could not be delivered anyway; before, the error ended a service stopped during a
                     # NATS outage in a traceback (exit 1) instead of a clean stop
                     self.log.warning("nats connection lost at close; messages buffered while disconnected dropped", error=repr(e))
+        unsent = self._in_order([*self._resend, *self._held])
+        if unsent:
+            # the connection was lost at the close and did not come back during it (reconnected_cb publishes these
+            # then): the reliable publishes a reconnect would have published again are dropped with the bus. Before,
+            # silently (reviewer rr-bus2)
+            self.counters["close_dropped"] += len(unsent)
+            self.log.warning("nats connection lost at close; reliable publishes a reconnect would have published again "
+                             "dropped", dropped=len(unsent), resend=len(self._resend), held=len(self._held),
+                             only_kept=self._held_unsent)  # fmt: skip
+            self._resend, self._held_bytes = [], 0
+            self._held.clear()
         for ping in list(self._pings):  # the client no longer reads: no PONG can reach them now
             ping.cancel()
         if caller_cancel is not None:
