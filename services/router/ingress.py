@@ -68,7 +68,7 @@ def load_api_keys(path: str = "", inline: str = "") -> frozenset[str]:
     Notepad writes, is not part of the first key) and a comma-separated string; empty set = no keys (the router is open).
 
     Raises:
-        ApiKeyError: ``path`` is given but unreadable or holds no key.
+        ApiKeyError: ``path`` is given but unreadable, not UTF-8 text, or holds no key.
     """
     keys: set[str] = {k.strip() for k in inline.split(",") if k.strip()}
     if path:
@@ -76,6 +76,8 @@ def load_api_keys(path: str = "", inline: str = "") -> frozenset[str]:
             text = Path(path).read_text(encoding="utf-8-sig")
         except OSError as e:
             raise ApiKeyError(f"cannot read API keys from {path}: {e}") from e
+        except UnicodeDecodeError as e:  # a ValueError, not an OSError: was a traceback at up's start, on SIGUSR1/SIGHUP
+            raise ApiKeyError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from e
         file_keys = {ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")}
         if not file_keys:
             raise ApiKeyError(f"{path} holds no API key")

@@ -406,9 +406,16 @@ async def test_sighup_reloads_the_api_keys_file_and_in_flight_requests_go_on(nat
             await _wait_for(lambda: env.service.counters["api_keys.reload_failed"] == 1, what="reload refused")
             r = await http.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer k-new"})
             assert r.status_code == 200, r.text
+            # not UTF-8: was a UnicodeDecodeError out of the handler (asyncio "Exception in callback"), not counted
+            keys.write_bytes(b"k1\n\xff\xfe bad\n")
+            os.kill(os.getpid(), signal.SIGHUP)
+            await _wait_for(lambda: env.service.counters["api_keys.reload_failed"] == 2, what="non-UTF-8 reload refused")
+            for key, code in (("k-new", 200), ("k1", 401)):
+                r = await http.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {key}"})
+                assert r.status_code == code, (key, r.text)
             metrics = (await http.get("/metrics")).text
             assert 'ei_router_api_key_reloads_total{result="ok"} 1.0' in metrics
-            assert 'ei_router_api_key_reloads_total{result="failed"} 1.0' in metrics
+            assert 'ei_router_api_key_reloads_total{result="failed"} 2.0' in metrics
 
 
 async def test_sighup_reads_the_reload_file_not_the_start_keys_and_the_stop_leaves_sighup_as_it_found_it(nats_url, tmp_path):

@@ -146,6 +146,32 @@ def test_a_keys_file_with_a_bom_and_crlf_lines_gives_the_keys_as_typed(tmp_path)
     assert load_api_keys(str(keys)) == {"k-bom", "k two"}
 
 
+def test_a_keys_file_that_is_not_utf8_is_a_clear_error_at_start_and_on_sigusr1(tmp_path, monkeypatch):
+    """A keys file that is not UTF-8 (``printf 'k1\\n\\xff\\xfe bad\\n'``) raised UnicodeDecodeError out of
+    ``load_api_keys``: a traceback at ``up --api-keys-file`` start and on SIGUSR1 (asyncio "Exception in callback")
+    (reviewer rr-sec2). Now an ApiKeyError naming the file: a usage error at start, an "NOT reloaded" line on SIGUSR1."""
+    from evolving_infra.launcher import reload_router_keys
+    from services.router.ingress import ApiKeyError
+
+    monkeypatch.delenv("EI_API_KEYS", raising=False)
+    monkeypatch.delenv("EI_API_KEYS_FILE", raising=False)
+    bad = tmp_path / "badkeys"
+    bad.write_bytes(b"k1\n\xff\xfe bad\n")
+    with pytest.raises(ApiKeyError, match=f"^{bad} is not UTF-8 text"):
+        load_api_keys(str(bad))
+    args = build_parser("up").parse_args(["up", "--api-keys-file", str(bad), "--log-dir", str(tmp_path / "logs")])
+    with pytest.raises(UsageError, match=f"^error: --api-keys-file: {bad} is not UTF-8 text"):
+        _spec(args)
+    good = tmp_path / "keys"
+    good.write_text("k1\n")
+    args = build_parser("up").parse_args(["up", "--api-keys-file", str(good), "--log-dir", str(tmp_path / "logs")])
+    cluster = LocalCluster(_spec(args))
+    good.write_bytes(b"k1\n\xff\xfe bad\n")
+    assert reload_router_keys(args, cluster) == (
+        f"SIGUSR1: API keys NOT reloaded, the routers keep theirs: {good} is not UTF-8 text (byte 0xff at offset 3)")
+    assert args.router_api_keys == {"k1"}
+
+
 @pytest.mark.parametrize("command", ["up", "demo"])
 @pytest.mark.parametrize("nodes", ["0", "-2"])
 def test_no_worker_node_is_a_usage_error(command, nodes, tmp_path):
