@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     SIGHUP is ignored from here on except while the service runs, when it reloads the API keys
     (:meth:`RouterService.reload_api_keys`): one that came during the start (``up``'s SIGUSR1 forwarded to a router
     it had just restarted) killed it (status 129, counted as a crash), and so did one during the stop. ``up`` starts
-    its routers with SIGHUP ignored already (``LocalCluster``), which covers the interpreter's start before this."""
+    its routers with SIGHUP ignored already (``LocalCluster``), which covers the interpreter's start before this. A
+    router with ``--api-keys-reload-file`` reads it once when it sets its handler, so a SIGHUP ignored during the start
+    loses no key change."""
     with contextlib.suppress(ValueError):  # not the main thread (a test): the caller's signals are its own
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:

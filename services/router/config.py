@@ -239,7 +239,9 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     api_keys_reload_file: Annotated[
         str, Meta(description="file read on SIGHUP in place of api_keys_file: its keys and api_keys_reload_keys become the accepted "
                   "ones; the keys at start still come from api_keys_file and api_keys, so a restart does not need this file "
-                  "(up sets it to its --api-keys-file and the keys it last checked in EI_API_KEYS); empty = SIGHUP reads api_keys_file")
+                  "(up sets it to its --api-keys-file and the keys it last checked in EI_API_KEYS); also read once when the SIGHUP handler "
+                  "is set, after the start (a SIGHUP during the start is ignored; a file that cannot be read leaves the start keys); "
+                  "empty = SIGHUP reads api_keys_file")
     ] = ""
     api_key_id_salt: Annotated[
         str, Meta(description="secret the API key ids in the log are made with (HMAC-SHA256; set it through the environment, "

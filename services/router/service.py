@@ -1085,14 +1085,21 @@ class RouterService(WatchedService):
     def _watch_sighup(self) -> None:
         """SIGHUP reloads the API keys (:meth:`reload_api_keys`) from the router's start on, in a process whose main
         thread runs this loop (``python -m services.router``; a router made inside another program's thread, a
-        test's, leaves the signal alone)."""
+        test's, leaves the signal alone).
+
+        With ``--api-keys-reload-file`` (``up``'s routers) the keys are read from it once here, as a SIGHUP would: a
+        SIGHUP that came while the router started (``up``'s SIGUSR1 forwarded to a router it had just restarted) was
+        ignored (its ``main``), and that router kept its start keys, a revoked key still accepted (reviewer rr-sec2). A
+        file that cannot be read or holds no key leaves the start keys, logged; this read is not counted as a reload."""
         with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread, or no signals
             before = signal.getsignal(signal.SIGHUP)
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload_api_keys)
             self._sighup = True
             self._sighup_before = before if before is not None else signal.SIG_IGN  # None: set outside Python
+        if self._sighup and self.cfg.api_keys_reload_file and self.api_keys_on:
+            self.reload_api_keys(at_start=True)
 
-    def reload_api_keys(self) -> bool:
+    def reload_api_keys(self, at_start: bool = False) -> bool:
         """Read the API keys again: ``--api-keys-reload-file`` (env ``EI_API_KEYS_RELOAD_FILE``) with
         ``EI_API_KEYS_RELOAD_KEYS`` when set (``up`` sets them: its router starts from the keys in ``EI_API_KEYS``, so a
         restart does not need the file), else as at start, ``--api-keys-file`` (env ``EI_API_KEYS_FILE``) with
@@ -1105,10 +1112,15 @@ class RouterService(WatchedService):
             True when the keys were replaced. False (a warning logged, counted as ``failed``; the keys in use stay)
             when the router has no keys file to read (keys given inline only, or an open router: a reload cannot
             turn authentication on or off), or the file cannot be read or holds no key.
+
+        ``at_start``: the read when the SIGHUP handler is set (:meth:`_watch_sighup`): logged as ``API keys read from
+        the reload file at start`` (or ``API keys not read at start; the start keys stay``), not counted.
         """
         reload_file = self.cfg.api_keys_reload_file
         path = reload_file or self.cfg.api_keys_file
         if not path or not self.api_keys_on:
+            if at_start:  # nothing to read
+                return False
             self.counters["api_keys.reload_failed"] += 1
             self.log.warning("API keys not reloaded: " + ("this router has no --api-keys-file or --api-keys-reload-file "
                                                           "(EI_API_KEYS_FILE, EI_API_KEYS_RELOAD_FILE) to read again"
@@ -1117,12 +1129,17 @@ class RouterService(WatchedService):
         try:
             keys = load_api_keys(path, self.cfg.api_keys_reload_keys if reload_file else self.cfg.api_keys)
         except ApiKeyError as e:
+            if at_start:
+                self.log.warning("API keys not read at start; the start keys stay", error=str(e))
+                return False
             self.counters["api_keys.reload_failed"] += 1
             self.log.warning("API keys not reloaded; the keys in use stay", error=str(e))
             return False
         self.ingress.set_keys(keys)
-        self.counters["api_keys.reloaded"] += 1
-        self.log.info("API keys reloaded", keys=len(keys), key_ids=sorted(key_id(k) for k in keys), file=path)
+        if not at_start:
+            self.counters["api_keys.reloaded"] += 1
+        self.log.info("API keys read from the reload file at start" if at_start else "API keys reloaded", keys=len(keys),
+                      key_ids=sorted(key_id(k) for k in keys), file=path)
         return True
 
     async def stop(self) -> None:

@@ -448,3 +448,36 @@ async def test_sighup_reads_the_reload_file_not_the_start_keys_and_the_stop_leav
         assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN  # was SIG_DFL: a SIGHUP in the stop killed the router
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+@pytest.mark.parametrize("reload_file", ["k-kept\n", None, b"k-kept\n\xff bad\n"])
+async def test_a_router_with_a_reload_file_reads_it_when_its_sighup_handler_is_set(nats_url, tmp_path, capfd, reload_file):
+    """A router that ``up`` (re)started just before a SIGUSR1 ignored the SIGHUP it was sent while starting (its
+    ``main`` ignores SIGHUP until the handler is set) and served its start keys (``EI_API_KEYS``): a key revoked from
+    the file stayed accepted there (reviewer rr-sec2). It now reads ``EI_API_KEYS_RELOAD_FILE`` once when it sets the
+    handler; a missing or bad file leaves the start keys, logged; that read is not counted as a SIGHUP reload."""
+    import signal
+
+    keys = tmp_path / "keys"
+    if isinstance(reload_file, str):
+        keys.write_text(reload_file)
+    elif reload_file is not None:
+        keys.write_bytes(reload_file)
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as the router's main leaves it
+    try:
+        async with router_env(nats_url, tmp_path, {"c0": "both"}, api_keys="k-kept,k-revoked",
+                              api_keys_reload_file=str(keys)) as env:  # fmt: skip
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{env.service.port}", timeout=30.0) as http:
+                revoked = 401 if reload_file == "k-kept\n" else 200
+                for key, code in (("k-kept", 200), ("k-revoked", revoked)):
+                    r = await http.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {key}"})
+                    assert r.status_code == code, (key, r.text)
+            assert env.service.counters["api_keys.reloaded"] == env.service.counters["api_keys.reload_failed"] == 0
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    out = "".join(capfd.readouterr())
+    if reload_file == "k-kept\n":
+        assert "API keys read from the reload file at start" in out and "not read at start" not in out
+    else:
+        assert "API keys not read at start; the start keys stay" in out
+        assert ("No such file" if reload_file is None else "is not UTF-8 text") in out
