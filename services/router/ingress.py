@@ -135,8 +135,8 @@ def key_id(key: str | bytes) -> str:
     (:func:`set_key_id_salt`; without one, random per process: ids stable for the router's life). An unsalted
     SHA-256 prefix in a world-readable log identified a short or guessable key offline (hash the candidates, compare);
     without the salt the id says nothing about the key. An operator with the salt finds a key's lines:
-    ``printf %s "$KEY" | openssl dgst -sha256 -hmac "$SALT" | awk '{print substr($NF, 1, 8)}'`` (``up``: the salt is
-    in ``LOG_DIR/api-key-id.salt``, mode 0600)."""
+    the README's ``python3 -c`` line, which reads the key on stdin and the salt from its file (``up``: the salt is in
+    ``LOG_DIR/api-key-id.salt``, mode 0600; an ``openssl dgst -hmac "$SALT"`` put it in ``ps``)."""
     return hmac.new(_key_id_salt, key if isinstance(key, bytes) else key.encode(), hashlib.sha256).hexdigest()[:8]
 
 

@@ -85,3 +85,27 @@ def test_a_key_id_is_a_salted_hmac_not_a_sha256_prefix_that_names_a_short_key(mo
     assert ingress.key_id("k1") == hmac.new(b"cluster-salt", b"k1", hashlib.sha256).hexdigest()[:8]
     with pytest.raises(ValueError, match="cannot be empty"):
         ingress.set_key_id_salt("")
+
+
+def test_the_readmes_key_id_recipe_gives_the_routers_id_with_the_salt_off_its_command_line(tmp_path, monkeypatch):
+    """The README's recipe put the salt on openssl's command line (``-hmac "$(cat LOG_DIR/api-key-id.salt)"``), where
+    ``ps`` shows it to every local user (reviewer rr-sec2). Its ``python3 -c`` line reads the key on stdin and the salt
+    from the file ``up`` writes (``salt + "\\n"``); run as written, it gives :func:`key_id`'s id."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from services.router import ingress
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    recipes = re.findall(r"^printf %s \"\$KEY\" \| python3 -c '([^']+)' LOG_DIR/api-key-id\.salt$", readme, re.M)
+    assert len(recipes) == 1, recipes
+    assert "-hmac \"$(cat" not in readme  # the old recipe, salt on the command line
+    salt_file = tmp_path / "api-key-id.salt"
+    salt_file.write_text("0123456789abcdef0123456789abcdef\n")
+    monkeypatch.setattr(ingress, "_key_id_salt", ingress._key_id_salt)  # put back after the test
+    ingress.set_key_id_salt("0123456789abcdef0123456789abcdef")
+    out = subprocess.run([sys.executable, "-c", recipes[0], str(salt_file)], input=b"k-ops", capture_output=True,
+                         check=True, timeout=60).stdout.decode()  # fmt: skip
+    assert out == ingress.key_id("k-ops") + "\n"
