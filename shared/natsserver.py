@@ -43,7 +43,8 @@ a new one (its first line names the backup). ``nats.log`` in ``up``'s log folder
 restarts and runs: a client that retried a refused login every few ms grew it by MBs a minute."""
 LOG_MAX_FILES = 5
 """The server's ``logfile_max_num``: ``nats.log`` and its rotated backups together, the oldest backups removed past it
-(at most ``LOG_MAX_FILES * LOG_MAX_BYTES`` of log per folder)."""
+(at most ``LOG_MAX_FILES * LOG_MAX_BYTES`` of log per folder), except that a ``nats.log`` already over the limit at
+the server's start is rotated into one backup more without the oldest being removed (reviewer rr-sec2)."""
 JS_MAX_FILE_BYTES = 256 * 1024 * 1024
 JS_MAX_MEMORY_BYTES = 64 * 1024 * 1024
 GO_MEMORY_LIMIT = "512MiB"
