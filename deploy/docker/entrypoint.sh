@@ -18,6 +18,8 @@
 #                  VERSION-torch), passed in by docker-compose.yml: auth refuses an EI_ENGINE of the other variant
 #                  (status 2) and names the image to start
 #   EI_CLOCK_ORIGIN  set here from $EI_CREDS_DIR/clock_origin (written by the auth job) unless given
+#   EI_API_KEY_ID_SALT  router: set here from $EI_CREDS_DIR/api-key-id.salt (the auth job writes one per volume, 0600,
+#                  and copies it to the router's only) unless given: the salt of the key ids in the router's log
 #   EI_POLICY      serving system, as `evolving-infra up --policy`: evolving | static[:xPyD] | dynamo | arrow
 #                  (default evolving); each service gets its part from `evolving-infra deploy-args`, up's own code
 #   EI_ENGINE      sim | torch (the model folder mounted at /models; the profile, tokenizer, served model name
@@ -188,6 +190,11 @@ case "$role" in
     eval "$resolved"
     echo "auth: $EI_DEPLOY_POLICY; split $EI_DEPLOY_SPLIT, profile $EI_DEPLOY_PROFILE"
     [ -s "$CREDS/clock_origin" ] || python -c 'import time; print(repr(time.time()))' > "$CREDS/clock_origin"
+    # the salt of the API key ids in the router's log (services.router.ingress.key_id), once per volume as the clock
+    # origin: without one each router made its own at each start, so an id could not be mapped to its key; with it
+    # the ids agree across restarts, and an operator who reads this file (0600, the router's volume only) finds a
+    # key's id (README, "A key's id")
+    [ -s "$CREDS/api-key-id.salt" ] || (umask 077 && rm -f "$CREDS/api-key-id.salt" && python -c 'import secrets; print(secrets.token_hex(16))' > "$CREDS/api-key-id.salt")
     if [ "$AUTH" = off ]; then
         echo "auth: off (NATS open inside the compose network)"
     elif [ -s "$CREDS/nats.conf" ] && [ "$(cat "$CREDS/nodes" 2>/dev/null)" = "$(nodes)" ]; then
@@ -203,6 +210,7 @@ case "$role" in
         [ -d "$dir" ] || continue
         who=$(basename "$dir")
         cp "$CREDS/clock_origin" "$dir/clock_origin"
+        [ "$who" = router ] && cp -p "$CREDS/api-key-id.salt" "$dir/api-key-id.salt"
         find "$dir" -maxdepth 1 -name '*.nk' -delete
         [ "$AUTH" = off ] && continue
         case "$who" in
@@ -240,6 +248,11 @@ case "$role" in
     set -- $flags "$@"
     unset IFS; set +f
     [ "$role" = router ] && set -- --host 0.0.0.0 "$@"
+    # the stack's key-id salt (the auth job's, in this router's volume), through the environment: never in argv
+    if [ "$role" = router ] && [ -z "${EI_API_KEY_ID_SALT:-}" ] && [ -s "$CREDS/api-key-id.salt" ]; then
+        EI_API_KEY_ID_SALT=$(cat "$CREDS/api-key-id.salt")
+        export EI_API_KEY_ID_SALT
+    fi
     exec python -m "services.$role" --instance "$role" "$@"
     ;;
   worker)

@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -102,6 +103,12 @@ def job_pids(run: Path) -> dict[int, str]:
         except OSError:
             continue
     return out
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    """Process ``pid``'s environment (``/proc/PID/environ``)."""
+    items = (Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")).split("\0")
+    return dict(item.split("=", 1) for item in items if "=" in item)
 
 
 def service_pid(run: Path, module: str, arg: str = "") -> int:
@@ -208,12 +215,22 @@ def test_a_router_and_a_worker_killed_are_restarted_and_sigterm_stops_everything
         assert "STREAM.CREATE" not in logs["nats.log"], logs["nats.log"]
         assert "JetStream stream EI_p0 on nats:" in job.text()
 
-        os.kill(service_pid(job.run, "services.router"), signal.SIGKILL)
+        # one API key id salt per job (reviewer rr-sec2: the router made its own at each start, so its ids changed at
+        # each restart): in $RUN/api-key-id.salt (0600), in the router's environment only, never in argv
+        salt_file = job.run / "api-key-id.salt"
+        salt = salt_file.read_text().strip()
+        assert len(salt) == 32 and stat.S_IMODE(salt_file.stat().st_mode) == 0o600
+        router = service_pid(job.run, "services.router")
+        assert environ_of(router)["EI_API_KEY_ID_SALT"] == salt
+        assert "EI_API_KEY_ID_SALT" not in environ_of(service_pid(job.run, "services.worker", "--node w0 "))
+        assert all(salt not in cmd for cmd in job_pids(job.run).values())
+        os.kill(router, signal.SIGKILL)
         job.wait_for("router exited (status 137); restart 1 of 10", 20)
         deadline = time.monotonic() + 60
         while not job.healthy():
             assert time.monotonic() < deadline, f"router not back:\n{job.text()}"
             time.sleep(0.5)
+        assert environ_of(service_pid(job.run, "services.router"))["EI_API_KEY_ID_SALT"] == salt  # the same after a restart
 
         # 1P1D: w1 is the decode node, so a request served end to end after this needs it back
         os.kill(service_pid(job.run, "services.worker", "--node w1 "), signal.SIGKILL)
