@@ -55,6 +55,9 @@ name                                                type       meaning
 ``ei_router_slow_client_aborts_total``              counter    requests aborted because their client did not take its
                                                                output: the most unread when the unread output of all
                                                                requests passed ``--max-buffered-output-tokens``
+``ei_router_chunks_gap_total``                     counter    requests failed (502 'output lost') because output
+                                                               tokens never reached the router: chunks after them
+                                                               waited ``CHUNK_GAP_WAIT_S`` (or 256 came) without them
 ``ei_router_buffered_output_tokens``                gauge      output tokens held for clients that have not taken them
 ``ei_router_branches_active``                       gauge      ``X-Branch-Id`` branches active (not ended, not expired)
 ``ei_router_branches_expired_total``                counter    branches expired silent past ``--branch-ttl-s`` (resumable)
@@ -206,6 +209,13 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
         "at all): the one with the most unread tokens, each time the unread output of all requests passed "
         "--max-buffered-output-tokens; its stream ends with an error event 'client too slow'",
         {(): float(c.get("slow_client_aborts", 0))},
+    )
+    yield counter_family(
+        "ei_router_chunks_gap",
+        "Requests failed with a 502 'output lost: tokens a..b never arrived' because output tokens never reached the "
+        "router: later chunks of the request waited CHUNK_GAP_WAIT_S (7 s: a NATS reconnect's resend) or 256 of them "
+        "came without the missing ones (a reliable message lost on the bus)",
+        {(): float(c.get("chunks_gap", 0))},
     )
     yield gauge_family(
         "ei_router_buffered_output_tokens",

@@ -68,7 +68,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared import messages as m
 from shared import tracing
-from shared.bus import Bus, BusError
+from shared.bus import RESEND_WINDOW_S, STREAM_LOOKUP_TIMEOUT_S, Bus, BusError
 from shared.clock import SimClock
 from shared.config import env_name, flag_name
 from shared.hashing import block_hashes_packed
@@ -208,6 +208,19 @@ its 409: a client that closes a request and retries at once with the same id rea
 before the close does (on a local 4-node cluster 3 of 5 such retries got a 409, each gone a few
 ms later)."""
 
+CHUNK_GAP_WAIT_S = RESEND_WINDOW_S + STREAM_LOOKUP_TIMEOUT_S
+"""Wall seconds (7.0) a request's token chunks that came out of order (past its next output position) are held
+for the missing ones before the request fails with a 502 'tokens a..b never arrived within N s' (``chunks_gap``).
+Why that long: after a NATS reconnect, nats-py flushes what a worker published during the outage before the
+worker's bus publishes its last ``RESEND_WINDOW_S`` of reliable messages again (those may have died unstored with
+the server), and the bus does that only once its stream lookup has been answered (``STREAM_LOOKUP_TIMEOUT_S`` at
+most per try): chunk k + 1 can reach the router that long before chunk k (reviewer rr-gap). A lookup retried past
+that (a server that stays unanswering) fails the request; ``RouterService.chunk_gap_wait_s`` is this value."""
+
+CHUNK_GAP_MAX_HELD = 256
+"""Out-of-order chunks one request may hold (:data:`CHUNK_GAP_WAIT_S`); one more fails it at once (502, as
+when the wait runs out): the memory a request waiting for a hole can take is bounded."""
+
 _PEER_HELD_TIMEOUT_S = 1.0
 """Wall seconds a router waits for another router's answer to ``route.held`` when a request arrives
 with an ``X-Request-ID`` that router placed (:meth:`RouterService._duplicate_answer`): none within
@@ -293,6 +306,13 @@ class _Pending:
     node's first output."""
     next_index: int = 0
     """Output position of the next token the client does not have yet."""
+    held: dict[int, m.TokenChunk] = field(default_factory=dict)
+    """Chunks of the current attempt that came past :attr:`next_index` (output between still on its way: a NATS
+    reconnect stores a resent chunk after later ones), by ``index``, at most ``CHUNK_GAP_MAX_HELD``; taken in order
+    once the gap fills (:meth:`RouterService._take_held`), cleared by a re-dispatch or the request's end."""
+    held_until: float = 0.0
+    """Monotonic s by which the gap before :attr:`held` must fill (``chunk_gap_wait_s`` after the first chunk held,
+    or after the last gap filled while later ones stayed held); past it the request fails (502, ``chunks_gap``)."""
     tokens: list[int] = field(default_factory=list)
     """Output token ids delivered to the client so far (in order)."""
     stale_aborted: set[tuple[str, int]] = field(default_factory=set)
@@ -813,6 +833,10 @@ class RouterService(WatchedService):
         """HTTP responses by (endpoint label, status code): ``ei_router_http_responses_total``."""
         self.app: ASGIApp = _StatusCounter(_RequestIdHeader(_with_cors(guard, cfg)), self.counters, self.http_responses)
         self._pending: dict[str, _Pending] = {}
+        self.chunk_gap_wait_s = CHUNK_GAP_WAIT_S
+        """Wall s a request holds out-of-order chunks for the missing ones (:data:`CHUNK_GAP_WAIT_S`; tests shorten it)."""
+        self._holding: set[str] = set()
+        """rids of requests that hold out-of-order chunks (``_Pending.held``): what :meth:`_expire_held` looks at."""
         self._unread = 0
         """Output tokens queued for all pending responses, not taken yet (sum of ``_Pending.unread``;
         at most ``--max-buffered-output-tokens`` once :meth:`_shed_slow_clients` has run)."""
@@ -1355,6 +1379,16 @@ class RouterService(WatchedService):
             self.counters["chunks_wrong_node"] += 1
             self.bus.droplog.event("chunks_wrong_node", "token chunk from a node the request is not on dropped", rid=chunk.rid, node=chunk.node)
             return
+        if chunk.finish_reason not in ("error", "abort") and chunk.index > p.next_index:
+            self._hold_chunk(p, chunk)  # output before it is still on its way, or lost
+            return
+        await self._take_chunk(p, chunk)
+        if p.held:
+            await self._take_held(p)
+
+    async def _take_chunk(self, p: _Pending, chunk: m.TokenChunk) -> None:
+        """``chunk`` (of ``p``'s current attempt, from one of its nodes, starting at or before ``p.next_index`` unless
+        it fails the request) goes to ``p``'s response: the part the client has not had yet, its end, its failure."""
         if chunk.node != p.prefill_node:  # output of its decode node: the hand-off reached it
             self.core.view.on_handoff(chunk.rid, chunk.node)
             p.handoff = (p.attempt, chunk.node)
@@ -1369,9 +1403,6 @@ class RouterService(WatchedService):
         now = self.clock.now()
         failed = chunk.finish_reason in ("error", "abort")
         if not failed:
-            if chunk.index > p.next_index:  # output between was lost: never filled in silently
-                self._chunk_gap(p, chunk)
-                return
             skip = p.next_index - chunk.index
             if skip > 0:  # output the client already has (a duplicate, or a continuation's overlap)
                 if skip >= len(chunk.token_ids) and not chunk.finished:
@@ -1490,18 +1521,87 @@ class RouterService(WatchedService):
         if p.reset is not None and p.reset():
             self.counters["slow_client_resets"] += 1
 
-    def _chunk_gap(self, p: _Pending, chunk: m.TokenChunk) -> None:
-        """``chunk`` starts past the next output position of ``p`` (``p.next_index``): the tokens between never came
-        (a reliable message lost: dropped by a bus past its bounds, a core-NATS message on a server without JetStream).
-        The request fails: its nodes are told to drop it, its response gets a 502 error (what it has read stays its
-        own; a stream's error event) naming the missing positions, counted ``chunks_gap`` (and ``aborts.chunks_gap``),
-        finished as ``error``. Before, the later tokens were appended: the client got HTTP 200 with tokens missing
-        (reviewer rr-bus2)."""
-        why = (f"output lost: tokens {p.next_index}..{chunk.index - 1} of the request's output never arrived (the next "
-               f"chunk from node {chunk.node} starts at {chunk.index}); request failed")  # fmt: skip
+    def _hold_chunk(self, p: _Pending, chunk: m.TokenChunk) -> None:
+        """``chunk`` starts past ``p.next_index``: the output between is not here. It is held (``p.held``, counted
+        ``chunks_held``) until the missing chunks come (:meth:`_take_held` then sends them all in order; a finishing
+        chunk held ends the request only then), for ``chunk_gap_wait_s`` at most (:data:`CHUNK_GAP_WAIT_S`: after a
+        NATS reconnect a chunk resent from the bus's window is stored after the ones published during the outage,
+        reviewer rr-gap). Past that wait (checked here and by :meth:`_expire_held` each fence round), or with
+        ``CHUNK_GAP_MAX_HELD`` chunks held already, the request fails (:meth:`_chunk_gap`). A second chunk at a held
+        index is a duplicate (``chunks_duplicate``)."""
+        mono = time.monotonic()
+        if p.held and mono > p.held_until:
+            self._chunk_gap(p, p.held[min(p.held)], "within")
+            return
+        if chunk.index in p.held:
+            self.counters["chunks_duplicate"] += 1
+            return
+        if len(p.held) >= CHUNK_GAP_MAX_HELD:
+            self._chunk_gap(p, p.held[min(p.held)], "held")
+            return
+        if not p.held:
+            p.held_until = mono + self.chunk_gap_wait_s
+            self._holding.add(p.rid)
+            self.log.debug("token chunk out of order held for the output before it", rid=p.rid, node=chunk.node,
+                           next_index=p.next_index, chunk_index=chunk.index, wait_s=self.chunk_gap_wait_s)  # fmt: skip
+        p.held[chunk.index] = chunk
+        self.counters["chunks_held"] += 1
+
+    async def _take_held(self, p: _Pending) -> None:
+        """Send ``p``'s held chunks that now start at or before ``p.next_index``, in index order (an overlap is
+        trimmed, a chunk the client has whole is a duplicate, as for any chunk); what stays held past a new gap waits
+        ``chunk_gap_wait_s`` afresh (output came, so the stream moves). Nothing is held once ``p`` ended."""
+        moved = False
+        while p.held and not p.done:
+            first = min(p.held)
+            if first > p.next_index:
+                break
+            moved = True
+            await self._take_chunk(p, p.held.pop(first))
+        if p.done or not p.held:
+            self._drop_held(p)
+        elif moved:
+            p.held_until = time.monotonic() + self.chunk_gap_wait_s
+
+    def _drop_held(self, p: _Pending) -> None:
+        """Forget ``p``'s held chunks (a re-dispatch: they are of the old attempt; or the request ended)."""
+        p.held.clear()
+        self._holding.discard(p.rid)
+
+    def _expire_held(self, mono: float, *, settling: bool = False) -> None:
+        """Fail the requests whose held chunks waited past ``chunk_gap_wait_s`` (``mono``: monotonic s now) for the
+        output before them (each fence round, so a request with no later chunk coming fails too, at most a round
+        late: 0.5 s); forget the held chunks of requests that ended. O(requests holding). ``settling``: this router's
+        own NATS connection is down, stalled or just back (:meth:`_bus_settling`): the missing chunks cannot reach it
+        yet, so each wait runs ``chunk_gap_wait_s`` from now at least (the request's own timeout still bounds it)."""
+        for rid in list(self._holding):
+            p = self._pending.get(rid)
+            if p is None or p.done or not p.held:
+                if p is not None:
+                    p.held.clear()
+                self._holding.discard(rid)
+            elif settling:
+                p.held_until = max(p.held_until, mono + self.chunk_gap_wait_s)
+            elif mono > p.held_until:
+                self._chunk_gap(p, p.held[min(p.held)], "within")
+
+    def _chunk_gap(self, p: _Pending, chunk: m.TokenChunk, cause: str) -> None:
+        """The output of ``p`` between ``p.next_index`` and ``chunk`` (its first held chunk) never came within
+        ``chunk_gap_wait_s`` (``cause`` ``within``) or more than ``CHUNK_GAP_MAX_HELD`` chunks came past it
+        (``held``): a reliable message lost (dropped by a bus past its bounds, a core-NATS message on a server without
+        JetStream, a resend that waited past the wait). The request fails: its nodes are told to drop it, its response
+        gets a 502 error (what it has read stays its own; a stream's error event) naming the missing positions,
+        counted ``chunks_gap`` (``ei_router_chunks_gap_total``; and ``aborts.chunks_gap``), finished as ``error``.
+        Before 4da5861 the later tokens were appended: the client got HTTP 200 with tokens missing (reviewer rr-bus2);
+        before the hold, chunk k + 1 stored ahead of a resent chunk k after a reconnect failed it at once (rr-gap)."""
+        when = (f"within {self.chunk_gap_wait_s:g} s" if cause == "within"
+                else f"while {CHUNK_GAP_MAX_HELD} later chunks came")  # fmt: skip
+        why = (f"output lost: tokens {p.next_index}..{chunk.index - 1} of the request's output never arrived {when} (the "
+               f"next chunk from node {chunk.node} starts at {chunk.index}); request failed")  # fmt: skip
         self.counters["chunks_gap"] += 1
         self.log.warning("token chunk index gap; request failed", rid=p.rid, node=chunk.node, next_index=p.next_index,
-                         chunk_index=chunk.index)  # fmt: skip
+                         chunk_index=chunk.index, held=len(p.held), wait_s=self.chunk_gap_wait_s)  # fmt: skip
+        self._drop_held(p)
         self._abandon(p, "output lost", "chunks_gap")
         p.queue.put_nowait(_Failure(502, why))
 
@@ -1932,6 +2032,7 @@ class RouterService(WatchedService):
                     self._forgotten(node)
                 self._note_context()  # a node silent past --forget-node-after-s no longer counts toward the KV cap
             self._expire_parked(time.monotonic())
+            self._expire_held(time.monotonic(), settling=self._bus_settling())
             self._parent_log.flush()  # the parent-missing warnings suppressed in an interval that has ended: one line each
             for rid in self._remote.expired(time.monotonic(), self.cfg.request_timeout_s):
                 self.core.finish(rid, now)  # its owner went away without its end reaching the bus
@@ -2220,6 +2321,7 @@ class RouterService(WatchedService):
         for n, msg in self.core.abort(p.rid, reason, now=now):
             self._spawn(self._publish_abort(n, msg, old))
         p.attempt += 1
+        self._drop_held(p)  # chunks of the old attempt
         assert p.rreq is not None and p.cur is not None
         if p.attempt_first:  # its decode (or collocated) node died while decoding
             left = p.rreq.max_tokens - len(p.tokens)
@@ -2323,6 +2425,7 @@ class RouterService(WatchedService):
         if p.done:
             return
         p.done = True
+        self._drop_held(p)
         self._end_decided(p, self._ABANDON_REASON.get(why, "error"))
         aborts = self.core.abort(p.rid, reason, now=self.clock.now())
         if aborts:
