@@ -54,7 +54,7 @@ def test_the_alerting_rules_are_well_formed_and_cover_the_faults_an_operator_pag
     exprs = {r["alert"]: r["expr"] for r in rs}
     wanted = {
         "ei_bus_stream_held_dropped_total": "page", "ei_bus_resend_dropped_total": "page",
-        "ei_bus_jetstream_missing_warnings_total": "page",
+        "ei_bus_jetstream_missing_warnings_total": "page", "ei_router_chunks_gap_total": "page",
         "ei_nats_permission_violations_total": "ticket", "ei_router_slow_client_aborts_total": "ticket",
         "ei_node_bind_failures_total": "ticket", "ei_router_ttft_seconds_bucket": "ticket",
     }
