@@ -32,8 +32,9 @@ publishes them again on reconnect; the stream drops the copies it already has
 (its duplicate window) and each consumer drops an id it has handled, so nothing
 is lost or handled twice. One known limit on order: nats-py flushes its reconnect buffer (what was published during
 the outage) before the reconnected callback, where the bus publishes the older window again, so a server that kept
-its store stores an outage's publishes ahead of the window's unstored ones (a router takes those late older token
-chunks for duplicates); docs/architecture.md says so. Without JetStream on the server (``--nats-url`` to a plain server) the
+its store stores an outage's publishes ahead of the window's unstored ones (a router holds the later token chunks up
+to ``CHUNK_GAP_WAIT_S``, 7 s, for the older ones, then sends them in order, else fails the request with a 502:
+``services/router/service.py``); docs/architecture.md says so. Without JetStream on the server (``--nats-url`` to a plain server) the
 bus falls back to core subscriptions and says so in the log (at the bus's first stream check; a bus on JetStream
 that reconnects to a server restarted without it keeps its reliable publishes until JetStream is back,
 :meth:`Bus._await_jetstream`, its ``/readyz`` 503 meanwhile); a server with JetStream that lacks the
@@ -477,7 +478,8 @@ class Bus:
         for it (:meth:`_await_stream` ``again``): reliable publishes are then only kept, not sent, and go out with the
         rest in publish order once it is back. Before, they were sent too: nowhere, unless another bus had just made the
         stream, where they were stored ahead of the older kept ones published again after it, and a consumer got a
-        token stream out of order (the router takes the older chunks for duplicates: their tokens were lost).
+        token stream out of order (the router holds the later chunks for the older ones up to ``CHUNK_GAP_WAIT_S``, 7 s;
+        past that it fails the request with a 502; before its hold, it took the older chunks for duplicates: a hole).
         True too while a reconnect's check waits for JetStream with publishes held. Set by :meth:`_wait_for_stream` and
         :meth:`_wait_for_jetstream`, cleared by :meth:`_wait_over`."""
         self._js_subs: list[tuple[Subscription, _StreamPosition]] = []
