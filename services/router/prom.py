@@ -57,7 +57,7 @@ name                                                type       meaning
                                                                requests passed ``--max-buffered-output-tokens``
 ``ei_router_chunks_gap_total``                     counter    requests failed (502 'output lost') because output
                                                                tokens never reached the router: chunks after them
-                                                               waited ``CHUNK_GAP_WAIT_S`` (or 256 came) without them
+                                                               waited ``CHUNK_GAP_WAIT_S`` without them
 ``ei_router_buffered_output_tokens``                gauge      output tokens held for clients that have not taken them
 ``ei_router_branches_active``                       gauge      ``X-Branch-Id`` branches active (not ended, not expired)
 ``ei_router_branches_expired_total``                counter    branches expired silent past ``--branch-ttl-s`` (resumable)
@@ -213,8 +213,8 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
     yield counter_family(
         "ei_router_chunks_gap",
         "Requests failed with a 502 'output lost: tokens a..b never arrived' because output tokens never reached the "
-        "router: later chunks of the request waited CHUNK_GAP_WAIT_S (7 s: a NATS reconnect's resend) or 256 of them "
-        "came without the missing ones (a reliable message lost on the bus)",
+        "router: later chunks of the request waited CHUNK_GAP_WAIT_S (7 s: a NATS reconnect's resend; longer while the "
+        "router's own NATS link settles) without the missing ones (a reliable message lost on the bus)",
         {(): float(c.get("chunks_gap", 0))},
     )
     yield gauge_family(

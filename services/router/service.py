@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import math
 import os
@@ -217,10 +218,6 @@ the server), and the bus does that only once its stream lookup has been answered
 most per try): chunk k + 1 can reach the router that long before chunk k (reviewer rr-gap). A lookup retried past
 that (a server that stays unanswering) fails the request; ``RouterService.chunk_gap_wait_s`` is this value."""
 
-CHUNK_GAP_MAX_HELD = 256
-"""Out-of-order chunks one request may hold (:data:`CHUNK_GAP_WAIT_S`); one more fails it at once (502, as
-when the wait runs out): the memory a request waiting for a hole can take is bounded."""
-
 _PEER_HELD_TIMEOUT_S = 1.0
 """Wall seconds a router waits for another router's answer to ``route.held`` when a request arrives
 with an ``X-Request-ID`` that router placed (:meth:`RouterService._duplicate_answer`): none within
@@ -308,8 +305,13 @@ class _Pending:
     """Output position of the next token the client does not have yet."""
     held: dict[int, m.TokenChunk] = field(default_factory=dict)
     """Chunks of the current attempt that came past :attr:`next_index` (output between still on its way: a NATS
-    reconnect stores a resent chunk after later ones), by ``index``, at most ``CHUNK_GAP_MAX_HELD``; taken in order
-    once the gap fills (:meth:`RouterService._take_held`), cleared by a re-dispatch or the request's end."""
+    reconnect stores a resent chunk after later ones), by ``index``; their tokens (:attr:`held_tokens`) at most what
+    the request has left to produce (``max_tokens`` - :attr:`next_index`); taken in order once the gap fills
+    (:meth:`RouterService._take_held`), cleared by a re-dispatch or the request's end."""
+    held_order: list[int] = field(default_factory=list)
+    """The indices of :attr:`held`, a heap (``heapq``): the first held chunk in O(1), each taken in O(log n)."""
+    held_tokens: int = 0
+    """Output tokens in :attr:`held` (the sum of their ``token_ids``)."""
     held_until: float = 0.0
     """Monotonic s by which the gap before :attr:`held` must fill (``chunk_gap_wait_s`` after the first chunk held,
     or after the last gap filled while later ones stayed held); past it the request fails (502, ``chunks_gap``)."""
@@ -1526,18 +1528,36 @@ class RouterService(WatchedService):
         ``chunks_held``) until the missing chunks come (:meth:`_take_held` then sends them all in order; a finishing
         chunk held ends the request only then), for ``chunk_gap_wait_s`` at most (:data:`CHUNK_GAP_WAIT_S`: after a
         NATS reconnect a chunk resent from the bus's window is stored after the ones published during the outage,
-        reviewer rr-gap). Past that wait (checked here and by :meth:`_expire_held` each fence round), or with
-        ``CHUNK_GAP_MAX_HELD`` chunks held already, the request fails (:meth:`_chunk_gap`). A second chunk at a held
-        index is a duplicate (``chunks_duplicate``)."""
+        reviewer rr-gap). Past that wait (checked here, unless this router's own bus settles, and by
+        :meth:`_expire_held` each fence round) the request fails (:meth:`_chunk_gap`). A second chunk at a held index
+        is a duplicate (``chunks_duplicate``). What is held is bounded by tokens, not chunks (an outage at 100 tok/s
+        with one token a chunk brings 700 chunks in the wait; reviewer rr-gapfix): a chunk that ends past the
+        request's ``max_tokens`` (no node may produce it), or whose tokens with those held pass what the request has
+        left (``max_tokens`` - ``p.next_index``: held chunks that overlap), is dropped (``chunks_over_max_tokens``), so
+        a request's delivered and held tokens together stay within its ``max_tokens``. Held tokens are not counted
+        in ``--max-buffered-output-tokens`` (no client is slow: a bus outage holds them for every request on a node at
+        once, and that cap would shed those requests). A prefill node's chunk after its decode node's output came
+        is dropped (``chunks_prefill_after_handoff``, the rule :meth:`_take_chunk` applies), so it cannot take the
+        index of the decode node's chunk."""
         mono = time.monotonic()
-        if p.held and mono > p.held_until:
-            self._chunk_gap(p, p.held[min(p.held)], "within")
+        if p.held and mono > p.held_until and not self._bus_settling():
+            self._chunk_gap(p, p.held[p.held_order[0]])
+            return
+        if chunk.node == p.prefill_node and p.handoff is not None and p.handoff == (p.attempt, p.decode_node):
+            self.counters["chunks_prefill_after_handoff"] += 1
+            self.bus.droplog.event("chunks_prefill_after_handoff", "token chunk from the prefill node of a request "
+                                   "its decode node serves dropped", rid=chunk.rid, node=chunk.node)  # fmt: skip
             return
         if chunk.index in p.held:
             self.counters["chunks_duplicate"] += 1
             return
-        if len(p.held) >= CHUNK_GAP_MAX_HELD:
-            self._chunk_gap(p, p.held[min(p.held)], "held")
+        limit = p.rreq.max_tokens if p.rreq is not None else 0
+        n = len(chunk.token_ids)
+        if chunk.index + n > limit or p.held_tokens + n > limit - p.next_index:
+            self.counters["chunks_over_max_tokens"] += 1
+            self.bus.droplog.event("chunks_over_max_tokens", "token chunk past the request's max_tokens dropped",
+                                   rid=chunk.rid, node=chunk.node, index=chunk.index, tokens=n, max_tokens=limit,
+                                   held_tokens=p.held_tokens)  # fmt: skip
             return
         if not p.held:
             p.held_until = mono + self.chunk_gap_wait_s
@@ -1545,19 +1565,25 @@ class RouterService(WatchedService):
             self.log.debug("token chunk out of order held for the output before it", rid=p.rid, node=chunk.node,
                            next_index=p.next_index, chunk_index=chunk.index, wait_s=self.chunk_gap_wait_s)  # fmt: skip
         p.held[chunk.index] = chunk
+        heapq.heappush(p.held_order, chunk.index)
+        p.held_tokens += n
         self.counters["chunks_held"] += 1
 
     async def _take_held(self, p: _Pending) -> None:
         """Send ``p``'s held chunks that now start at or before ``p.next_index``, in index order (an overlap is
         trimmed, a chunk the client has whole is a duplicate, as for any chunk); what stays held past a new gap waits
-        ``chunk_gap_wait_s`` afresh (output came, so the stream moves). Nothing is held once ``p`` ended."""
+        ``chunk_gap_wait_s`` afresh (output came, so the stream moves). Nothing is held once ``p`` ended. O(log n)
+        a chunk taken (n held)."""
         moved = False
         while p.held and not p.done:
-            first = min(p.held)
+            first = p.held_order[0]
             if first > p.next_index:
                 break
             moved = True
-            await self._take_chunk(p, p.held.pop(first))
+            heapq.heappop(p.held_order)
+            chunk = p.held.pop(first)
+            p.held_tokens -= len(chunk.token_ids)
+            await self._take_chunk(p, chunk)
         if p.done or not p.held:
             self._drop_held(p)
         elif moved:
@@ -1566,6 +1592,8 @@ class RouterService(WatchedService):
     def _drop_held(self, p: _Pending) -> None:
         """Forget ``p``'s held chunks (a re-dispatch: they are of the old attempt; or the request ended)."""
         p.held.clear()
+        p.held_order.clear()
+        p.held_tokens = 0
         self._holding.discard(p.rid)
 
     def _expire_held(self, mono: float, *, settling: bool = False) -> None:
@@ -1578,26 +1606,27 @@ class RouterService(WatchedService):
             p = self._pending.get(rid)
             if p is None or p.done or not p.held:
                 if p is not None:
-                    p.held.clear()
+                    self._drop_held(p)
                 self._holding.discard(rid)
             elif settling:
                 p.held_until = max(p.held_until, mono + self.chunk_gap_wait_s)
             elif mono > p.held_until:
-                self._chunk_gap(p, p.held[min(p.held)], "within")
+                self._chunk_gap(p, p.held[p.held_order[0]])
 
-    def _chunk_gap(self, p: _Pending, chunk: m.TokenChunk, cause: str) -> None:
+    def _chunk_gap(self, p: _Pending, chunk: m.TokenChunk) -> None:
         """The output of ``p`` between ``p.next_index`` and ``chunk`` (its first held chunk) never came within
-        ``chunk_gap_wait_s`` (``cause`` ``within``) or more than ``CHUNK_GAP_MAX_HELD`` chunks came past it
-        (``held``): a reliable message lost (dropped by a bus past its bounds, a core-NATS message on a server without
-        JetStream, a resend that waited past the wait). The request fails: its nodes are told to drop it, its response
-        gets a 502 error (what it has read stays its own; a stream's error event) naming the missing positions,
-        counted ``chunks_gap`` (``ei_router_chunks_gap_total``; and ``aborts.chunks_gap``), finished as ``error``.
-        Before 4da5861 the later tokens were appended: the client got HTTP 200 with tokens missing (reviewer rr-bus2);
-        before the hold, chunk k + 1 stored ahead of a resent chunk k after a reconnect failed it at once (rr-gap)."""
-        when = (f"within {self.chunk_gap_wait_s:g} s" if cause == "within"
-                else f"while {CHUNK_GAP_MAX_HELD} later chunks came")  # fmt: skip
-        why = (f"output lost: tokens {p.next_index}..{chunk.index - 1} of the request's output never arrived {when} (the "
-               f"next chunk from node {chunk.node} starts at {chunk.index}); request failed")  # fmt: skip
+        ``chunk_gap_wait_s`` (longer while this router's own bus settled: :meth:`_expire_held`): a reliable message
+        lost (dropped by a bus past its bounds, a core-NATS message on a server without JetStream, a resend that
+        waited past the wait). The request fails: its nodes are told to drop it, its response gets a 502 error (what
+        it has read stays its own; a stream's error event) 'output lost: tokens a..b of the request's output never
+        arrived within 7 s (N later chunks held, the next from node X starts at b + 1); request failed', counted
+        ``chunks_gap`` (``ei_router_chunks_gap_total``; and ``aborts.chunks_gap``), finished as ``error``. Before
+        4da5861 the later tokens were appended: the client got HTTP 200 with tokens missing (reviewer rr-bus2);
+        before the hold, chunk k + 1 stored ahead of a resent chunk k after a reconnect failed it at once (rr-gap);
+        before the token bound, 257 chunks held failed it too, though an outage's chunk k was on its way (rr-gapfix)."""
+        why = (f"output lost: tokens {p.next_index}..{chunk.index - 1} of the request's output never arrived within "
+               f"{self.chunk_gap_wait_s:g} s ({len(p.held)} later chunks held, the next from node {chunk.node} starts at "
+               f"{chunk.index}); request failed")  # fmt: skip
         self.counters["chunks_gap"] += 1
         self.log.warning("token chunk index gap; request failed", rid=p.rid, node=chunk.node, next_index=p.next_index,
                          chunk_index=chunk.index, held=len(p.held), wait_s=self.chunk_gap_wait_s)  # fmt: skip

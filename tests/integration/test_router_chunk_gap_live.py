@@ -1,7 +1,6 @@
 """Token chunks that reach the router out of order (one past the next output position of its request) are held for
 the output before them, and sent in order once it comes; a gap that does not fill within ``chunk_gap_wait_s``
-(``CHUNK_GAP_WAIT_S``: a NATS reconnect's resend, 7 s) or with ``CHUNK_GAP_MAX_HELD`` chunks held fails the request
-with a 502 naming the missing positions, counted ``chunks_gap``. Before 4da5861 the router appended the later tokens
+(``CHUNK_GAP_WAIT_S``: a NATS reconnect's resend, 7 s) fails the request with a 502 naming the missing positions, counted ``chunks_gap``. Before 4da5861 the router appended the later tokens
 and the client got HTTP 200 with tokens missing (reviewer rr-bus2); from 4da5861 until the hold, a chunk k + 1 stored
 ahead of a resent chunk k after a NATS reconnect failed the request at once, though chunk k was on its way (reviewer
 rr-gap, /tmp/rr-gap/test_rrgap_reorder.py: :func:`test_a_resent_chunk_stored_after_a_later_one_is_waited_for`).
@@ -16,7 +15,7 @@ import time
 
 import pytest
 
-from services.router.service import CHUNK_GAP_MAX_HELD, CHUNK_GAP_WAIT_S
+from services.router.service import CHUNK_GAP_WAIT_S
 from shared import messages as m
 from shared.bus import RESEND_WINDOW_S, STREAM_LOOKUP_TIMEOUT_S, Bus
 from shared.subjects import REQ_OUT, Subjects
@@ -54,7 +53,7 @@ async def _gap(env, body: dict) -> asyncio.Task:
 def test_the_wait_covers_a_reconnects_resend():
     """The wait is the bus's resend window plus its stream lookup's timeout: after a reconnect the window's chunks
     are published again only once the lookup is answered."""
-    assert CHUNK_GAP_WAIT_S == RESEND_WINDOW_S + STREAM_LOOKUP_TIMEOUT_S == 7.0 and CHUNK_GAP_MAX_HELD == 256
+    assert CHUNK_GAP_WAIT_S == RESEND_WINDOW_S + STREAM_LOOKUP_TIMEOUT_S == 7.0
 
 
 @pytest.mark.timeout(60)
@@ -113,18 +112,32 @@ async def test_the_wait_does_not_run_out_while_the_routers_own_bus_settles(nats_
 
 @pytest.mark.timeout(60)
 async def test_a_later_chunk_after_the_wait_fails_the_request_on_arrival(nats_url, tmp_path):
-    """The deadline is checked when a chunk comes too, not only by the fence loop's sweep."""
+    """The deadline is checked when a chunk comes too, not only by the fence loop's sweep (turned off here: only the
+    arrival can fail the request); not while this router's own bus settles (the missing chunk cannot reach it yet)."""
     async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
         svc = env.service
+        sweeps: list[float] = []
+        svc._expire_held = lambda mono, *, settling=False: sweeps.append(mono)  # type: ignore[method-assign]
         svc.chunk_gap_wait_s = 0.0
         req, w = await _dispatched(env, {"prompt": [1, 2, 3], "max_tokens": 8})
         await svc._on_chunk(_chunk(w, 0), "")
         await svc._on_chunk(_chunk(w, 3), "")
         await asyncio.sleep(0.001)
-        await svc._on_chunk(_chunk(w, 4), "")
-        assert svc.counters["chunks_gap"] == 1 and svc._pending[w.rid].done  # failed in the handler, no sweep needed
+        svc._resumed_at, svc._resumed_why = time.monotonic(), "a test's freeze"  # settling for fence_after_s + 1 s
+        assert svc._bus_settling()
+        await svc._on_chunk(_chunk(w, 4), "")  # past the wait, but settling: held
+        p = svc._pending[w.rid]
+        assert not p.done and sorted(p.held) == [3, 4] and svc.counters.get("chunks_gap", 0) == 0
+        svc._resumed_at = 0.0
+        assert not svc._bus_settling()
+        await _wait_for(lambda: len(sweeps) >= 2, what="fence rounds")  # the sweep ran (a no-op) and failed nothing
+        assert not p.done
+        await svc._on_chunk(_chunk(w, 5), "")
+        assert svc.counters["chunks_gap"] == 1 and p.done  # failed in the handler: the sweep is off
         r = await req
-        assert r.status_code == 502 and "tokens 1..2 of the request's output never arrived within 0 s" in r.json()["error"]["message"]
+        assert r.status_code == 502
+        assert ("tokens 1..2 of the request's output never arrived within 0 s (2 later chunks held, the next from node "
+                "c0 starts at 3); request failed") in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.timeout(60)
@@ -162,20 +175,51 @@ async def test_chunks_out_of_order_are_sent_in_order_and_the_end_waits_for_the_g
 
 
 @pytest.mark.timeout(60)
-async def test_more_chunks_held_than_the_bound_fails_the_request_at_once(nats_url, tmp_path):
+async def test_held_chunks_are_bounded_by_the_requests_max_tokens_not_a_chunk_count(nats_url, tmp_path):
+    """rr-gapfix: 256 chunks held failed the request, though an outage of 2.6 s at 100 tok/s (one token a chunk)
+    brings more; and 256 chunks of any size could be held. Now 600 one-token chunks are held and sent once the gap
+    fills; a chunk that ends past the request's max_tokens, or whose tokens with those held pass what the request has
+    left (held chunks that overlap), is dropped (``chunks_over_max_tokens``), never held."""
     async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
         svc = env.service
-        req, w = await _dispatched(env, {"prompt": [1, 2, 3], "max_tokens": 400})
+        req, w = await _dispatched(env, {"prompt": [1, 2, 3], "max_tokens": 602})
         await svc._on_chunk(_chunk(w, 0), "")
-        for i in range(2, 2 + CHUNK_GAP_MAX_HELD):
-            await svc._on_chunk(_chunk(w, i), "")
-        assert len(svc._pending[w.rid].held) == CHUNK_GAP_MAX_HELD and not svc._pending[w.rid].done
-        await svc._on_chunk(_chunk(w, 2 + CHUNK_GAP_MAX_HELD), "")
-        r = await asyncio.wait_for(req, 10)  # long before the 7-s wait
-        assert r.status_code == 502
-        msg = r.json()["error"]["message"]
-        assert "tokens 1..1 of the request's output never arrived while 256 later chunks came" in msg, msg
-        assert svc.counters["chunks_gap"] == 1 and not svc._holding
+        p = svc._pending[w.rid]
+        await svc._on_chunk(_chunk(w, 600, n=3), "")  # ends at 603 > 602
+        for i in range(601, 1, -1):  # 600 chunks held, the last first
+            await svc._on_chunk(_chunk(w, i, last=i == 601), "")
+            if i == 600:
+                # ends at 602 (fits alone), but it overlaps the two held: its 600 tokens + 2 held > 602 - 1 left
+                await svc._on_chunk(_chunk(w, 2, n=600), "")
+        assert len(p.held) == 600 and p.held_tokens == 600 and not p.done, (len(p.held), p.held_tokens)
+        assert svc.counters["chunks_over_max_tokens"] == 2 and svc.counters["chunks_held"] == 600, dict(svc.counters)
+        await svc._on_chunk(_chunk(w, 1), "")
+        r = await asyncio.wait_for(req, 10)
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["usage"]["completion_tokens"] == 602
+        assert r.json()["choices"][0]["text"] == svc.tokenizer.decode([output_token(i) for i in range(602)])
+        assert svc.counters.get("chunks_gap", 0) == 0 and not svc._holding and not p.held_order and p.held_tokens == 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_prefill_nodes_chunk_after_the_hand_off_is_not_held_in_the_decode_nodes_place(nats_url, tmp_path):
+    """rr-gapfix: held chunks are keyed by index: a prefill-node chunk past the next position after the decode node's
+    output came was held, so the decode node's real chunk at that index was a duplicate, and the held one was dropped
+    when taken (``chunks_prefill_after_handoff``): the gap never filled and the request failed."""
+    async with router_env(nats_url, tmp_path, {"p0": "prefill", "d0": "decode"}) as env:
+        svc = env.service
+        svc.chunk_gap_wait_s = 0.5
+        req, w = await _dispatched(env, {"prompt": [1, 2, 3], "max_tokens": 4})
+        await svc._on_chunk(_chunk(w, 0, node="p0"), "")
+        await svc._on_chunk(_chunk(w, 1, node="d0"), "")  # the hand-off reached the router
+        await svc._on_chunk(_chunk(w, 3, node="p0"), "")  # forged: dropped, not held
+        assert svc.counters["chunks_prefill_after_handoff"] == 1 and not svc._pending[w.rid].held
+        await svc._on_chunk(_chunk(w, 3, last=True, node="d0"), "")
+        await svc._on_chunk(_chunk(w, 2, node="d0"), "")
+        r = await asyncio.wait_for(req, 10)
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["choices"][0]["text"] == svc.tokenizer.decode([output_token(i) for i in range(4)])
+        assert svc.counters.get("chunks_duplicate", 0) == 0 and svc.counters.get("chunks_gap", 0) == 0
 
 
 @pytest.mark.timeout(60)
@@ -272,6 +316,43 @@ async def test_a_resent_chunk_stored_after_a_later_one_is_waited_for(nats_server
             assert r.json()["choices"][0]["text"] == svc.tokenizer.decode([output_token(i) for i in range(3)])
             assert wbus.counters["resent"] >= 1
             assert svc.counters["chunks_held"] == 1 and svc.counters.get("chunks_gap", 0) == 0, dict(svc.counters)
+        finally:
+            await wbus.close()
+            await proxy.close()
+
+
+@pytest.mark.timeout(60)
+async def test_an_outage_of_300_chunks_is_held_for_the_resent_one(nats_server, tmp_path):
+    """rr-gapfix (/tmp/rr-gapfix/rrmany_test.py): as the rr-gap test below, but 300 chunks are published during the
+    outage (3 s at 100 tok/s, one token a chunk): all reach the router before the resent chunk 1. With at most 256
+    chunks held the request failed with a 502 'while 256 later chunks came' though chunk 1 was on its way; held by
+    tokens (at most max_tokens), the client gets all 302 tokens with a 200."""
+    async with router_env(nats_server.url, tmp_path, {"c0": "both"}) as env:
+        svc = env.service
+        proxy = NatsProxy(nats_server.port)
+        wbus = await Bus.connect(await proxy.start(), Subjects("p0"), service="worker", instance="c0")
+        try:
+            assert await wbus.ensure_stream()
+            req, w = await _dispatched(env, {"prompt": [1, 2, 3], "max_tokens": 302})
+            await wbus.publish(REQ_OUT, _chunk(w, 0), rid=w.rid, node="c0")
+            await wbus.flush()
+            await until(lambda: svc._pending[w.rid].next_index == 1, what="token 0 at the router")
+            link = proxy.links[-1]
+            link.forward_up = False  # what the worker writes now dies in the socket (a server killed under it)
+            await wbus.publish(REQ_OUT, _chunk(w, 1), rid=w.rid, node="c0")
+            await asyncio.sleep(0.3)
+            proxy.refusing = True
+            link.cut()
+            await until(lambda: wbus.counters["nats.disconnects"] == 1, what="disconnect")
+            for i in range(2, 302):  # 300 chunks during the outage (~3 s at 100 tok/s, stream_interval 1)
+                await wbus.publish(REQ_OUT, _chunk(w, i, last=i == 301), rid=w.rid, node="c0")
+            await asyncio.sleep(0.5)
+            proxy.refusing = False
+            r = await asyncio.wait_for(req, 20)
+            assert r.status_code == 200, (r.status_code, r.text[:300])
+            assert r.json()["choices"][0]["text"] == svc.tokenizer.decode([output_token(i) for i in range(302)])
+            assert wbus.counters["resent"] >= 1
+            assert svc.counters["chunks_held"] >= 257 and svc.counters.get("chunks_gap", 0) == 0, dict(svc.counters)
         finally:
             await wbus.close()
             await proxy.close()
