@@ -157,14 +157,16 @@ def test_the_auth_job_gives_each_identity_folder_only_its_own_seed(tmp_path):
     r = _run(tmp_path, "auth", **env)
     assert r.returncode == 0, (r.stdout, r.stderr)
     held = {who: sorted(p.name for p in (out / who).iterdir()) for who in ("router", "planner", "kvdirectory", "launcher", "workers")}
-    assert held == {"router": ["clock_origin", "router.nk"], "planner": ["clock_origin", "planner.nk"],
+    # the router alone also gets the stack's API key id salt (7eae5ec), nobody else
+    assert held == {"router": ["api-key-id.salt", "clock_origin", "router.nk"], "planner": ["clock_origin", "planner.nk"],
                     "kvdirectory": ["clock_origin", "kvdirectory.nk"], "launcher": ["clock_origin", "launcher.nk"],
                     "workers": ["clock_origin", "worker-w0.nk", "worker-w1.nk"]}, held
     assert (out / "router" / "router.nk").read_bytes() == (creds / "router.nk").read_bytes()
     assert (out / "router" / "clock_origin").read_text() == (creds / "clock_origin").read_text()
     r = _run(tmp_path, "auth", **env)  # again (compose restarts it on a second `up`): the same, no error
     assert r.returncode == 0 and "already in" in r.stdout, (r.stdout, r.stderr)
-    assert sorted(p.name for p in (out / "router").iterdir()) == ["clock_origin", "router.nk"]
+    assert sorted(p.name for p in (out / "router").iterdir()) == ["api-key-id.salt", "clock_origin", "router.nk"]
+    assert (out / "router" / "api-key-id.salt").read_bytes() == (creds / "api-key-id.salt").read_bytes()
 
 
 def test_a_refused_policy_ends_the_auth_job_before_any_service_starts(tmp_path):
