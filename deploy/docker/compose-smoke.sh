@@ -227,8 +227,8 @@ if [ "${EI_POLICY:-evolving}" = evolving ]; then  # the system `up` runs, not th
     $COMPOSE logs planner | grep -c '"policy": "evolving"' >/dev/null || { log "planner is not the evolving one"; $COMPOSE logs --tail 20 planner; exit 1; }
     log "policy evolving: router ttft, planner evolving"
 fi
-held=$($COMPOSE exec -T router ls /creds | tr -d '\r' | tr '\n' ' ')  # its own seed only (auth copies it there)
-[ "$held" = "clock_origin router.nk " ] || { log "router's /creds holds: $held (expected clock_origin router.nk)"; exit 1; }
+held=$($COMPOSE exec -T router ls /creds | tr -d '\r' | tr '\n' ' ')  # its own seed and the stack's API key id salt only (auth copies them there)
+[ "$held" = "api-key-id.salt clock_origin router.nk " ] || { log "router's /creds holds: $held (expected api-key-id.salt clock_origin router.nk)"; exit 1; }
 
 $COMPOSE logs stream | grep -c "JetStream stream EI_" >/dev/null || { log "no JetStream stream"; $COMPOSE logs stream; exit 1; }
 if $COMPOSE logs | grep "no JetStream stream"; then log "a service runs without the JetStream stream (at most once)"; exit 1; fi

