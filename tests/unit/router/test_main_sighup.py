@@ -55,6 +55,9 @@ def test_the_cluster_starts_its_routers_with_sighup_ignored_and_nothing_else(tmp
     from evolving_infra.cli import build_parser
     from evolving_infra.launcher import _spec
 
+    # at its default here, as in an up started from a shell (tests/conftest.py puts the runner's own back after):
+    # the planner's "False" then says the cluster set nothing for it, whatever the test runner was started with
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     cluster = LocalCluster(_spec(build_parser("up").parse_args(["up", "--log-dir", str(tmp_path)])))
     probe = "import signal; print(signal.getsignal(signal.SIGHUP) == signal.SIG_IGN)"
     kids = [_Child(name, [sys.executable, "-c", probe], tmp_path / f"{name}.log") for name in ("router", "router-1", "planner")]
