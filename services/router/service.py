@@ -1394,13 +1394,7 @@ class RouterService(WatchedService):
         if chunk.node != p.prefill_node:  # output of its decode node: the hand-off reached it
             self.core.view.on_handoff(chunk.rid, chunk.node)
             p.handoff = (p.attempt, chunk.node)
-        elif p.handoff is not None and p.handoff == (p.attempt, p.decode_node):
-            # the prefill node of a request its decode node serves: it handed the request off (its first token went
-            # out before the hand-off) and holds nothing of it; only a forged chunk (its key publishing on its own
-            # req.<rid>.out.<node>) comes now, and must not end or fill the stream the decode node serves
-            self.counters["chunks_prefill_after_handoff"] += 1
-            self.bus.droplog.event("chunks_prefill_after_handoff", "token chunk from the prefill node of a request "
-                                   "its decode node serves dropped", rid=chunk.rid, node=chunk.node)  # fmt: skip
+        elif self._prefill_after_handoff(p, chunk):
             return
         now = self.clock.now()
         failed = chunk.finish_reason in ("error", "abort")
@@ -1523,6 +1517,20 @@ class RouterService(WatchedService):
         if p.reset is not None and p.reset():
             self.counters["slow_client_resets"] += 1
 
+    def _prefill_after_handoff(self, p: _Pending, chunk: m.TokenChunk) -> bool:
+        """Whether ``chunk``, from ``p``'s prefill node, comes after ``p``'s decode node took the stream over (its output
+        of this attempt came: ``p.handoff``); then it is dropped and counted (``chunks_prefill_after_handoff``, the drop
+        log). The prefill node handed the request off (its first token went out before the hand-off) and holds nothing
+        of it: only a forged chunk (its key publishing on its own ``req.<rid>.out.<node>``) comes now, and must not end,
+        fill or take an index of the stream the decode node serves. Used by :meth:`_take_chunk` and
+        :meth:`_hold_chunk` alike."""
+        if p.handoff != (p.attempt, p.decode_node):
+            return False
+        self.counters["chunks_prefill_after_handoff"] += 1
+        self.bus.droplog.event("chunks_prefill_after_handoff", "token chunk from the prefill node of a request "
+                               "its decode node serves dropped", rid=chunk.rid, node=chunk.node)  # fmt: skip
+        return True
+
     def _hold_chunk(self, p: _Pending, chunk: m.TokenChunk) -> None:
         """``chunk`` starts past ``p.next_index``: the output between is not here. It is held (``p.held``, counted
         ``chunks_held``) until the missing chunks come (:meth:`_take_held` then sends them all in order; a finishing
@@ -1543,10 +1551,7 @@ class RouterService(WatchedService):
         if p.held and mono > p.held_until and not self._bus_settling():
             self._chunk_gap(p, p.held[p.held_order[0]])
             return
-        if chunk.node == p.prefill_node and p.handoff is not None and p.handoff == (p.attempt, p.decode_node):
-            self.counters["chunks_prefill_after_handoff"] += 1
-            self.bus.droplog.event("chunks_prefill_after_handoff", "token chunk from the prefill node of a request "
-                                   "its decode node serves dropped", rid=chunk.rid, node=chunk.node)  # fmt: skip
+        if chunk.node == p.prefill_node and self._prefill_after_handoff(p, chunk):
             return
         if chunk.index in p.held:
             self.counters["chunks_duplicate"] += 1
