@@ -39,11 +39,14 @@ FAULT_METRICS = (
     "ei_bus_jetstream_missing_warnings_total", "ei_router_slow_client_aborts_total", "ei_router_buffered_output_tokens",
     "ei_router_drain_refused_total", "ei_node_bind_failures_total", "ei_node_bind_refused_total", "ei_node_parked",
     "ei_nats_permission_violations_total", "ei_router_gone_before_dispatch_total", "ei_router_gate_disconnects_total",
-    "ei_router_branches_active", "ei_router_branches_evicted_total", "ei_service_ready",
+    "ei_router_branches_active", "ei_router_branches_evicted_total", "ei_service_ready", "ei_bus_resend_dropped_total",
+    "ei_router_chunks_gap_total",
 )
-"""What the dashboard's "Faults & health" row shows: lost reliable messages, NATS reconnects and stream waits,
-slow and gone clients, buffered tokens, drains, failed decode bindings, parked prefills, permission violations,
-services up but not ready."""
+"""What the dashboard's "Faults & health" row shows: lost reliable messages (held copies, resend windows), NATS
+reconnects and stream waits, slow and gone clients, buffered tokens, drains, failed decode bindings, parked prefills,
+permission violations, services up but not ready, requests failed for output lost on the bus. The live test below
+checks that each is exported from a service's first scrape (a counter at 0), so an ``increase()`` over it (panel or
+alert) counts the first fault too."""
 
 
 def graphs(dash: dict) -> list[dict]:
@@ -166,6 +169,7 @@ async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the
         urls = {"router-http": cluster.router_url + "/metrics", **cluster.metrics_urls}
         assert set(cluster.metrics_urls) == {"router", "planner", "kvdirectory", "worker-w0", "worker-w1", "worker-w2", "worker-w3"}
         scrapes: dict[str, int] = {k: 0 for k in urls}
+        first: dict[str, dict] = {}  # each endpoint's first scrape, parsed: what Prometheus sees before anything happened
         done = asyncio.Event()
 
         async def scrape_loop() -> None:
@@ -174,7 +178,7 @@ async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the
                     for name, url in urls.items():
                         r = await http.get(url)
                         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-                        parse(r.text)  # raises on a malformed exposition
+                        first.setdefault(name, parse(r.text))  # parse raises on a malformed exposition
                         scrapes[name] += 1
                     await asyncio.sleep(0.2)
 
@@ -243,6 +247,17 @@ async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the
     assert sample("ei_kvdirectory_lookup_seconds", d, suffix="_count") >= len(served)
     assert sample("ei_kvdirectory_ingest_seconds", d, suffix="_count") > 0
     assert sample("ei_bus_messages_dropped", d, {"subject": KV_EVENTS.template}, "_total") == 1
+
+    # every fault the dashboard's row shows is exported from the services' first scrape on, before any fault (a counter
+    # at 0: increase() over a series that appears only with its first fault misses that fault, and the panel and the
+    # alert on it stay empty); lost output and resend windows never happened here, at 0 in every scrape
+    assert set(first) == set(urls), sorted(first)
+    at_start = {s.name for fam in first.values() for f in fam.values() for s in f.samples}
+    assert not [n for n in FAULT_METRICS if n not in at_start], sorted(at_start)
+    for endpoint, fam in [*first.items(), *fams.items()]:
+        assert sample("ei_bus_resend_dropped", fam, suffix="_total") == 0, endpoint  # every service's bus
+        if endpoint.startswith("router"):
+            assert sample("ei_router_chunks_gap", fam, suffix="_total") == 0, endpoint
 
     # every series the Grafana dashboard queries exists in what the services export, with the
     # labels its PromQL groups by (``by (...)``) or selects (``{...}``)
