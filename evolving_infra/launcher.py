@@ -1311,7 +1311,7 @@ async def _demo(args: argparse.Namespace) -> int:
 
 async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     from evolving_infra.replay.core import Arrival
-    from evolving_infra.replay.cli import PREVIOUS, OutFolderError, check_previous_run, hold_out, set_aside_previous_run
+    from evolving_infra.out_folder import PREVIOUS, OutFolderError, check_previous_run, hold_out, set_aside_previous_run
     from evolving_infra.replay.live import LiveReplayer, RecordAppender
     from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
     from evolving_infra.report.write import REQUESTS_JSONL, build_report, print_summary, report_line, write_report

@@ -13,8 +13,28 @@ from evolving_infra.report.write import REPORT_JSON, build_report, load_run, pri
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    """Print the summary of one run and redraw its PNGs and ``report.html`` from disk."""
+    """Print the summary of one run and redraw its PNGs and ``report.html`` from disk. When it writes (the plots,
+    ``--recompute``) it holds ``RUN_DIR`` as a run writing there does (:func:`~evolving_infra.out_folder.hold_out`):
+    while a run writes to it, it stops with that run's line and exit 2."""
+    from evolving_infra.out_folder import OutFolderError, hold_out
+
     run_dir = Path(args.run_dir)
+    writes = args.recompute or not args.no_plots
+    if not writes or not run_dir.is_dir():  # reads only, or no run there (load_run says so): nothing to hold
+        return _show(args, run_dir)
+    from contextlib import ExitStack
+
+    with ExitStack() as held:
+        try:
+            held.enter_context(hold_out(run_dir))
+        except (OutFolderError, OSError) as e:
+            print(f"error: {run_dir}: {e}", file=sys.stderr)
+            return 2
+        return _show(args, run_dir)
+
+
+def _show(args: argparse.Namespace, run_dir: Path) -> int:
+    """:func:`cmd_show`'s work; returns the exit code."""
     try:
         report, records = load_run(run_dir)
         if args.recompute:
@@ -65,11 +85,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Write the side-by-side HTML, PNGs and table of several runs."""
     from evolving_infra.report.compare import format_table, input_differences, write_compare
 
-    try:
-        path, runs, table = write_compare([Path(d) for d in args.run_dirs], Path(args.out))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    from contextlib import ExitStack
+
+    from evolving_infra.out_folder import OutFolderError, hold_out
+    from evolving_infra.traces.io import make_folders, remove_folders
+
+    out = Path(args.out)
+    with ExitStack() as held:  # OUT held while it is written, as a run's: a second writer into it stops here
+        try:
+            held.callback(remove_folders, make_folders(out))  # after the lock's release: OUT back out if left empty
+            held.enter_context(hold_out(out))
+        except (OutFolderError, OSError) as e:
+            print(f"error: --out {out}: {e}", file=sys.stderr)
+            return 2
+        try:
+            path, runs, table = write_compare([Path(d) for d in args.run_dirs], out)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     print(format_table([r.label for r in runs], table))
     diffs = input_differences([r.report for r in runs], [r.label for r in runs])
     for d in diffs:
@@ -108,5 +141,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "after it (a sweep's static_4P5D) is labelled by it alone.",
     )
     c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=folder)
-    c.add_argument("--out", default="compare-out", type=folder, help="output directory (default compare-out)")
+    c.add_argument("--out", default="compare-out", type=folder,
+                   help="output directory (default compare-out); a second writer into it while one writes there stops "
+                   "before it starts (a writer holds OUT/.evolving-infra.lock)")
     c.set_defaults(func=cmd_compare)

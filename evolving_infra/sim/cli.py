@@ -270,11 +270,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -> int:
-    from evolving_infra.report.write import print_summary, report_line, write_report
-    from evolving_infra.replay.core import ReplayError
+    import evolving_infra.report.write  # noqa: F401 - imported here, as the run's modules, while the trace inflates
+    import evolving_infra.sim.run  # noqa: F401 - (inflate_ahead); used by _simulate_held
     from evolving_infra.sim.config import SimConfigError
-    from evolving_infra.sim.planners import ComponentMissing
-    from evolving_infra.sim.run import simulate, warmup_outlasted, warmup_outlasted_note, write_decisions
     from evolving_infra.traces.io import make_folders, output_error, remove_folders
 
     t0 = time.monotonic()
@@ -290,6 +288,33 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
         return 2
     setup = time.monotonic() - t0
     out = Path(args.out)
+    from contextlib import ExitStack
+
+    from evolving_infra.out_folder import PREVIOUS, OutFolderError, hold_out, set_aside_previous_run
+
+    with ExitStack() as held:  # OUT's lock (hold_out), from before the set-aside to the end of the report
+        try:  # before the run: a second run into OUT stops here, as replay's and demo's do
+            held.callback(remove_folders, make_folders(out))  # after the lock's release: OUT back out if left empty
+            held.enter_context(hold_out(out))
+            moved = [] if args.sweep else set_aside_previous_run(out)  # a sweep writes no file of those names in OUT
+        except (OutFolderError, OSError) as e:
+            print(f"error: --out {out}: {e}", file=sys.stderr)
+            return 2
+        if moved:
+            print(f"simulate: the outputs in {out} this run would overwrite moved to {out / PREVIOUS}/ ({', '.join(moved)}; "
+                  f"it keeps only the last run's)", file=sys.stderr)
+        return _simulate_held(args, cfg, requests, bs, prov, setup, out)
+
+
+def _simulate_held(args: argparse.Namespace, cfg: SimConfig, requests: Any, bs: int, prov: dict[str, Any],
+                   setup: float, out: Path) -> int:
+    """The run (or sweep) of :func:`_cmd_simulate` once it holds ``out``; returns the exit code."""
+    from evolving_infra.report.write import print_summary, report_line, write_report
+    from evolving_infra.replay.core import ReplayError
+    from evolving_infra.sim.config import SimConfigError
+    from evolving_infra.sim.planners import ComponentMissing
+    from evolving_infra.sim.run import simulate, warmup_outlasted, warmup_outlasted_note, write_decisions
+
     if args.sweep:
         from evolving_infra.sim.sweep import run_sweep
 
@@ -306,15 +331,10 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
     except (SimConfigError, ComponentMissing, ReplayError) as e:  # a component's bad option (--planner-opt ...) names itself
         print(f"error: {e}", file=sys.stderr)
         return 2
-    made: list[Path] = []
-    try:  # the folders are made now, for the report; taken back if it cannot be written
-        made = make_folders(out)
+    try:  # OUT was made before the run (hold_out); taken back by the caller when left empty
         path = write_report(out, res.report, res.records, plots=not args.no_plots)
         write_decisions(out, res.stats.planner_decisions)
-    except BaseException as e:
-        remove_folders(made)
-        if not isinstance(e, OSError):
-            raise
+    except OSError as e:
         print(f"error: {out}: cannot write: {e}", file=sys.stderr)
         return 2
     print_summary(res.report)
@@ -411,8 +431,11 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="control plane: first token / end -> client (s; default 0)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="simulate-out", type=folder,
-                   help="output directory (report.json, requests.jsonl, plots; created when they are written; default simulate-out, "
-                   "as demo-out, replay-out and fidelity-out)")
+                   help="output directory (report.json, requests.jsonl, plots; default simulate-out, as demo-out, replay-out and "
+                   "fidelity-out; removed again when a failed run left it empty). Files of those names already there (an earlier "
+                   "run's, or your own) move to OUT/previous/ before the run, never overwritten; OUT/previous/ keeps only the "
+                   "last run's (replaced each run). The run stops before it starts when OUT/previous holds other files, or "
+                   "while another run is writing to OUT (it holds OUT/.evolving-infra.lock)")
     o.add_argument("--label", default=None, help="what names the run in comparisons, as 'OUT (LABEL)' (default: the policy set)")
     o.add_argument("--no-plots", action="store_true", help="no plots: report.json, requests.jsonl and decisions.jsonl only (a sweep's compare/ has "
                    "compare.json and compare.html's table, no PNGs)")

@@ -344,12 +344,16 @@ def add_fidelity_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", default=d.routing, help=f"routing policy (default {d.routing})")
     p.add_argument("--speedup", type=float, default=d.speedup, help=f"live speed-up (default {d.speedup:g})")
     p.add_argument("--max-pause", type=float, default=d.max_pause_s, help=f"cap every pause, both runs (default {d.max_pause_s:g} s)")
-    p.add_argument("--out", default="fidelity-out", type=folder, help="output directory (default fidelity-out)")
+    p.add_argument("--out", default="fidelity-out", type=folder,
+                   help="output directory (default fidelity-out); a second run into it while one writes there stops "
+                   "before it starts (the run holds OUT/.evolving-infra.lock)")
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
-    from evolving_infra.cluster import ClusterError
-    from evolving_infra.sim.config import SimConfigError
+    from contextlib import ExitStack
+
+    from evolving_infra.out_folder import OutFolderError, hold_out
+    from evolving_infra.traces.io import make_folders, remove_folders
     from shared.log import setup_logging
 
     setup_logging("console", "warning")
@@ -365,8 +369,24 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         max_requests_per_branch=args.max_requests_per_branch,
         max_pause_s=args.max_pause,
     )
+    out = Path(args.out)
+    with ExitStack() as held:  # OUT held for the whole run, as replay's and demo's: a second run into it stops here
+        try:
+            held.callback(remove_folders, make_folders(out))  # after the lock's release: OUT back out if left empty
+            held.enter_context(hold_out(out))
+        except (OutFolderError, OSError) as e:
+            print(f"error: --out {out}: {e}", file=sys.stderr)
+            return 2
+        return _fidelity_held(s, out)
+
+
+def _fidelity_held(s: FidelitySettings, out: Path) -> int:
+    """:func:`cmd_fidelity` once it holds ``out``; returns the exit code."""
+    from evolving_infra.cluster import ClusterError
+    from evolving_infra.sim.config import SimConfigError
+
     try:
-        res = fidelity(s, Path(args.out))
+        res = fidelity(s, out)
     except SimConfigError as e:  # a bad --trace (read first: nothing started or written), or simulator setting
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -374,6 +394,6 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         print(f"error: live cluster: {e}", file=sys.stderr)
         return 1
     print(format_result(res))
-    print(f"fidelity: {Path(args.out) / 'fidelity.json'}")
+    print(f"fidelity: {out / 'fidelity.json'}")
     ok = res["live"].get("requests_failed") == 0 and res["sim"].get("requests_failed") == 0
     return 0 if ok else 1

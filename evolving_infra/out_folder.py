@@ -1,0 +1,215 @@
+"""A command's output folder (``--out OUT``): held by one run at a time (:func:`hold_out`), an earlier run's outputs
+set aside to ``OUT/previous/`` before they would be overwritten (:func:`set_aside_previous_run`).
+
+Used by ``replay``, ``demo``, ``simulate``, ``fidelity`` and ``report``; kept apart from ``evolving_infra.replay.cli``
+so that ``simulate`` imports none of the live stack (asyncio, httpx) to hold its ``OUT``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+PREVIOUS = "previous"
+LOCK = ".evolving-infra.lock"
+"""The file in ``OUT`` whose exclusive ``flock`` a run holds from before its set-aside to its report
+(:func:`hold_out`); removed when the run ends."""
+
+
+class OutFolderError(Exception):
+    """``OUT`` cannot take this run without touching files that are not a run's, or without a run's outputs being
+    lost: ``OUT`` or ``OUT/previous`` is not a folder, ``OUT/previous`` holds something other than a run's outputs
+    (:func:`check_previous_run`), the move to it failed (:func:`set_aside_previous_run`), or another run is
+    writing to ``OUT`` (:func:`hold_out`). The message is one line naming the path."""
+
+
+def _run_outputs() -> tuple[str, ...]:
+    """The names a run writes in ``OUT``: its report, records, page and every plot it may draw."""
+    from evolving_infra.report.write import REPORT_HTML, REPORT_JSON, REQUESTS_JSONL, RUN_PLOTS
+
+    return (REPORT_JSON, REQUESTS_JSONL, REPORT_HTML, *RUN_PLOTS)
+
+
+@contextmanager
+def hold_out(out: Path) -> Iterator[None]:
+    """Hold ``out`` for one run: an exclusive, non-blocking ``flock`` on ``out/``:data:`LOCK` (holding this
+    process's id), from before the set-aside of an earlier run's outputs to the end of the run's report, so that two
+    runs into one ``--out`` never move or overwrite each other's files. Creates ``out``; the lock file is removed on
+    exit (the kernel drops the lock of a killed run: its file is taken over by the next).
+
+    Raises:
+        OutFolderError: ``out`` is not a folder, or another process holds the lock (its id named when known).
+        OSError: ``out`` or the lock file cannot be made.
+    """
+    if out.exists() and not out.is_dir():
+        raise OutFolderError(f"{out} is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            who = f"another run (pid {holder})" if holder.isdigit() else "another run"
+            raise OutFolderError(f"{who} is writing to it (it holds {path}): wait for it to end, or choose another "
+                                 "--out") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:  # a run that ended between the open and the lock removed that file: lock the one at the path now
+            st = os.stat(path)
+        except FileNotFoundError:
+            st = None
+        mine = os.fstat(fd)
+        if st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        try:  # removed while still held (a run waiting on it then retries on a new file); only if it is still ours
+            st = os.stat(path)
+            mine = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(path)
+        except OSError:
+            pass  # gone already, or OUT no longer writable: the lock is released all the same
+        os.close(fd)
+
+
+def check_previous_run(out: Path) -> list[str]:
+    """The outputs in ``out`` that :func:`set_aside_previous_run` would move to ``out/previous/``, touching nothing:
+    every name this run writes (``report.json``, ``requests.jsonl``, ``report.html``, the
+    :data:`~evolving_infra.report.write.RUN_PLOTS`) already there, an earlier run's or not, so none is overwritten;
+    the user's other files (their own PNGs too) stay in place.
+
+    Returns:
+        The names to move, in that order (empty when ``out`` is absent or holds none of them).
+
+    Raises:
+        OutFolderError: ``out`` is not a folder, or ``out/previous`` (which the move replaces) is a symlink, is not
+            a folder or holds anything but plain files of those names (the user's files, or a folder of theirs
+            so named).
+        OSError: ``out`` or ``out/previous`` cannot be read.
+    """
+    if not out.exists():
+        return []
+    if not out.is_dir():
+        raise OutFolderError(f"{out} is not a folder")
+    own = _run_outputs()
+    names = [n for n in own if os.path.lexists(out / n)]
+    if not names:
+        return []
+    prev = out / PREVIOUS
+    if prev.is_symlink():
+        what = "to a folder" if prev.is_dir() else "not to a folder" if prev.exists() else "to nothing"
+        raise OutFolderError(f"{prev} is a symlink ({what}), and the outputs in {out} this run would overwrite are "
+                             "moved there: move or remove it, or choose another --out")
+    if prev.exists() and not prev.is_dir():
+        raise OutFolderError(f"{prev} is not a folder, and the outputs in {out} this run would overwrite are moved "
+                             "there: move or remove it, or choose another --out")
+    if prev.is_dir():
+        foreign = sorted(p.name for p in prev.iterdir() if p.name not in own or p.is_symlink() or not p.is_file())
+        if foreign:
+            shown_names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise OutFolderError(f"{prev} holds files that are not a run's outputs ({shown_names}); the outputs in "
+                                 f"{out} this run would overwrite would replace it there: nothing was changed; move or "
+                                 f"rename {prev}, or choose another --out")
+    return names
+
+
+def set_aside_previous_run(out: Path) -> list[str]:
+    """Move the outputs in ``out`` this run would overwrite (the names :func:`check_previous_run` gives: an earlier
+    run's, or the user's files of those names) to ``out/previous/``, so they are never overwritten nor read as
+    this run's. ``previous/`` keeps one generation: an older one (a run's outputs alone: checked) is replaced.
+    The move is all or nothing: the names go to a new folder inside ``out`` first, which then takes
+    ``previous``'s place; the older one is deleted last. Creates ``out``. Call it holding :func:`hold_out`.
+
+    Returns:
+        The names moved (empty when ``out`` held none).
+
+    Raises:
+        OutFolderError: as :func:`check_previous_run`, before anything is moved or removed; or a move failed
+            (``out`` read-only or immutable, a full disk): everything was put back, the older ``previous/``
+            as it was.
+        OSError: ``out`` cannot be made or read.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    names = check_previous_run(out)
+    if not names:
+        return []
+    prev = out / PREVIOUS
+    moved: list[str] = []
+    staged: Path | None = None
+    older: Path | None = None
+    try:
+        staged = _new_folder(out, "tmp")
+        for n in names:
+            os.rename(out / n, staged / n)
+            moved.append(n)
+        if prev.is_dir():
+            older = _new_folder(out, "old")
+            os.rename(prev, older / PREVIOUS)
+        os.rename(staged, prev)
+    except OSError as e:
+        undone = _undo_set_aside(out, prev, staged, moved, older)
+        raise OutFolderError(f"cannot move the outputs in {out} this run would overwrite to {prev}/ "
+                             f"({e.strerror or e}: {e.filename or out}): "
+                             + ("nothing was moved: " if undone else "")
+                             + (f"{prev} is as it was" if undone else f"some could not be put back: see {out}/.{PREVIOUS}.*")
+                             + "; choose another --out, or make it writable") from None
+    if older is not None:  # the older run's outputs alone (checked): deleted last, once the new previous/ is in place
+        try:
+            for p in (older / PREVIOUS).iterdir():
+                p.unlink()
+            (older / PREVIOUS).rmdir()
+            older.rmdir()
+        except OSError as e:
+            print(f"warning: --out {out}: the older {PREVIOUS}/ replaced could not be deleted ({e}); it is in {older}",
+                  file=sys.stderr)
+    return names
+
+
+def _new_folder(out: Path, tag: str) -> Path:
+    """A new empty folder ``out/.previous.<tag>-<pid>-<n>`` (the first ``n`` free), made with the process's umask
+    as ``previous/`` itself would be. Raises OSError when it cannot be made."""
+    for n in range(1000):
+        path = out / f".{PREVIOUS}.{tag}-{os.getpid()}-{n}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{out}/.{PREVIOUS}.{tag}-{os.getpid()}-*: 1000 exist already")
+
+
+def _undo_set_aside(out: Path, prev: Path, staged: Path | None, moved: list[str], older: Path | None) -> bool:
+    """Put back what :func:`set_aside_previous_run` had moved when a later step failed. Returns whether all of it
+    was (every name at its place in ``out``, ``prev`` as it was, no folder of the move left)."""
+    ok = True
+    try:
+        if older is not None and (older / PREVIOUS).exists() and not os.path.lexists(prev):
+            os.rename(older / PREVIOUS, prev)
+        if older is not None:
+            older.rmdir()
+    except OSError:
+        ok = False
+    if staged is not None and os.path.isdir(staged):
+        for n in reversed(moved):
+            try:
+                os.rename(staged / n, out / n)
+            except OSError:
+                ok = False
+        try:
+            staged.rmdir()
+        except OSError:
+            ok = False
+    return ok

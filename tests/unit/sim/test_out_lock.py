@@ -1,0 +1,141 @@
+"""``simulate``, ``fidelity``, ``report compare --out`` and ``report show`` hold their output folder as ``replay`` and
+``demo`` do (:func:`~evolving_infra.out_folder.hold_out`): before, none took the lock, so two simulate runs into one
+``--out`` wrote over each other's report and records. ``simulate`` also sets an earlier run's outputs aside to
+``OUT/previous/`` as ``replay`` does (:func:`~evolving_infra.out_folder.set_aside_previous_run`): before, it replaced
+them, and wrote over the user's own ``report.html`` in ``--out .``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from evolving_infra.cli import main
+from evolving_infra.out_folder import LOCK, hold_out
+
+SAMPLE = Path(__file__).resolve().parents[3] / "evolving_infra" / "data" / "claude-code-sample.jsonl.gz"
+
+
+def _simulate(out: Path, *extra: str) -> int:
+    return main(["simulate", "--trace", str(SAMPLE), "--duration", "5", "--no-plots", "--out", str(out), *extra])
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _refused(err: str, out: Path, flag: str = "--out ") -> None:
+    assert f"error: {flag}{out}: another run (pid {os.getpid()}) is writing to it (it holds {out / LOCK})" in err, err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_simulate_into_an_out_another_run_holds_is_refused_and_touches_nothing(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert _simulate(out) == 0
+    capsys.readouterr()
+    with hold_out(out):  # another run writing there (the lock is per open file: this process counts as another)
+        before = _tree(out)
+        assert _simulate(out) == 2
+        _refused(capsys.readouterr().err, out)
+        assert _tree(out) == before  # the first run's report and records as they were, no previous/
+    assert not (out / LOCK).exists()
+    assert _simulate(out) == 0  # the lock went with its holder
+
+
+def test_a_second_simulate_sets_the_first_ones_outputs_aside_as_replay_does(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert _simulate(out) == 0
+    first = {n: (out / n).read_bytes() for n in ("report.json", "requests.jsonl")}
+    (out / "notes.txt").write_text("mine\n")
+    capsys.readouterr()
+    assert _simulate(out, "--seed", "7") == 0
+    err = capsys.readouterr().err
+    assert f"simulate: the outputs in {out} this run would overwrite moved to {out / 'previous'}/ (report.json, " \
+           "requests.jsonl; it keeps only the last run's)" in err, err
+    assert {n: (out / "previous" / n).read_bytes() for n in first} == first
+    assert json.loads((out / "report.json").read_text())["meta"]["seed"] == 7
+    assert (out / "notes.txt").read_text() == "mine\n"  # the user's other files stay
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no lock, no staging folder left
+
+
+def test_simulate_refuses_a_previous_of_the_users_before_the_run(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert _simulate(out) == 0
+    (out / "previous").mkdir()
+    (out / "previous" / "thesis.tex").write_text("mine\n")
+    before = _tree(out)
+    capsys.readouterr()
+    assert _simulate(out) == 2
+    err = capsys.readouterr().err
+    assert f"error: --out {out}: {out / 'previous'} holds files that are not a run's outputs (thesis.tex)" in err, err
+    assert _tree(out) == before
+
+
+def test_a_simulate_that_fails_after_taking_out_leaves_no_folder(tmp_path, capsys):
+    """OUT is made to hold its lock before the run: a run that then fails takes it back when it is left empty (as
+    before: 'created when they are written')."""
+    out = tmp_path / "a" / "b"
+    assert _simulate(out, "--planner-opt", "no_such_option=1") == 2
+    assert "error:" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+
+
+def test_fidelity_into_an_out_another_run_holds_is_refused_before_its_cluster(tmp_path, capsys):
+    out = tmp_path / "f"
+    with hold_out(out):
+        assert main(["fidelity", "--trace", str(SAMPLE), "--sessions", "1", "--out", str(out)]) == 2
+        _refused(capsys.readouterr().err, out)
+        assert sorted(p.name for p in out.iterdir()) == [LOCK]  # no logs/, live/ nor sim/: nothing started
+
+
+def test_report_compare_and_show_into_a_held_folder_are_refused(tmp_path, capsys):
+    a, b, cmp = tmp_path / "a", tmp_path / "b", tmp_path / "cmp"
+    assert _simulate(a) == 0 and _simulate(b, "--seed", "3") == 0
+    capsys.readouterr()
+    with hold_out(cmp):
+        assert main(["report", "compare", str(a), str(b), "--out", str(cmp)]) == 2
+        _refused(capsys.readouterr().err, cmp)
+        assert sorted(p.name for p in cmp.iterdir()) == [LOCK]
+    assert main(["report", "compare", str(a), str(b), "--out", str(cmp)]) == 0
+    assert (cmp / "compare.json").is_file() and not (cmp / LOCK).exists()
+    capsys.readouterr()
+    with hold_out(a):  # a run writing into RUN_DIR: show does not redraw under it
+        before = _tree(a)
+        assert main(["report", "show", str(a), "--recompute", "--no-plots"]) == 2
+        _refused(capsys.readouterr().err, a, flag="")
+        assert _tree(a) == before
+        assert main(["report", "show", str(a), "--no-plots"]) == 0  # reading alone needs no lock
+    assert main(["report", "show", str(a), "--recompute", "--no-plots"]) == 0
+    assert not (a / LOCK).exists()
+
+
+def test_compare_into_a_new_folder_that_fails_leaves_none(tmp_path, capsys):
+    out = tmp_path / "new"
+    assert main(["report", "compare", str(tmp_path / "nope1"), str(tmp_path / "nope2"), "--out", str(out)]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["simulate", "fidelity"])
+def test_help_names_the_lock(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "OUT/.evolving-infra.lock" in " ".join(capsys.readouterr().out.split())
+
+
+def test_simulate_holds_its_out_without_importing_the_live_stack(tmp_path):
+    """The folder's lock and set-aside live in ``evolving_infra.out_folder``: taken from ``replay.cli``, a simulate
+    run imported asyncio, httpx and the replay's modules (~150 more) to hold its ``OUT``."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from evolving_infra.cli import main; "
+            f"rc = main(['simulate', '--trace', {str(SAMPLE)!r}, '--duration', '5', '--no-plots', '--out', {str(tmp_path / 'o')!r}]); "
+            "print(rc, ' '.join(m for m in ('asyncio', 'httpx', 'evolving_infra.replay.cli') if m in sys.modules))")
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"PYTHONPATH": str(root)})
+    assert done.stdout.strip().splitlines()[-1] == "0", done.stdout + done.stderr
