@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,7 +40,8 @@ def hold_out(out: Path) -> Iterator[None]:
     """Hold ``out`` for one run: an exclusive, non-blocking ``flock`` on ``out/``:data:`LOCK` (holding this
     process's id), from before the set-aside of an earlier run's outputs to the end of the run's report, so that two
     runs into one ``--out`` never move or overwrite each other's files. Creates ``out``; the lock file is removed on
-    exit (the kernel drops the lock of a killed run: its file is taken over by the next).
+    exit (the kernel drops the lock of a killed run: its file is taken over by the next). Once held, what a run
+    killed during its set-aside left in ``out`` is put back (:func:`recover_set_aside`).
 
     Raises:
         OutFolderError: ``out`` is not a folder, or another process holds the lock (its id named when known).
@@ -73,6 +75,7 @@ def hold_out(out: Path) -> Iterator[None]:
     try:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
+        recover_set_aside(out)
         yield
     finally:
         try:  # removed while still held (a run waiting on it then retries on a new file); only if it is still ours
@@ -213,3 +216,95 @@ def _undo_set_aside(out: Path, prev: Path, staged: Path | None, moved: list[str]
         except OSError:
             ok = False
     return ok
+
+
+_LEFTOVER = re.compile(r"\.previous\.(tmp|old)-([1-9][0-9]{0,6})-([0-9]{1,4})")
+"""The folders :func:`set_aside_previous_run` makes in ``OUT`` (:func:`_new_folder`): kind, process id, number."""
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (this process too; one of another user, or a zombie, counts as alive)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists; anything else: not known to be gone
+        return True
+    return True
+
+
+def recover_set_aside(out: Path) -> list[str]:
+    """Undo what a :func:`set_aside_previous_run` that never ended (SIGKILL, OOM, power loss) left in ``out``: its
+    ``.previous.tmp-<pid>-<n>`` (the outputs it had moved out of ``out``: their only copy) and
+    ``.previous.old-<pid>-<n>`` (the older ``previous/`` it was replacing), for every ``pid`` no longer alive;
+    a live one's are never touched. Call it holding :func:`hold_out` (which does).
+
+    ``out`` is put back as it was before that set-aside, so that this run's own set-aside moves those outputs to
+    ``previous/`` as the killed one meant to: an ``old`` folder's ``previous/`` goes back to ``out/previous`` when
+    that is missing (the killed run had moved it away), else it is the generation the killed run had replaced and
+    is deleted (when it holds a run's plain output files alone); a ``tmp`` folder's files go back to ``out`` under
+    their names; where ``out`` has a file of that name already (a run of a version without this step ran since) the
+    folder becomes ``out/previous`` when there is none, else it is left in place with a warning. Each step says
+    what it did in one line on stderr.
+
+    Returns:
+        The lines printed (empty when nothing was left).
+    """
+    try:
+        found = [(m.group(1), int(m.group(2)), int(m.group(3)), p) for p in out.iterdir()
+                 if (m := _LEFTOVER.fullmatch(p.name)) and p.is_dir() and not p.is_symlink()]
+    except OSError:
+        return []
+    said: list[str] = []
+
+    def say(line: str, *, kept: bool = False) -> None:  # kept: left in place, for the user to sort out
+        said.append(line)
+        print(f"{'warning' if kept else 'note'}: --out {out}: {line}", file=sys.stderr)
+
+    prev = out / PREVIOUS
+    own = set(_run_outputs())
+    dead = {pid for _, pid, _, _ in found if not _alive(pid)}
+    # old before tmp: the older previous/ first goes back to its place, then the staged outputs to theirs
+    for kind, pid, _n, path in sorted((f for f in found if f[1] in dead), key=lambda f: (f[0] != "old", f[1], f[2])):
+        who = f"a run (pid {pid}) that ended while setting its outputs aside"
+        try:
+            if kind == "old":
+                held = path / PREVIOUS
+                if held.is_dir() and not held.is_symlink() and not os.path.lexists(prev):
+                    os.rename(held, prev)
+                    say(f"{who} had moved {PREVIOUS}/ to {path.name}: put back")
+                elif os.path.lexists(held):
+                    other = [q.name for q in held.iterdir() if q.name not in own or q.is_symlink() or not q.is_file()] \
+                        if held.is_dir() and not held.is_symlink() else [held.name]
+                    if other:
+                        say(f"{path} ({who}) holds files that are not a run's outputs ({', '.join(sorted(other)[:3])}); "
+                            "left in place", kept=True)
+                        continue
+                    for q in held.iterdir():
+                        q.unlink()
+                    held.rmdir()
+                    say(f"{who} had replaced {PREVIOUS}/ and not yet deleted the older one ({path.name}): deleted")
+                path.rmdir()
+                continue
+            names = sorted(q.name for q in path.iterdir())
+            if not names:
+                path.rmdir()
+                continue
+            clash = [n for n in names if os.path.lexists(out / n)]
+            if not clash:
+                for n in names:
+                    os.rename(path / n, out / n)
+                path.rmdir()
+                say(f"{who} had moved {', '.join(names)} to {path.name}: put back (this run's set-aside moves them)")
+            elif not os.path.lexists(prev):
+                os.rename(path, prev)
+                say(f"{who} had moved {', '.join(names)} to {path.name}; {', '.join(clash)} are in {out} again: "
+                    f"{path.name} is now {PREVIOUS}/")
+            else:
+                say(f"{path} ({who}) holds {', '.join(names)}, and {out} has {', '.join(clash)} again and a "
+                    f"{PREVIOUS}/: left in place; move what you keep of it, then remove it", kept=True)
+        except OSError as e:
+            say(f"{path} ({who}) could not be put back ({e.strerror or e}: {e.filename or path}): left in place", kept=True)
+    return said
