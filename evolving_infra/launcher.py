@@ -1315,7 +1315,7 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
     from evolving_infra.replay.live import LiveReplayer, RecordAppender
     from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
     from evolving_infra.report.write import REQUESTS_JSONL, build_report, print_summary, report_line, write_report
-    from evolving_infra.traces.io import NO_REQUESTS, TraceError, read_trace
+    from evolving_infra.traces.io import NO_REQUESTS, TraceError, read_trace, trace_identity
     from evolving_infra.traces.sample import scale_description, scale_trace_for_model
     from shared.clock import SimClock
 
@@ -1488,7 +1488,7 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
         "command": "demo",
         "argv": redact_argv(sys.argv[1:]),  # the report folder is for sharing: no --nats-url password
         "trace": trace_name,
-        "trace_source": trace.header.source,
+        **trace_identity(trace.header, trace.requests),  # the file's requests, before --sessions: report compare's input
         "cluster": {"nodes": spec.nodes, "split": spec.split, "profile": spec.profile, "routing": spec.routing},
         "policy": pol.meta(),
         "speedup": spec.speedup,

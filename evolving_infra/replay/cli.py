@@ -52,7 +52,7 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
     from evolving_infra.replay.live import LiveReplayer
     from evolving_infra.replay.retry import RetryPolicy
     from evolving_infra.report.write import build_report, print_summary, report_line, write_report
-    from evolving_infra.traces.io import NO_REQUESTS, TraceError, read_trace
+    from evolving_infra.traces.io import NO_REQUESTS, TraceError, read_trace, trace_identity
     from evolving_infra.report.ideal import annotate_ideal
     from shared.clock import SimClock
 
@@ -108,6 +108,7 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
         from evolving_infra.traces.convert import convert_inputs
 
         trace = convert_inputs(args.from_kind, [Path(p) for p in args.input], progress=True)
+    identity = trace_identity(trace.header, trace.requests)  # the trace read, before --sessions: report compare's input
     if args.max_requests_per_branch or args.sessions:
         from evolving_infra.traces.sample import sample_sessions
 
@@ -189,7 +190,7 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
         "run_id": run_id,
         "argv": sys.argv[1:],
         "input": args.input,
-        "trace_source": trace.header.source,
+        **identity,
         "branch_prefix": prefix,
         "router_url": args.router_url,
         "speedup": args.speedup,

@@ -154,7 +154,7 @@ def load_workload(args: argparse.Namespace, ahead: InflateAhead | None = None) -
     """
     from evolving_infra.sim.config import SimConfigError
     from evolving_infra.traces.compact import read_trace_compact
-    from evolving_infra.traces.io import NO_REQUESTS, TraceError
+    from evolving_infra.traces.io import NO_REQUESTS, TraceError, trace_identity
 
     if bool(args.trace) == bool(args.workload):
         raise SimConfigError("give exactly one of --trace FILE or --workload KIND")
@@ -170,8 +170,7 @@ def load_workload(args: argparse.Namespace, ahead: InflateAhead | None = None) -
         trace, remapped = trace.rechained()
         # trace_source + trace_requests (+ trace_block_size, from meta): the input's identity for report compare,
         # whichever file held it (the .jsonl.gz or the .eipack packed from it)
-        prov: dict[str, Any] = {"trace": str(args.trace), "trace_source": trace.header.source,
-                                "trace_requests": len(trace.requests)}
+        prov: dict[str, Any] = {"trace": str(args.trace), **trace_identity(trace.header, trace.requests)}
         if remapped:
             print(f"note: {args.trace}: {remapped} block occurrences followed another prefix than their id's first "
                   "occurrence (ids must be chained, docs/trace-format.md); remapped to fresh ids", file=sys.stderr)

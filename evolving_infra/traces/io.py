@@ -77,6 +77,15 @@ _NOT_CANONICAL = ("not a canonical trace (its line 1 is the header {\"format\": 
 'invalid trace header: Object missing required field `format`', naming neither the cause nor the command."""
 _HEADER_DECODER = msgspec.json.Decoder(TraceHeader)
 
+def trace_identity(header: TraceHeader, requests: Sequence[Any]) -> dict[str, Any]:
+    """``meta`` keys that name a run's input trace by its content, whichever file held it (a ``.jsonl.gz`` or the
+    ``.eipack`` packed from it): ``trace_source`` (the header's ``source``) and ``trace_requests`` (how many
+    requests the trace holds, as read: before any sampling). With ``trace_block_size`` they are
+    ``report compare``'s :data:`~evolving_infra.report.compare.TRACE_IDENTITY_KEYS`; ``simulate``, ``demo`` and
+    ``replay`` record them."""
+    return {"trace_source": header.source, "trace_requests": len(requests)}
+
+
 NO_REQUESTS = "the trace has no requests (a header and nothing after it): nothing to replay"
 """Named by the commands that replay a trace (``simulate --trace``, ``demo``, ``fidelity``, ``replay``) for a
 valid trace of no request, which they refuse (exit 2) before any run: ``simulate`` wrote a report of 0 requests
