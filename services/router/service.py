@@ -817,7 +817,7 @@ class RouterService(WatchedService):
         self.port: int | None = None
         app: ASGIApp = self._build_app()
         guard = IngressGuard(
-            _NotFoundLog(app, lambda scope, error: self._log_rejected(request_id_of(scope), 404, error, scope, conn=scope)) if cfg.log_requests else app,
+            _NotFoundLog(app, lambda scope, error: self._log_rejected(request_id_of(scope), 404, error, scope, path=True)) if cfg.log_requests else app,
             load_api_keys(cfg.api_keys_file, cfg.api_keys),
             public_paths=cfg.api_key_public_paths,
             max_inflight=cfg.api_key_max_inflight,
@@ -3054,7 +3054,7 @@ class RouterService(WatchedService):
         ident = request_id_of(scope)  # the response's x-request-id (_RequestIdHeader)
         if scope["path"] not in _GENERATE_PATHS:
             if self.cfg.log_requests:
-                self._log_rejected(ident, status, error, scope, conn=scope)
+                self._log_rejected(ident, status, error, scope, path=True)
             return
         if tracing.ENABLED:
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
@@ -3064,22 +3064,21 @@ class RouterService(WatchedService):
             span.set_attributes({"ei.rid": ident.rid, **_client_id_fields(ident.rid, ident.client, key="ei.client_request_id")})
             _ReqTrace(span).end(status, error=error)
         if self.cfg.log_requests:
-            self._log_rejected(ident, status, error, conn=scope)
+            self._log_rejected(ident, status, error, scope)
 
-    def _log_rejected(self, ident: _RequestId, status: int, error: str | None, scope: Scope | None = None, *,
-                      conn: Scope | None = None) -> None:
+    def _log_rejected(self, ident: _RequestId, status: int, error: str | None, scope: Scope, *, path: bool = False) -> None:
         """``--log-requests``' ``request rejected`` line: the rid of ``ident``, the request's id
         (:func:`request_id_of`: the client's valid ``X-Request-ID``, else an id the router made, the response's
         ``x-request-id``; an invalid client value, maybe the reason for the refusal, is never logged), and the
-        value as sent, ``client_request_id``, when the rid is not it; the status, the error; ``scope`` given
-        (a request on a path other than the generation paths: a 401, 404 or 429), its ``path`` and ``method``; ``conn``
-        given (the request's scope), who sent it (:func:`_peer_fields`: ``client`` address, ``key`` id)."""
+        value as sent, ``client_request_id``, when the rid is not it; the status, the error; who sent it (``scope``,
+        the request's ASGI scope: :func:`_peer_fields`, ``client`` address, ``key`` id); with ``path`` (a request on
+        a path other than the generation paths: a 401, 404 or 429) also its ``path`` and ``method``. Before, the
+        scope was passed twice (``scope`` for the path, ``conn`` for the peer), always the same one."""
         extra = _client_id_fields(ident.rid, ident.client)
-        if conn is not None:
-            extra.update(_peer_fields(conn))
-        if scope is not None:
-            path = scope["path"][:256]  # percent-decoded: a %0A in it is shown escaped, never as a line break
-            extra.update(path=path if path.isprintable() else ascii(path)[1:-1], method=scope.get("method", ""))
+        extra.update(_peer_fields(scope))
+        if path:
+            shown = scope["path"][:256]  # percent-decoded: a %0A in it is shown escaped, never as a line break
+            extra.update(path=shown if shown.isprintable() else ascii(shown)[1:-1], method=scope.get("method", ""))
         self.log.info("request rejected", rid=ident.rid, **extra, status=status, error=error)
 
     def _log_end(self, rl: _ReqLog, status: int, request: Request, resp: Response | None) -> None:
@@ -3087,7 +3086,7 @@ class RouterService(WatchedService):
         refused before it was accepted (``request rejected``: status, the id of the response's
         ``x-request-id``, the error message). Times are the router clock's seconds (wall × ``--speedup``)."""
         if rl.rid is None:
-            self._log_rejected(request_id_of(request.scope), status, _error_message(resp), conn=request.scope)
+            self._log_rejected(request_id_of(request.scope), status, _error_message(resp), request.scope)
             return
         p = rl.p
         extra = {**_client_id_fields(rl.rid, rl.client_id), **_peer_fields(request.scope)}
