@@ -296,11 +296,13 @@ class _Pending:
     attempt_first: bool = False
     """The current attempt's first chunk arrived (its prefill finished)."""
     handoff: tuple[int, str] | None = None
-    """``(attempt, decode node)`` once output of that attempt came from its decode node (the prefill → decode
-    hand-off reached it): from then on that decode node serves the stream, and a chunk of that attempt from the
-    prefill node is dropped (``chunks_prefill_after_handoff``). A re-dispatch (a new attempt) or a decode node
-    placed again (another node) makes it stale, so the prefill node's chunks count again until the new decode
-    node's first output."""
+    """``(attempt, prefill node)`` once that attempt's prefill → decode hand-off from that prefill node reached a
+    decode node (its output came, or it handed the decode work back: it had it); from then on the prefill node's
+    chunks of that attempt are dropped (:meth:`RouterService._handed_off`). A re-dispatch (a new attempt) or the
+    work routed to another prefill node makes it stale."""
+    handed_back: tuple[int, str] | None = None
+    """``(attempt, decode node)`` of the latest decode hand-back taken (``work.requeue``): that node forgot the
+    request, so its chunks of that attempt are dropped (:meth:`RouterService._handed_off`)."""
     next_index: int = 0
     """Output position of the next token the client does not have yet."""
     held: dict[int, m.TokenChunk] = field(default_factory=dict)
@@ -1391,11 +1393,11 @@ class RouterService(WatchedService):
     async def _take_chunk(self, p: _Pending, chunk: m.TokenChunk) -> None:
         """``chunk`` (of ``p``'s current attempt, from one of its nodes, starting at or before ``p.next_index`` unless
         it fails the request) goes to ``p``'s response: the part the client has not had yet, its end, its failure."""
+        if self._handed_off(p, chunk):
+            return
         if chunk.node != p.prefill_node:  # output of its decode node: the hand-off reached it
             self.core.view.on_handoff(chunk.rid, chunk.node)
-            p.handoff = (p.attempt, chunk.node)
-        elif self._prefill_after_handoff(p, chunk):
-            return
+            p.handoff = (p.attempt, p.prefill_node)
         now = self.clock.now()
         failed = chunk.finish_reason in ("error", "abort")
         if not failed:
@@ -1517,15 +1519,38 @@ class RouterService(WatchedService):
         if p.reset is not None and p.reset():
             self.counters["slow_client_resets"] += 1
 
-    def _prefill_after_handoff(self, p: _Pending, chunk: m.TokenChunk) -> bool:
-        """Whether ``chunk``, from ``p``'s prefill node, comes after ``p``'s decode node took the stream over (its output
-        of this attempt came: ``p.handoff``); then it is dropped and counted (``chunks_prefill_after_handoff``, the drop
-        log). The prefill node handed the request off (its first token went out before the hand-off) and holds nothing
-        of it: only a forged chunk (its key publishing on its own ``req.<rid>.out.<node>``) comes now, and must not end,
-        fill or take an index of the stream the decode node serves. Used by :meth:`_take_chunk` and
-        :meth:`_hold_chunk` alike."""
-        if p.handoff != (p.attempt, p.decode_node):
+    def _handed_off(self, p: _Pending, chunk: m.TokenChunk) -> bool:
+        """Whether ``chunk`` (of ``p``'s current attempt, from its prefill node P or its decode node D: :meth:`_on_chunk`
+        checked) comes from a node that no longer serves the stream; then it is dropped and counted (and in the drop
+        log). The rule, for the current attempt:
+
+        * until the prefill → decode hand-off reached a decode node, P and D publish (P its first token or its failure;
+          D's output is held until P's first token is in, :meth:`_hold_chunk`);
+        * once it did (``p.handoff``: D's output came, or D handed the decode work back, ``work.requeue``: it had it),
+          P no longer, once the attempt's first chunk is in (``p.attempt_first``: P's first token, which a hand-back
+          may overtake, another publisher on another path, is still taken): P handed the request off and holds
+          nothing of it, so only a forged chunk (its key publishing on its own ``req.<rid>.out.<node>``) comes, and
+          must not end, fill or take an index of the stream. Counted ``chunks_prefill_after_handoff``;
+        * a decode node that handed the decode work back (``p.handed_back``) forgot it: its chunks are dropped while
+          the work is parked (it is still recorded as D then), counted ``chunks_wrong_node``, as they are once the
+          work is bound to another node (:meth:`_on_chunk`: not on the request). The node bound again serves the
+          stream from its binding (also when it is P: P's chunks are then its decode output).
+
+        A collocated request (P == D) never has a hand-off. Before, P was dropped only once the current D's output
+        came: after a hand-back, a forged chunk of P (or, while parked, of the node that handed it back) ended the
+        stream until the new decode node's first output. Used by :meth:`_take_chunk` and :meth:`_hold_chunk` alike."""
+        a = p.attempt
+        if p.handoff != (a, p.prefill_node):
             return False
+        if chunk.node == p.decode_node:
+            if p.handed_back != (a, chunk.node):
+                return False  # the decode node that serves the stream
+            self.counters["chunks_wrong_node"] += 1
+            self.bus.droplog.event("chunks_wrong_node", "token chunk from the decode node that handed the request back "
+                                   "dropped", rid=chunk.rid, node=chunk.node)  # fmt: skip
+            return True
+        if not p.attempt_first:
+            return False  # P's first token, overtaken by the hand-back
         self.counters["chunks_prefill_after_handoff"] += 1
         self.bus.droplog.event("chunks_prefill_after_handoff", "token chunk from the prefill node of a request "
                                "its decode node serves dropped", rid=chunk.rid, node=chunk.node)  # fmt: skip
@@ -1544,14 +1569,15 @@ class RouterService(WatchedService):
         left (``max_tokens`` - ``p.next_index``: held chunks that overlap), is dropped (``chunks_over_max_tokens``), so
         a request's delivered and held tokens together stay within its ``max_tokens``. Held tokens are not counted
         in ``--max-buffered-output-tokens`` (no client is slow: a bus outage holds them for every request on a node at
-        once, and that cap would shed those requests). A prefill node's chunk after its decode node's output came
-        is dropped (``chunks_prefill_after_handoff``, the rule :meth:`_take_chunk` applies), so it cannot take the
-        index of the decode node's chunk."""
+        once, and that cap would shed those requests). A chunk of a node that no longer serves the
+        stream (the prefill node after the hand-off, a decode node that handed the work back) is dropped
+        (:meth:`_handed_off`, the rule :meth:`_take_chunk` applies), so it cannot take the index of the decode node's
+        chunk."""
         mono = time.monotonic()
         if p.held and mono > p.held_until and not self._bus_settling():
             self._chunk_gap(p, p.held[p.held_order[0]])
             return
-        if chunk.node == p.prefill_node and self._prefill_after_handoff(p, chunk):
+        if self._handed_off(p, chunk):
             return
         if chunk.index in p.held:
             self.counters["chunks_duplicate"] += 1
@@ -1750,6 +1776,7 @@ class RouterService(WatchedService):
             if role == "prefill":
                 self.core.requeue(rid, self.clock.now())
             else:  # the decode node had the hand-off: the router holds it now, not the prefill node
+                p.handoff, p.handed_back = (p.attempt, p.prefill_node), (p.attempt, msg.node)  # _handed_off
                 self.core.view.on_handoff(rid, msg.node)
         except Exception as e:
             self.counters["requeue.bookkeeping_errors"] += 1
