@@ -308,7 +308,8 @@ class _Pending:
     held: dict[int, m.TokenChunk] = field(default_factory=dict)
     """Chunks of the current attempt that came past :attr:`next_index` (output between still on its way: a NATS
     reconnect stores a resent chunk after later ones), by ``index``; their tokens (:attr:`held_tokens`) at most what
-    the request has left to produce (``max_tokens`` - :attr:`next_index`); taken in order once the gap fills
+    the request has left to produce (``max_tokens`` - :attr:`next_index`), their log-probabilities at most what it
+    asked for (:meth:`RouterService._logprobs_unasked`); taken in order once the gap fills
     (:meth:`RouterService._take_held`), cleared by a re-dispatch or the request's end."""
     held_order: list[int] = field(default_factory=list)
     """The indices of :attr:`held`, a heap (``heapq``): the first held chunk in O(1), each taken in O(log n)."""
@@ -1383,6 +1384,8 @@ class RouterService(WatchedService):
             self.counters["chunks_wrong_node"] += 1
             self.bus.droplog.event("chunks_wrong_node", "token chunk from a node the request is not on dropped", rid=chunk.rid, node=chunk.node)
             return
+        if self._logprobs_unasked(p, chunk):
+            return
         if chunk.finish_reason not in ("error", "abort") and chunk.index > p.next_index:
             self._hold_chunk(p, chunk)  # output before it is still on its way, or lost
             return
@@ -1518,6 +1521,28 @@ class RouterService(WatchedService):
         closes the connection before any other callback runs)."""
         if p.reset is not None and p.reset():
             self.counters["slow_client_resets"] += 1
+
+    def _logprobs_unasked(self, p: _Pending, chunk: m.TokenChunk) -> bool:
+        """Whether ``chunk`` carries more log-probabilities than ``p`` asked for (``Sampling.logprobs`` of its request:
+        None, none at all; k, at most k top entries a token; fewer is fine, a node's vocabulary may be smaller); then
+        it is malformed, dropped and counted (``chunks_bad_logprobs``, the drop log), whether it would be taken or
+        held. So a held chunk's log-probabilities are bounded by what the request asked (with its tokens by
+        ``max_tokens``, :meth:`_hold_chunk`), not only by message validation (one a token id, at most
+        ``MAX_TOP_LOGPROBS`` = 20 top entries, ``shared.validate``). Before, one in order was taken (its response
+        cut each top list to what was asked; the rest stayed in its queue until read) and one held kept them all
+        until the gap filled. O(tokens of the chunk)."""
+        if not (chunk.logprobs or chunk.top_ids or chunk.top_logprobs):
+            return False
+        sp = p.rreq.sampling if p.rreq is not None else None
+        k = None if sp is None else sp.logprobs
+        if k is not None and all(len(x) <= k for x in chunk.top_ids) and all(len(x) <= k for x in chunk.top_logprobs):
+            return False
+        most = max([len(x) for x in chunk.top_ids] + [len(x) for x in chunk.top_logprobs], default=0)
+        self.counters["chunks_bad_logprobs"] += 1
+        self.bus.droplog.event("chunks_bad_logprobs", "token chunk with more log-probabilities than its request asked "
+                               "for dropped", rid=chunk.rid, node=chunk.node, index=chunk.index, asked=k,
+                               logprobs=len(chunk.logprobs), top_entries=most)  # fmt: skip
+        return True
 
     def _handed_off(self, p: _Pending, chunk: m.TokenChunk) -> bool:
         """Whether ``chunk`` (of ``p``'s current attempt, from its prefill node P or its decode node D: :meth:`_on_chunk`
