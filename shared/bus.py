@@ -711,7 +711,9 @@ class Bus:
 
     async def _after_reconnect(self) -> None:
         """Find the stream again (make it when the server lost it), publish the resend window again,
-        resume consumers whose stream came back shorter or new.
+        resume consumers whose stream came back shorter or new. A stream found that lacks some reliable subjects (a
+        server restarted with another version's stream) is said as at the first lookup (:meth:`_check_subjects`:
+        :attr:`stream_lacking`, ``/readyz`` 503, an error line); before, only the first lookup checked.
 
         A check that a later disconnect outlived (its lookup answered after the connection dropped again) leaves all
         that to the next reconnect's check: it keeps holding, puts its window back in :attr:`_resend` (the next check
@@ -737,6 +739,8 @@ class Bus:
                 # again (tests/integration/test_bus_resend_reconnect_live.py)
                 self._put_back([*resend, *self._resend])
                 return
+            if info is not None and go_on():  # the stream found after the reconnect may be another one (c01bc72)
+                self._check_subjects(info, log=True)
             if not go_on():  # a later reconnect took over: its check ends the holding
                 for r in (resend if self._holding else ()):
                     self._hold(r)
@@ -1137,21 +1141,33 @@ class Bus:
             info = await self._await_stream(lambda: True, again=False, maker=maker)
             if info is None:  # the bus closed while it waited
                 return False
-        have = list(info.config.subjects or ())
-        lacks = stream_lacks(have, list(config.subjects or ()))
-        if lacks:  # found, not made (another version's, by hand): what it lacks reaches no consumer
-            self.stream_lacking = (
-                f"the JetStream stream {config.name} lacks subjects {lacks} (it has {have}; another version's, or made by "
-                f"hand): messages on them are kept by no stream and reach no consumer; " + STREAM_FIX.format(age=STREAM_MAX_AGE_S)
-            )  # fmt: skip
-            if maker:
-                raise StreamLacksSubjects(self.stream_lacking)
-            if wait:  # a service's; wait=False is auth stream's, which reports it itself (one line)
-                self.log.error("STREAM LACKS SUBJECTS: " + self.stream_lacking, stream=config.name)
+        # a service's is logged; wait=False is auth stream's, which reports it itself (one line)
+        if self._check_subjects(info, log=wait and not maker) and maker:
+            raise StreamLacksSubjects(self.stream_lacking)
         if self._stream_created is None:
             self._stream_created = info.created
         self._stream_checked = True
         self.jetstream = True
+        return True
+
+    def _check_subjects(self, info: Any, *, log: bool) -> bool:
+        """Whether the stream found (``info``, its ``StreamInfo``) lacks some reliable subjects (:func:`stream_lacks`;
+        another version's, one made by hand): then :attr:`stream_lacking` says so (the stream, what it lacks, the fix)
+        and, with ``log``, an error line ``STREAM LACKS SUBJECTS: ...``. Run at the first lookup
+        (:meth:`_ensure_stream`) and at each reconnect's check that found the stream (:meth:`_after_reconnect`: a
+        server restarted with an old stream). A stream found whole leaves :attr:`stream_lacking` as it was (once
+        set, a service says so until it is restarted: its consumers were made on the lacking stream)."""
+        config = self._stream_config()
+        have = list(info.config.subjects or ())
+        lacks = stream_lacks(have, list(config.subjects or ()))
+        if not lacks:
+            return False
+        self.stream_lacking = (
+            f"the JetStream stream {config.name} lacks subjects {lacks} (it has {have}; another version's, or made by "
+            f"hand): messages on them are kept by no stream and reach no consumer; " + STREAM_FIX.format(age=STREAM_MAX_AGE_S)
+        )  # fmt: skip
+        if log:
+            self.log.error("STREAM LACKS SUBJECTS: " + self.stream_lacking, stream=config.name)
         return True
 
     async def _look_up_stream(self, name: str, *, wait: bool, maker: bool) -> Any:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import structlog
 from nats.js.api import StreamConfig
 
 from shared.auth import generate
@@ -115,3 +116,40 @@ def test_auth_stream_recreate_replaces_a_stream_lacking_subjects(tmp_path):
                 await bus.close()
 
         assert asyncio.run(router_finds_it_whole()) == ""
+
+
+@pytest.mark.timeout(90)
+async def test_a_stream_lacking_subjects_found_after_a_reconnect_is_said_as_at_start():
+    """The stream was whole at the service's start; the nats-server then comes back (a restart, its store kept) with a
+    stream of the same name lacking ``req.*.out.*`` (here deleted and made the old way before the restart; a store
+    restored from an older version). The reconnect's stream check finds it anew and says so as the first lookup does:
+    :attr:`Bus.stream_lacking` (``/readyz`` 503 with that reason) and one error line. Before, only a service's first
+    stream lookup checked the subjects: the service stayed ready while every request's output reached no consumer."""
+    with EmbeddedNatsServer() as srv:
+        with structlog.testing.capture_logs() as logs:
+            router = await Bus.connect(srv.url, Subjects("p7"), service="router", instance="router")
+            try:
+                assert await asyncio.wait_for(router.ensure_stream(), 10) and router.stream_lacking == ""
+                admin = await Bus.connect(srv.url, Subjects("p7"), service="test", instance="test")
+                try:
+                    js = admin.nc.jetstream(timeout=5.0)
+                    await js.delete_stream("EI_p7")
+                    await js.add_stream(StreamConfig(name="EI_p7", subjects=_old_subjects("p7")))
+                finally:
+                    await admin.close()
+                assert router.stream_lacking == ""  # nothing tells a connected bus (the test's premise)
+                await asyncio.to_thread(srv.restart)
+                for _ in range(1000):
+                    if router.stream_lacking:
+                        break
+                    await asyncio.sleep(0.02)
+                assert router.counters["nats.reconnects"] >= 1
+                assert "EI_p7 lacks subjects ['ei.p7.req.*.out.*']" in router.stream_lacking, router.stream_lacking
+                assert "--recreate" in router.stream_lacking
+                ready = Readiness(srv.url)
+                ready.bus, ready.phase = router, "serving"
+                assert ready.state() == ("stream", router.stream_lacking)
+            finally:
+                await router.close()
+        lines = [e for e in logs if e.get("log_level") == "error" and "STREAM LACKS SUBJECTS" in str(e.get("event"))]
+        assert len(lines) == 1 and router.stream_lacking in lines[0]["event"], lines

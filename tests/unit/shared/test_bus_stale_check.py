@@ -45,7 +45,8 @@ def _rid(data: bytes) -> str:
 
 
 def _info(created: str) -> Any:
-    return SimpleNamespace(created=created, state=SimpleNamespace(first_seq=1, last_seq=10))
+    """A stream's info (``StreamInfo``) as the check reads it: a stream over every subject of partition p0."""
+    return SimpleNamespace(created=created, state=SimpleNamespace(first_seq=1, last_seq=10), config=SimpleNamespace(subjects=["ei.p0.>"]))
 
 
 async def _outlived_check(monkeypatch) -> tuple[Bus, _Client, asyncio.Future[Any]]:
