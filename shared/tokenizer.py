@@ -283,6 +283,109 @@ class SimTokenizer:
 # --------------------------------------------------------------------------- #
 
 
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"})
+"""Pre-tokenizers that cut a text without dropping a character (``Split`` only with a behaviour other than
+``Removed``; ``Whitespace`` / ``WhitespaceSplit`` / ``BertPreTokenizer`` drop the whitespace)."""
+
+
+def _keeps_characters(pre: Any) -> bool:
+    """True when the ``pre_tokenizer`` of a ``tokenizer.json`` (None, one, or a ``Sequence``) keeps every character."""
+    if pre is None:
+        return True
+    if not isinstance(pre, dict):
+        return False
+    kind = pre.get("type")
+    if kind == "Sequence":
+        return all(_keeps_characters(p) for p in pre.get("pretokenizers") or ())
+    if kind == "Split":
+        return pre.get("behavior") != "Removed"
+    return kind in _KEEPING_PRE_TOKENIZERS
+
+
+def _has_byte_level(pre: Any) -> bool:
+    if not isinstance(pre, dict):
+        return False
+    if pre.get("type") == "Sequence":
+        return any(_has_byte_level(p) for p in pre.get("pretokenizers") or ())
+    return bool(pre.get("type") == "ByteLevel")
+
+
+def max_token_chars(spec: dict[str, Any]) -> int | None:
+    """The most characters of a text one token of a ``tokenizer.json`` (``spec``, its parsed JSON) can stand
+    for, when that is bounded: a text of ``c`` characters then encodes to at least ``ceil(c / max)`` tokens
+    (:func:`min_prompt_tokens`), which lets the router refuse an oversized prompt before it tokenizes it. None
+    where no such bound holds for every text, so that the bound never refuses a prompt that would fit:
+
+    * the model must be BPE and cover every character: a byte-level pre-tokenizer with all 256 byte symbols in
+      the vocabulary (GPT-2, Llama 3, Qwen), or ``byte_fallback`` with all 256 ``<0xNN>`` tokens (Llama 2,
+      Mistral); a BPE that skips an unknown character, or fuses a run of them into one unknown token, and
+      WordPiece / Unigram / WordLevel (one ``[UNK]`` for a whole word) have no bound;
+    * no normalizer, or only ``Prepend`` / ``Replace`` of a string with one at least as long (SentencePiece's
+      space to ``▁``): NFC / NFKC compose several characters into one and lowercasing may shorten a text;
+    * a pre-tokenizer that drops no character (:data:`_KEEPING_PRE_TOKENIZERS`), no added token that strips
+      the spaces around it (``lstrip`` / ``rstrip``: it covers any run of them) and no truncation.
+
+    The count is in characters as the model sees them: a byte-level model sees one per UTF-8 byte (at least
+    one per character of the text), a ``<0xNN>`` token or a ``▁`` stands for at most one character; so the
+    longest vocabulary or added token in characters is an upper bound on what one token covers.
+    """
+    if spec.get("truncation") is not None:
+        return None
+    norm = spec.get("normalizer")
+    norms = (norm.get("normalizers") or []) if isinstance(norm, dict) and norm.get("type") == "Sequence" else [norm] if norm else []
+    for n in norms:
+        if not isinstance(n, dict):
+            return None
+        if n.get("type") == "Prepend":
+            continue
+        pattern = n.get("pattern")
+        if n.get("type") == "Replace" and isinstance(pattern, dict) and isinstance(pattern.get("String"), str):
+            if len(str(n.get("content", ""))) >= len(pattern["String"]) > 0:
+                continue
+        return None
+    pre = spec.get("pre_tokenizer")
+    if not _keeps_characters(pre):
+        return None
+    model = spec.get("model")
+    if not isinstance(model, dict) or model.get("type", "BPE") != "BPE" or not isinstance(model.get("vocab"), dict):
+        return None
+    vocab: dict[str, Any] = model["vocab"]
+    if _has_byte_level(pre):
+        from_bytes = _byte_level_symbols()
+        if not all(ch in vocab for ch in from_bytes):
+            return None
+    elif not (model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256))):
+        return None
+    added = spec.get("added_tokens") or []
+    if any(not isinstance(t, dict) or t.get("lstrip") or t.get("rstrip") or not isinstance(t.get("content"), str) for t in added):
+        return None
+    longest = max((len(t) for t in vocab), default=0)
+    return max([longest, *(len(t["content"]) for t in added)]) or None
+
+
+def _byte_level_symbols() -> list[str]:
+    """The 256 characters GPT-2's byte-level pre-tokenizer maps the bytes to (``bytes_to_unicode``)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
+
+
+def min_prompt_tokens(tok: Any, text: str) -> int:
+    """A lower bound on the number of tokens ``tok`` encodes ``text`` to, in O(1): ``ceil(len(text) /
+    tok.max_token_chars)`` (:func:`max_token_chars`), 0 when the tokenizer has no such bound (``sim``, or an
+    ``hf`` one :func:`max_token_chars` finds none for). Special tokens the model adds only add to the count."""
+    most = getattr(tok, "max_token_chars", None)
+    if not most:
+        return 0
+    return -(-len(text) // most)
+
+
 _GIL_FREE_CHARS = 1024
 """Characters of a text (or ids of a sequence) above which :class:`HFTokenizer` encodes (decodes) through
 the ``tokenizers`` batch call that releases the GIL; at or below, the plain call, a few microseconds
@@ -322,6 +425,12 @@ class HFTokenizer:
             raise TokenizerError(f"cannot load {file}: {e}") from e
         self.path = file
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        try:
+            spec = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # tokenizers read it; a second read failing only costs the bound
+            spec = None
+        self.max_token_chars: int | None = max_token_chars(spec) if isinstance(spec, dict) else None
+        """The most characters one token stands for (:func:`max_token_chars`); None: no bound holds."""
         self.notes: list[str] = []
         self._template: Any = None
         self._special: dict[str, str] = {}

@@ -7,7 +7,8 @@ dicts that the shell encodes with ``msgspec.json``.
 
 Sampling fields (:func:`sampling`). Sent to the nodes in
 :class:`~shared.messages.Sampling` and applied by the ``torch`` engine:
-``temperature`` [0, 2] (0 = greedy, the default), ``top_p`` (0, 1], ``top_k``
+``temperature`` [0, :data:`~shared.validate.MAX_TEMPERATURE`] (0 = greedy, the default; vLLM and SGLang take
+any temperature ≥ 0, OpenAI [0, 2]; 100 is the nodes' bound, which the API may not pass), ``top_p`` (0, 1], ``top_k``
 (-1 or 0 = off, else ≥ 1, as vLLM), ``min_p`` [0, 1], ``seed`` (int64),
 ``stop_token_ids``; ``ignore_eos``; ``logit_bias`` (keys integer token ids in the vocabulary,
 values in [-100, 100], as OpenAI: :func:`check_logit_bias`; added to the logits before the
@@ -33,7 +34,7 @@ shape: ``n`` > 1, ``best_of`` > 1, ``suffix``, batched prompts, completions ``ec
 puts the prompt's text (a token-id prompt detokenized, special tokens shown, as vLLM) before the choice's text;
 chat ``echo`` (vLLM's extra) puts the last message's content before the reply when that message is the
 assistant's (:func:`chat_echo`). ``logprobs`` (:func:`logprobs_asked`): chat ``logprobs: true`` with
-``top_logprobs`` 0..20, completions ``logprobs`` 0..:data:`MAX_LOGPROBS` (vLLM's default
+``top_logprobs`` 0..20, completions ``logprobs`` 0..:data:`MAX_LOGPROBS` (``true`` / ``false`` read as 1 / 0, as vLLM's pydantic ``int`` does; vLLM's default
 ``max_logprobs``; OpenAI's legacy API allows 5) are sent to the nodes in
 ``Sampling.logprobs`` and answered in OpenAI's / vLLM's shapes (:func:`chat_logprobs`,
 :func:`completion_logprobs`); only the ``torch`` engine computes them (and applies ``logit_bias``): the
@@ -70,6 +71,7 @@ from shared.validate import (  # the nodes' bounds of a work's Sampling: the API
     MAX_MIN_TOKENS,
     MAX_REPETITION_PENALTY,
     MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
     MAX_TOP_K,
     MIN_REPETITION_PENALTY,
 )
@@ -77,7 +79,7 @@ from shared.validate import MAX_TOP_LOGPROBS as MAX_LOGPROBS
 
 TokenId = Annotated[int, Meta(ge=0, le=0xFFFFFFFF)]
 PosInt = Annotated[int, Meta(ge=1)]
-Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+Temperature = Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Prob = Annotated[float, Meta(ge=0.0, le=1.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -197,7 +199,10 @@ class CompletionRequest(_Sampling, kw_only=True):
     add_special_tokens: bool = True
     """vLLM's extra: False encodes a text prompt without the model's special tokens (BOS)."""
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | bool | None = None
+    """Top log-probabilities per token, 0..:data:`MAX_LOGPROBS`; ``true`` / ``false`` are 1 / 0, as vLLM's pydantic
+    ``int`` field reads them (lax mode: ``{"logprobs": true}`` is 1, ``false`` 0, which asks for the chosen token's
+    logprob with no alternatives); :func:`parse_completion` leaves an int here."""
     best_of: PosInt | None = None
     suffix: str | None = None
 
@@ -520,6 +525,8 @@ def parse_completion(body: bytes) -> tuple[CompletionRequest, str | list[int]]:
         raise _decode_error(e, body) from e
     else:
         prompt = req.prompt
+    if isinstance(req.logprobs, bool):  # vLLM's pydantic int: true is 1, false 0
+        req.logprobs = int(req.logprobs)
     _check_common(req)
     if req.echo and req.logprobs is not None:
         raise ApiError(
@@ -660,13 +667,25 @@ def reply_role(req: ChatRequest) -> str:
     return "assistant" if req.add_generation_prompt else req.messages[-1].role
 
 
+_CONTENT_OPTIONAL = frozenset({"assistant", "function"})
+"""Roles whose ``content`` may be null or absent (OpenAI's ``ChatCompletionAssistantMessageParam``: with
+``tool_calls``; ``function``'s is ``Optional[str]``); a system, developer, user or tool message needs one."""
+
+
 def _check_content_parts(messages: list[ChatMessage]) -> None:
-    """Only text parts (and refusal parts in assistant messages) can be rendered.
+    """Every message but an assistant's (or a legacy ``function`` one's) has content (OpenAI and vLLM refuse a
+    user message with ``content: null`` or none with a 400; it was rendered as an empty turn); only text parts (and
+    refusal parts in assistant messages) can be rendered.
 
     Raises:
-        ApiError: 400 naming the part (``messages[i].content[j]``).
+        ApiError: 400 naming the content (``messages[i].content``) or the part (``messages[i].content[j]``).
     """
     for i, msg in enumerate(messages):
+        if msg.content is None and msg.role not in _CONTENT_OPTIONAL:
+            raise ApiError(
+                400, f"messages[{i}]: a {msg.role!r} message needs content (a string or a list of content parts); "
+                "null is allowed only in an assistant message", param=f"messages[{i}].content",
+            )
         if isinstance(msg.content, list):
             for j, part in enumerate(msg.content):
                 where = f"messages[{i}].content[{j}]"

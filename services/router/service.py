@@ -109,7 +109,7 @@ from services.router.replicas import RemoteSends
 from services.router.policy import RouteRequest
 from services.router.stops import OutputText
 from services.router.prom import router_families
-from shared.tokenizer import Tokenizer, load_tokenizer
+from shared.tokenizer import Tokenizer, load_tokenizer, min_prompt_tokens
 
 _JSON = msgspec.json.Encoder()
 _SSE_DONE = b"data: [DONE]\n\n"
@@ -2900,9 +2900,12 @@ class RouterService(WatchedService):
         """
         prompt: str | list[int] | None = None
         asked: int | None  # the client's max_tokens; None: a default, cut to the context left after the prompt
+        field = "max_tokens"  # the field the client sent it in, as errors name it
         if chat:
             req: Any = api.parse_chat(body)
             asked = req.max_completion_tokens or req.max_tokens
+            if req.max_completion_tokens:
+                field = "max_completion_tokens"
             max_tokens = asked or self.cfg.chat_default_max_tokens
         else:
             req, prompt = api.parse_completion(body)
@@ -2911,8 +2914,11 @@ class RouterService(WatchedService):
         self._check_model(req.model)
         if asked is None:  # a default the client never sent is cut to the limit, not refused (like the context cut below)
             max_tokens = min(max_tokens, self.cfg.max_output_tokens)
-        if max_tokens > self.cfg.max_output_tokens:
-            raise api.ApiError(400, f"max_tokens={max_tokens} exceeds the limit {self.cfg.max_output_tokens}", param="max_tokens")
+        part = "messages" if chat else "prompt"
+        if isinstance(prompt, str):
+            # refused before it is tokenized when even a lower bound on its tokens is too many (a 3 MB text took
+            # 5.8 s of a core to count, only to be refused); exact: the bound never exceeds the count
+            self._check_prompt_len(min_prompt_tokens(self.tokenizer, prompt), ctx, part, at_least=True)
         try:
             if chat:
                 ids = api.render_chat(self.tokenizer, req)
@@ -2923,13 +2929,12 @@ class RouterService(WatchedService):
         except api.ApiError:
             raise
         except Exception as e:  # a chat template may raise on a malformed conversation
-            raise api.ApiError(400, f"cannot tokenize the prompt: {e}", param="messages" if chat else "prompt") from e
+            raise api.ApiError(400, f"cannot tokenize the prompt: {e}", param=part) from e
         # counted before the array is made: a list of 10M ids takes 0.38 s to convert (holding the GIL, so
         # the event loop waits even when this runs in a worker thread), only to be refused
         if len(ids) == 0:
             raise api.ApiError(400, "prompt encodes to no tokens", param="prompt")
-        if len(ids) > self.cfg.max_prompt_tokens:
-            raise api.ApiError(400, f"prompt has {len(ids)} tokens; at most {self.cfg.max_prompt_tokens} allowed", param="prompt")
+        self._check_prompt_len(len(ids), ctx, part)
         try:
             arr = np.asarray(ids, dtype=np.int64)
         except OverflowError:  # an id past int64 (the decoder takes any int, so its 400 is the vocabulary's)
@@ -2937,26 +2942,20 @@ class RouterService(WatchedService):
             raise
         if ctx:  # the model's context, lowered to what the largest node's KV holds
             # vLLM: an unset max_tokens is the context left after the prompt (here at most the default);
-            # a set one that does not fit, or a prompt that leaves no room, is a 400 with OpenAI's message
+            # a set one that does not fit is a 400 with vLLM's / OpenAI's message naming the field it came in,
+            # before the router's own --max-output-tokens (a limit a client of a 1,024-token model cannot see)
             n = int(arr.size)
-            if asked is None and n < ctx:
+            if asked is None:
                 max_tokens = min(max_tokens, ctx - n)
-            part = "messages" if chat else "prompt"
-            if chat and asked is None and n >= ctx:  # vLLM's words: the chat default (256) was never requested
+            elif n + asked > ctx:
                 raise api.ApiError(
                     400,
-                    f"This model's maximum context length is {ctx} tokens. However, you requested {n} tokens in the "
-                    f"messages, which leaves no room for an output token (max_tokens was not given). Please reduce the "
-                    f"length of the messages.",
-                    param="messages",
+                    f"This model's maximum context length is {ctx} tokens. However, you requested {n + asked} tokens "
+                    f"({n} in the {part}, {asked} in the completion). Please reduce the length of the {part} or completion.",
+                    param=field,
                 )
-            if n + max_tokens > ctx:
-                raise api.ApiError(
-                    400,
-                    f"This model's maximum context length is {ctx} tokens. However, you requested {n + max_tokens} tokens "
-                    f"({n} in the {part}, {max_tokens} in the completion). Please reduce the length of the {part} or completion.",
-                    param=part if asked is None or n >= ctx else "max_tokens",
-                )
+        if max_tokens > self.cfg.max_output_tokens:  # only an asked-for one: a default was cut to it above
+            raise api.ApiError(400, f"{field}={max_tokens} exceeds the limit {self.cfg.max_output_tokens}", param=field)
         if req.min_tokens and req.min_tokens > max_tokens:
             # vLLM checks min_tokens against the max_tokens it uses (defaulted, cut to the context) too:
             # sent on, a request with a default max_tokens below it ended before its min_tokens
@@ -2973,6 +2972,24 @@ class RouterService(WatchedService):
         else:
             echo = "" if not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
         return req, arr, max_tokens, packed, block_hashes_packed(packed, self.cfg.block_size), echo
+
+    def _check_prompt_len(self, n: int, ctx: int, part: str, *, at_least: bool = False) -> None:
+        """Refuse a prompt of ``n`` tokens (``at_least``: a lower bound on its count, before it is tokenized) that
+        fills the model's context ``ctx`` (0: none), with vLLM's message for an input that leaves no room for an
+        output token, whether or not ``max_tokens`` was sent (vLLM's ``_validate_input`` checks it first), or that
+        is longer than ``max_prompt_tokens``. ``part``: ``prompt`` or ``messages``, the error's ``param``.
+
+        Raises:
+            ApiError: 400.
+        """
+        has = f"at least {n}" if at_least else f"{n}"
+        if ctx and n >= ctx:
+            raise api.ApiError(
+                400, f"This model's maximum context length is {ctx} tokens. However, your request has {has} input tokens. "
+                "Please reduce the length of the input messages.", param=part,
+            )
+        if n > self.cfg.max_prompt_tokens:
+            raise api.ApiError(400, f"prompt has {has} tokens; at most {self.cfg.max_prompt_tokens} allowed", param="prompt")
 
     async def _lookup(self, hashes: list[int], tr: _ReqTrace | None = None, rid: str = "") -> tuple[m.KvLookupReply | None, str]:
         if not hashes:

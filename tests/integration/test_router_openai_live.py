@@ -39,7 +39,7 @@ async def test_the_model_context_limits_the_default_max_tokens_not_the_request(n
     unset gets the rest of the context (at most the default), as vLLM; it was a 400 blaming ``max_tokens``
     it never sent. Asked-for tokens beyond the context, or a prompt that fills it, are a 400 with OpenAI's /
     vLLM's "maximum context length" message (clients such as litellm detect context overflow by it)
-    naming the part to shorten in ``param``."""
+    naming in ``param`` the field sent (``max_tokens`` / ``max_completion_tokens``) or the part to shorten."""
     ctx = 100
     async with router_env(nats_url, tmp_path, {"c0": "both"}, max_context_tokens=ctx, chat_default_max_tokens=256) as env:
         prompt = list(range(1, 91))  # 90 tokens: 10 left; the completions default is 16
@@ -53,30 +53,32 @@ async def test_the_model_context_limits_the_default_max_tokens_not_the_request(n
         r = await env.http.post("/v1/chat/completions", json={"messages": USER})  # default 256 > the context left
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == ctx - chat_tokens
-        # asked for more than fits: 400 naming max_tokens
-        for path, body, asked in (
-            ("/v1/completions", {"prompt": prompt, "max_tokens": 11}, 11),
-            ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": ctx}, ctx),
+        # asked for more than fits: 400 naming the field sent (max_completion_tokens was named max_tokens)
+        for path, body, asked, field in (
+            ("/v1/completions", {"prompt": prompt, "max_tokens": 11}, 11, "max_tokens"),
+            ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": ctx}, ctx, "max_completion_tokens"),
         ):
             r = await env.http.post(path, json=body)
             assert r.status_code == 400, r.text
             err = r.json()["error"]
-            assert err["param"] == "max_tokens" and err["type"] == "invalid_request_error"
+            assert err["param"] == field and err["type"] == "invalid_request_error"
             assert err["message"].startswith(f"This model's maximum context length is {ctx} tokens."), err
             assert f"{asked} in the completion" in err["message"]
-        # the prompt alone fills the context: 400 naming the prompt / the messages, with or without max_tokens
+        # the prompt alone fills the context: 400 naming the prompt / the messages, with or without max_tokens, in
+        # vLLM's words (without max_tokens it said "you requested 116 tokens (100 in the prompt, 16 in the completion)")
         for body in ({"prompt": list(range(1, ctx + 1))}, {"prompt": list(range(1, ctx + 1)), "max_tokens": 1}):
             r = await env.http.post("/v1/completions", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
-            assert f"({ctx} in the prompt" in r.json()["error"]["message"]
+            assert r.json()["error"]["message"] == (f"This model's maximum context length is {ctx} tokens. However, your request has "
+                                                    f"{ctx} input tokens. Please reduce the length of the input messages.")
         long_chat = [{"role": "user", "content": "word " * ctx}]
         r = await env.http.post("/v1/chat/completions", json={"messages": long_chat})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
         assert "maximum context length" in r.json()["error"]["message"]
-        # no max_tokens sent: the message counts the messages only, as vLLM's chat does; it said "(N in the messages,
+        # no max_tokens sent: the message counts the messages only, as vLLM's does; it said "(N in the messages,
         # 256 in the completion). Please reduce the length of the messages or completion" (session 42)
         n = len(SimTokenizer().apply_chat_template(long_chat))
-        assert f"you requested {n} tokens in the messages, which leaves no room" in r.json()["error"]["message"], r.text
+        assert f"However, your request has {n} input tokens." in r.json()["error"]["message"], r.text
         assert "in the completion" not in r.json()["error"]["message"], r.text
         # one token left: served with max_tokens 1
         r = await env.http.post("/v1/completions", json={"prompt": list(range(1, ctx)), "stream": True})
@@ -107,7 +109,7 @@ async def test_405_carries_allow_and_a_model_is_retrievable(nats_url, tmp_path):
 async def test_a_bad_field_is_named_in_the_errors_param(nats_url, tmp_path):
     async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
         for body, param in (
-            ({"messages": USER, "temperature": 3}, "temperature"),
+            ({"messages": USER, "temperature": -1}, "temperature"),
             ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
             ({"messages": USER, "max_tokens": "8"}, "max_tokens"),
             ({}, "messages"),

@@ -88,7 +88,7 @@ def test_completion_400_reasons():
     bad(api.parse_completion, {"prompt": []}, "empty token list")
     bad(api.parse_completion, {"prompt": "x", "max_tokens": 0}, r">= 1 - at `\$.max_tokens`")
     bad(api.parse_completion, {"prompt": "x", "max_tokens": "5"}, r"Expected `int \| null`, got `str` - at `\$.max_tokens`")
-    bad(api.parse_completion, {"prompt": "x", "temperature": 3}, r"\$.temperature")
+    bad(api.parse_completion, {"prompt": "x", "temperature": 101}, r"\$.temperature")
     bad(api.parse_completion, {"prompt": "x", "top_p": 1.5}, r"\$.top_p")
     bad(api.parse_completion, {"prompt": "x", "stream": "yes"}, r"\$.stream")
     bad(api.parse_completion, {"prompt": "x", "n": 2}, "n > 1")
@@ -325,7 +325,7 @@ def test_a_bad_field_is_named_in_param():
             fn(msgspec.json.encode(body))
         return ei.value.param
 
-    assert param(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "temperature": 3}) == "temperature"
+    assert param(api.parse_chat, {"messages": [{"role": "user", "content": "x"}], "temperature": -1}) == "temperature"
     assert param(api.parse_chat, {"messages": [{"role": "user", "content": 5}]}) == "messages[0].content"
     assert param(api.parse_chat, {"messages": [{"content": "x"}]}) == "messages[0].role"
     assert param(api.parse_chat, {}) == "messages"

@@ -1,0 +1,217 @@
+"""What a newcomer from vLLM / SGLang met on the router's OpenAI API against a torch-engine cluster of a tiny model
+(``max_model_len`` 1024), each answered now as vLLM answers it:
+
+1. an oversized ``max_tokens`` got the router's ``max_tokens=1000000 exceeds the limit 131072`` (a limit the client
+   cannot see) instead of the context's message, and ``max_completion_tokens`` was named ``max_tokens``;
+2. with no ``max_tokens``, a prompt that fills the context was told "you requested 1040 tokens (1024 in the prompt,
+   16 in the completion)" for 16 tokens it never asked for (vLLM: "your request has 1024 input tokens");
+3. ``temperature`` 2.5 was a 400 (vLLM / SGLang take any temperature >= 0);
+4. completions ``logprobs: true`` was a 400 (vLLM's pydantic ``int`` reads it as 1);
+5. a 3 MB text prompt was tokenized (5.8 s) before it was refused: a lower bound on its tokens now refuses it first;
+6. a user message with ``content: null`` was served (OpenAI / vLLM: 400).
+
+``RouterService._prepare_body`` runs here on a service holding only what it reads (no bus, no HTTP)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import pytest
+
+from services.router import api
+from services.router.service import RouterService
+from shared.tokenizer import HFTokenizer, SimTokenizer, _byte_level_symbols, max_token_chars, min_prompt_tokens
+from tests.unit.router.helpers import write_bpe_tokenizer
+
+CTX = 1024
+
+
+def _service(tokenizer: Any = None, **cfg: Any) -> Any:
+    """A RouterService with only what ``_prepare_body`` reads (the router's defaults for the limits)."""
+    svc = RouterService.__new__(RouterService)
+    base = {"chat_default_max_tokens": 256, "max_output_tokens": 131_072, "max_prompt_tokens": 1_048_576, "block_size": 16}
+    svc.cfg = SimpleNamespace(**{**base, **cfg})  # type: ignore[assignment]
+    svc.tokenizer = tokenizer or SimTokenizer()
+    svc.vocab_size = svc.tokenizer.vocab_size
+    svc._vocab_what = "the vocabulary"
+    svc._model_names = frozenset({"tiny"})
+    svc._served_names = ("tiny",)
+    return svc
+
+
+def _refusal(svc: Any, body: dict[str, Any], ctx: int = CTX) -> api.ApiError:
+    chat = "messages" in body
+    with pytest.raises(api.ApiError) as e:
+        svc._prepare_body(msgspec.json.encode(body), chat, ctx)
+    assert e.value.status == 400
+    return e.value
+
+
+def _max_tokens(svc: Any, body: dict[str, Any], ctx: int = CTX) -> int:
+    return int(svc._prepare_body(msgspec.json.encode(body), "messages" in body, ctx)[2])
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    pytest.importorskip("tokenizers")
+    return HFTokenizer(write_bpe_tokenizer(tmp_path_factory.mktemp("bpe")))
+
+
+@pytest.mark.parametrize("asked", [2000, 1_000_000])
+def test_an_oversized_max_tokens_gets_the_contexts_message_whatever_its_size(asked: int) -> None:
+    # before: 2000 got the context's message, 1000000 "max_tokens=1000000 exceeds the limit 131072"
+    e = _refusal(_service(), {"prompt": "hi", "max_tokens": asked})
+    assert e.reason == (
+        f"This model's maximum context length is {CTX} tokens. However, you requested {asked + 1} tokens "
+        f"(1 in the prompt, {asked} in the completion). Please reduce the length of the prompt or completion."
+    )
+    assert e.param == "max_tokens"
+
+
+def test_the_errors_name_max_completion_tokens_when_the_client_sent_it() -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    e = _refusal(_service(), {"messages": msgs, "max_completion_tokens": 1_000_000})
+    assert e.param == "max_completion_tokens" and "maximum context length is 1024 tokens" in e.reason
+    # without a model context the router's own limit applies, under the field's own name
+    e = _refusal(_service(), {"messages": msgs, "max_completion_tokens": 1_000_000}, ctx=0)
+    assert (e.reason, e.param) == ("max_completion_tokens=1000000 exceeds the limit 131072", "max_completion_tokens")
+    e = _refusal(_service(), {"prompt": "hi", "max_tokens": 1_000_000}, ctx=0)
+    assert (e.reason, e.param) == ("max_tokens=1000000 exceeds the limit 131072", "max_tokens")
+    # the router's limit below the context: still refused, after the context check
+    e = _refusal(_service(max_output_tokens=100), {"prompt": "hi", "max_tokens": 500})
+    assert (e.reason, e.param) == ("max_tokens=500 exceeds the limit 100", "max_tokens")
+
+
+@pytest.mark.parametrize("extra", [{}, {"max_tokens": 1}])
+def test_a_prompt_that_fills_the_context_gets_vllms_input_message(extra: dict[str, Any]) -> None:
+    # before (no max_tokens): "you requested 1040 tokens (1024 in the prompt, 16 in the completion)"
+    e = _refusal(_service(), {"prompt": list(range(1, CTX + 1)), **extra})
+    assert e.reason == (
+        "This model's maximum context length is 1024 tokens. However, your request has 1024 input tokens. "
+        "Please reduce the length of the input messages."
+    )
+    assert e.param == "prompt"
+    words = " ".join(["word"] * CTX)
+    e = _refusal(_service(), {"messages": [{"role": "user", "content": words}], **extra})
+    assert e.param == "messages" and "However, your request has" in e.reason and "input tokens" in e.reason
+
+
+def test_a_prompt_one_short_of_the_context_is_cut_to_the_room_left() -> None:
+    assert _max_tokens(_service(), {"prompt": list(range(1, CTX - 3))}) == 4  # 1020 tokens: 4 left of the default 16
+    assert _max_tokens(_service(), {"prompt": list(range(1, CTX))}) == 1
+
+
+def test_a_hopeless_text_prompt_is_refused_before_it_is_tokenized(bpe: HFTokenizer) -> None:
+    calls: list[int] = []
+    encode = bpe.encode
+
+    def counting(text: str, **kw: Any) -> list[int]:
+        calls.append(len(text))
+        return encode(text, **kw)
+
+    svc = _service(bpe)
+    svc.tokenizer = SimpleNamespace(encode=counting, vocab_size=bpe.vocab_size, max_token_chars=bpe.max_token_chars)
+    most = bpe.max_token_chars
+    assert most is not None
+    e = _refusal(svc, {"prompt": "x" * (most * CTX)})  # at least 1024 tokens whatever the text
+    assert calls == []  # before: tokenized first
+    assert e.reason == (
+        "This model's maximum context length is 1024 tokens. However, your request has at least 1024 input tokens. "
+        "Please reduce the length of the input messages."
+    )
+    assert e.param == "prompt"
+    # against --max-prompt-tokens (no context): the router's own message, with the bound
+    svc.cfg.max_prompt_tokens = 10
+    e = _refusal(svc, {"prompt": "x" * (most * 11)}, ctx=0)
+    assert (e.reason, calls) == ("prompt has at least 11 tokens; at most 10 allowed", [])
+    # a text whose bound is below the limits is tokenized and served (its count is what counts)
+    svc.cfg.max_prompt_tokens = 1_048_576
+    assert _max_tokens(svc, {"prompt": "x" * (most * 8)}) == 16
+    assert calls == [most * 8]
+
+
+def test_the_bound_never_exceeds_the_count(bpe: HFTokenizer) -> None:
+    """Texts made to be few tokens (the longest vocabulary tokens, added tokens, spaces, multi-byte characters)."""
+    vocab = bpe._tok.get_vocab()
+    longest = sorted(vocab, key=len)[-20:]
+    texts = [
+        "".join(bpe.decode([vocab[t]], skip_special_tokens=False) for t in longest) * 3,
+        "<|im_start|><|im_end|>" * 50, " " * 5000, "é中😀" * 300, "".join(map(chr, range(1, 0x800))),
+        Path(__file__).read_text(),
+    ]
+    for text in texts:
+        n = len(bpe.encode(text, add_special_tokens=False))
+        assert min_prompt_tokens(bpe, text) <= n, (text[:40], n)
+
+
+def test_tokenizers_without_a_bound_have_none() -> None:
+    assert min_prompt_tokens(SimTokenizer(), "x" * 10_000_000) == 0  # the sim tokenizer's words have no length bound
+    plain = {"type": "BPE", "vocab": {chr(b): b for b in range(256)} | {"abc": 300}, "byte_fallback": False}
+    alphabet = _byte_level_symbols()  # the 256 symbols of GPT-2's byte-level alphabet
+    full = {"type": "BPE", "vocab": {c: i for i, c in enumerate(alphabet)} | {"abcd": 300}}
+    ok = {"model": full, "pre_tokenizer": {"type": "ByteLevel"}, "normalizer": None, "truncation": None, "added_tokens": []}
+    assert max_token_chars(ok) == 4
+    assert max_token_chars({**ok, "added_tokens": [{"content": "<|a-long-added-token|>", "lstrip": False, "rstrip": False}]}) == 22
+    for bad in (
+        {**ok, "normalizer": {"type": "NFC"}},  # composes characters: fewer than the text's
+        {**ok, "normalizer": {"type": "Lowercase"}},
+        {**ok, "pre_tokenizer": {"type": "Whitespace"}},  # drops the spaces
+        {**ok, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "Split", "behavior": "Removed"}, {"type": "ByteLevel"}]}},
+        {**ok, "truncation": {"max_length": 10}},
+        {**ok, "added_tokens": [{"content": "<mask>", "lstrip": True, "rstrip": False}]},  # takes the spaces before it
+        {**ok, "model": {**full, "vocab": {"abcd": 1}}},  # a byte it cannot spell is dropped
+        {**ok, "model": {**full, "type": "WordPiece"}},  # one [UNK] for a whole word
+        {**ok, "pre_tokenizer": None, "model": plain},  # no byte fallback: an unknown character is dropped
+    ):
+        assert max_token_chars(bad) is None, json.dumps(bad)[:120]
+    fallback = {**plain, "byte_fallback": True, "vocab": {f"<0x{b:02X}>": b for b in range(256)} | {"▁the": 300}}
+    sp = {**ok, "model": fallback, "pre_tokenizer": {"type": "Metaspace"},
+          "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+                                                             {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}}
+    assert max_token_chars(sp) == 6  # "<0x41>": longer than anything one token stands for, so still a bound
+
+
+@pytest.mark.parametrize("value", [2.5, 100])
+def test_a_temperature_past_openais_2_is_taken_as_vllm_takes_it(value: float) -> None:
+    req, _ = api.parse_completion(msgspec.json.encode({"prompt": "x", "temperature": value}))  # before: "Expected `float` <= 2.0"
+    sp = api.sampling(req)
+    assert sp is not None and sp.temperature == value
+    req2 = api.parse_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "x"}], "temperature": value}))
+    assert req2.temperature == value
+
+
+@pytest.mark.parametrize("value", [-0.5, 100.5, "1e400"])
+def test_a_negative_or_past_the_nodes_bound_temperature_is_refused(value: Any) -> None:
+    body = b'{"prompt": "x", "temperature": %s}' % str(value).encode()
+    with pytest.raises(api.ApiError) as e:
+        api.parse_completion(body)
+    assert e.value.status == 400 and e.value.param == "temperature"
+
+
+@pytest.mark.parametrize(("sent", "read"), [(True, 1), (False, 0), (3, 3)])
+def test_completions_logprobs_true_and_false_are_vllms_1_and_0(sent: Any, read: int) -> None:
+    for prompt in ("x", ["x"]):  # the body's prompt decoded apart too
+        req, _ = api.parse_completion(msgspec.json.encode({"prompt": prompt, "logprobs": sent}))  # before: 400
+        assert req.logprobs == read and type(req.logprobs) is int
+        assert api.logprobs_asked(req) == read
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool"])
+def test_a_null_or_absent_content_is_refused_but_in_an_assistant_message(role: str) -> None:
+    for msg in ({"role": role, "content": None}, {"role": role}):
+        with pytest.raises(api.ApiError) as e:  # before: served as an empty turn
+            api.parse_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}, msg]}))
+        assert e.value.status == 400 and e.value.param == "messages[1].content", e.value.reason
+        assert f"a {role!r} message needs content" in e.value.reason
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    api.parse_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "hi"},
+                                                    {"role": "assistant", "content": None, "tool_calls": calls}]}))
+
+
+def test_the_byte_level_alphabet_is_gpt2s() -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    assert sorted(_byte_level_symbols()) == sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
