@@ -716,7 +716,91 @@ def api_keys_line(args: argparse.Namespace, port: int | None = None) -> str | No
 
 KEY_ID_SALT_FILE = "api-key-id.salt"
 """``up``'s file in its log folder (mode 0600, kept at the stop) with the salt of the API key ids in its routers' logs
-(``services.router.ingress.key_id``), when keys are on."""
+(``services.router.ingress.key_id``), when keys are on. A later ``up`` on the same ``--log-dir`` keeps a valid one
+(:func:`kept_key_id_salt`), so the key ids of every run's log lines there map to keys with one salt."""
+
+_SALT_TEXT = re.compile(r"([0-9a-f]{32,128})\n?")
+"""A salt file's content as ``up`` writes it (``secrets.token_hex(16)`` and a newline; longer hex accepted)."""
+
+
+def kept_key_id_salt(path: Path) -> tuple[str | None, str | None]:
+    """The salt an earlier ``up`` left in ``path`` (its log folder's :data:`KEY_ID_SALT_FILE`), for this one to keep.
+
+    Valid is what ``up`` writes: a plain file (not a symlink), the user's own, mode 0600 or narrower (no group or
+    other bit: :func:`shared.auth.write_private`'s mode), holding one line of 32 to 128 lowercase hex digits.
+
+    Returns:
+        ``(salt, None)`` for a valid file; ``(None, why)`` for one that is there but not valid (``why`` a phrase,
+        e.g. ``"is readable by others (mode 644, not 600)"``); ``(None, None)`` when there is none. Never raises.
+    """
+    import errno
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, "is a symlink" if e.errno == errno.ELOOP else f"cannot be read ({e.strerror or e})"
+    try:
+        st = os.fstat(fd)
+        mode = stat.S_IMODE(st.st_mode)
+        if not stat.S_ISREG(st.st_mode):
+            return None, "is not a plain file"
+        if st.st_uid != os.geteuid():
+            return None, f"is another user's (uid {st.st_uid})"
+        if mode & 0o077:
+            return None, f"is open to others (mode {mode:o}, not 600)"
+        m = _SALT_TEXT.fullmatch(os.read(fd, 256).decode("ascii", errors="replace"))
+        if m is None:
+            return None, "does not hold a salt as up writes it (one line of 32 hex digits)"
+        return m.group(1), None
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror or e})"
+    finally:
+        os.close(fd)
+
+
+def write_key_id_salt(path: Path, salt: str, invalid: str | None) -> str | None:
+    """Write ``salt`` to ``path`` (mode 0600: :func:`shared.auth.write_private`), when :func:`kept_key_id_salt` kept
+    none. A file there that was not valid (``invalid``, its reason) is first moved to ``<path>.invalid``, not written
+    over nor through (a symlink): its owner may still map older log lines with it.
+
+    Returns:
+        The warning line to show when an invalid file was put aside, else None.
+
+    Raises:
+        OSError: the file cannot be moved or written.
+    """
+    aside = path.with_name(path.name + ".invalid")
+    if invalid:
+        os.replace(path, aside)
+    write_private(path, (salt + "\n").encode())
+    if not invalid:
+        return None
+    return (f"warning: {path} {invalid}: not used; a new salt is written there (the old file is {aside.name}): "
+            "key ids in the log lines before this run were made with the old one")
+
+
+def key_id_salt_main(argv: list[str]) -> int:
+    """``python -c 'import sys; from evolving_infra.launcher import key_id_salt_main; sys.exit(key_id_salt_main(sys.argv[1:]))' FILE``:
+    the Slurm job's salt (deploy/slurm), by ``up``'s rule: ``FILE``'s when valid (:func:`kept_key_id_salt`), else a
+    new one written there (:func:`write_key_id_salt`). Prints the salt on stdout, what it did on stderr; 1 when it
+    cannot be written."""
+    path = Path(argv[0])
+    salt, invalid = kept_key_id_salt(path)
+    if salt is not None:
+        print(f"API key ids: the salt in {path} is kept (an earlier run's)", file=sys.stderr)
+    else:
+        salt = secrets.token_hex(16)
+        try:
+            if said := write_key_id_salt(path, salt, invalid):
+                print(said, file=sys.stderr)
+        except OSError as e:
+            print(f"error: cannot write {path} ({e.strerror or e})", file=sys.stderr)
+            return 1
+    print(salt)
+    return 0
 
 DEFAULT_METRICS_HOST = "127.0.0.1"
 """``up --metrics``' metrics address without ``--metrics-host``, whatever the router's ``--host``."""
@@ -961,7 +1045,7 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
     args.reloadable_keys_file = reloadable_keys_file(args)
     # one secret per cluster for the key ids in the routers' logs: the same id in every router and restart, and none
     # that identifies a short key offline (an unsalted SHA-256 prefix did); up keeps it in LOG_DIR/api-key-id.salt
-    args.key_id_salt = secrets.token_hex(16)
+    args.key_id_salt = getattr(args, "kept_key_id_salt", None) or secrets.token_hex(16)  # up: an earlier up's, kept
     router_env = router_keys_env(args.router_api_keys, args.reloadable_keys_file, args.key_id_salt)
     if args.tokenizer != "sim":  # fail here, with the reason, not in every service's log
         from shared.tokenizer import TokenizerError, load_tokenizer, output_vocabulary
@@ -1057,6 +1141,8 @@ to it, not to ``up``): no crash (one calm line, no "error:"), but not the stop t
 
 
 async def _up(args: argparse.Namespace) -> int:
+    # the key ids' salt of an earlier up on this --log-dir, kept: its log lines' ids map to keys as this run's do
+    args.kept_key_id_salt, salt_invalid = kept_key_id_salt(Path(args.log_dir) / KEY_ID_SALT_FILE) if args.log_dir else (None, None)
     spec = _spec(args)  # usage errors (status 2) before the port's state (a runtime failure, status 1)
     if unavailable := port_unavailable(args.host, args.port):
         print(f"error: {unavailable}; stop what listens there or pick another --port (0 = any free port)", file=sys.stderr)
@@ -1089,11 +1175,17 @@ async def _up(args: argparse.Namespace) -> int:
         return 2 if isinstance(e, ClusterConfigError) else 1  # credentials refused the stream: a configuration error
     ready = True
     if args.router_api_keys:  # the key ids' salt, for an operator who maps a key to its log lines (README Security)
-        try:
-            write_private(cluster.log_dir / KEY_ID_SALT_FILE, (args.key_id_salt + "\n").encode())
-        except OSError as e:
-            print(f"warning: cannot write {cluster.log_dir / KEY_ID_SALT_FILE} ({e.strerror or e}): the key ids in the "
-                  "router logs cannot be matched to keys", file=sys.stderr)
+        salt_path = cluster.log_dir / KEY_ID_SALT_FILE
+        if args.kept_key_id_salt:
+            print(f"API key ids: the salt in {salt_path} is kept (an earlier up's): the ids in every log line there "
+                  "map to keys with it", flush=True)
+        else:
+            try:
+                if said := write_key_id_salt(salt_path, args.key_id_salt, salt_invalid):
+                    print(said, file=sys.stderr, flush=True)
+            except OSError as e:
+                print(f"warning: cannot write {salt_path} ({e.strerror or e}): the key ids in the "
+                      "router logs cannot be matched to keys", file=sys.stderr)
     info = cluster.describe()
     write_json(cluster.log_dir / "cluster.json", _shown(info))
     state = _write_state({**info, **_state_fields(cluster.spec)})  # the URL whole: split and tap connect with it (0600)
