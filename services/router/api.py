@@ -22,7 +22,11 @@ string, or the stop token id's text, in the output). The ``sim`` engine has no r
 parameters and ignores them (always ``max_tokens`` tokens, unless the router ends
 the text at a stop string or stop token id); ``logit_bias`` is refused there, as ``logprobs`` (below).
 *Accepted, validated and ignored*: ``user``, ``parallel_tool_calls``, ``skip_special_tokens``, ``response_format``
-``{"type": "text"}`` and ``tool_choice`` ``none`` / ``auto``. Rejected with 400 because no engine here
+``{"type": "text"}``. ``tool_choice`` (:func:`tool_choice`, vLLM's rules): ``none`` (or ``null``, or absent
+without ``tools``) is served as text; ``auto`` (or absent with ``tools``) needs the router's
+``--enable-auto-tool-choice --tool-call-parser hermes`` and then answers the calls in the output as
+``tool_calls`` (``services.router.toolcalls``), else a 400 (:data:`AUTO_TOOL_CHOICE_OFF`, vLLM's); a
+``tool_choice`` without ``tools`` is a 400 (vLLM's). Rejected with 400 because no engine here
 constrains the output (vLLM does, by guided decoding; :func:`_check_no_output_constraint`): any other
 ``response_format`` type (``json_object``, ``json_schema``), a ``tool_choice`` that forces a tool call
 (``required``, a named function) and vLLM's guided-decoding extras ``guided_json``, ``guided_regex``,
@@ -250,7 +254,9 @@ class ChatRequest(_Sampling, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: Any = msgspec.UNSET
+    """``UNSET`` when the body has none (:func:`tool_choice`: vLLM then makes it ``auto`` if ``tools`` are sent);
+    an explicit ``null`` is ``none``, as vLLM's."""
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     echo: bool = False
@@ -603,7 +609,9 @@ def _check_no_output_constraint(req: ChatRequest) -> None:
     decoding): ``response_format`` of any ``type`` but ``text`` (``json_object``, ``json_schema``, ...)
     and a ``tool_choice`` that demands a tool call (``required``, or a named function). A JSON-mode
     client silently given free text is worse off than one told so. ``tool_choice`` ``none`` / ``auto``
-    and ``response_format`` ``{"type": "text"}`` (what the output is anyway) are accepted.
+    and ``response_format`` ``{"type": "text"}`` (what the output is anyway) are accepted; a ``tool_choice``
+    other than ``none`` / ``null`` without ``tools`` is refused, as vLLM's ``check_tool_usage`` does (whether
+    ``auto`` is served is the router's flags': :data:`AUTO_TOOL_CHOICE_OFF`).
 
     Raises:
         ApiError: 400 naming the field (``param``) and saying it is not supported.
@@ -615,7 +623,11 @@ def _check_no_output_constraint(req: ChatRequest) -> None:
             "(no guided decoding); omit response_format or send {\"type\": \"text\"}", param="response_format",
         )
     choice = req.tool_choice
-    if choice is None or choice in ("none", "auto"):
+    if choice is msgspec.UNSET or choice is None or choice == "none":
+        return
+    if req.tools is None:  # vLLM's check_tool_usage
+        raise ApiError(400, "When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    if choice == "auto":
         return
     if choice == "required" or isinstance(choice, dict):
         what = "'required'" if choice == "required" else "a named function"
@@ -624,6 +636,20 @@ def _check_no_output_constraint(req: ChatRequest) -> None:
             "send 'auto' (the model may call a tool) or 'none'", param="tool_choice",
         )
     raise ApiError(400, f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}", param="tool_choice")
+
+
+def tool_choice(req: ChatRequest) -> Any:
+    """The request's ``tool_choice`` as vLLM serves it (``check_tool_usage``): none in the body and ``tools``
+    sent (a non-empty list) → ``"auto"``; none and no tools, or an explicit ``null`` → ``"none"``; else as sent
+    (``parse_chat`` has refused all but ``"none"`` / ``"auto"``)."""
+    choice = req.tool_choice
+    if choice is msgspec.UNSET:
+        return "auto" if req.tools else "none"
+    return "none" if choice is None else choice
+
+
+AUTO_TOOL_CHOICE_OFF = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+"""vLLM's 400 for a ``tool_choice`` ``auto`` (:func:`tool_choice`) that a server without its tool-call flags refuses."""
 
 
 def _check_chat(req: ChatRequest | TokenizeChatRequest) -> None:
@@ -1062,11 +1088,15 @@ def completion_response(
 
 
 def chat_response(
-    oid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict[str, Any], *, stop_reason: str | int | None = None,
-    logprobs: dict[str, Any] | None = None, role: str = "assistant",
+    oid: str, created: int, model: str, text: str | None, finish_reason: str | None, use: dict[str, Any], *, stop_reason: str | int | None = None,
+    logprobs: dict[str, Any] | None = None, role: str = "assistant", tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A non-streaming ``/v1/chat/completions`` body; ``oid``: its :func:`response_id`; ``logprobs``: :func:`chat_logprobs`;
-    ``role``: the message's, :func:`reply_role`."""
+    ``role``: the message's, :func:`reply_role`; ``text``: its ``content`` (None: a reply of tool calls only);
+    ``tool_calls``: the message's (``services.router.toolcalls.ToolCall.message`` each), left out when None."""
+    message: dict[str, Any] = {"role": role, "content": text}
+    if tool_calls is not None:
+        message["tool_calls"] = tool_calls
     return {
         "id": oid,
         "object": "chat.completion",
@@ -1076,7 +1106,7 @@ def chat_response(
             _choice(
                 {
                     "index": 0,
-                    "message": {"role": role, "content": text},
+                    "message": message,
                     "logprobs": logprobs,
                     "finish_reason": finish_reason,
                 },

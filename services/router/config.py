@@ -229,6 +229,19 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     chat_default_max_tokens: Annotated[
         int, Meta(ge=1, description="max_tokens of a chat request that sets neither max_tokens nor max_completion_tokens")
     ] = 256
+    enable_auto_tool_choice: Annotated[
+        bool,
+        Meta(description="vLLM's: serve tool_choice 'auto' (and tools sent without tool_choice, which vLLM makes 'auto'): "
+             "the output is read for the calls of --tool-call-parser's format and answered as message.tool_calls / "
+             "delta.tool_calls, finish_reason 'tool_calls' when the model stopped after a call; needs "
+             "--tool-call-parser. Off, such a request gets vLLM's 400 ('\"auto\" tool choice requires "
+             "--enable-auto-tool-choice and --tool-call-parser to be set'); tool_choice 'none' is served either way"),
+    ] = False
+    tool_call_parser: Annotated[
+        str,
+        Meta(description="vLLM's: the tool-call format the model writes, for --enable-auto-tool-choice: hermes "
+             "(<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>: Qwen2.5/Qwen3, Hermes); empty = none"),
+    ] = ""
     max_body_bytes: Annotated[int, Meta(ge=1024, description="largest accepted HTTP request body (bytes); larger gets 413")] = 64 * 1024 * 1024
     api_keys_file: Annotated[
         str, Meta(description="file of accepted API keys, one per line (# comments); with keys set, requests need 'Authorization: Bearer <key>' (else 401)")
@@ -306,6 +319,11 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     ] = 14400.0
 
     def __post_init__(self) -> None:
+        from services.router.toolcalls import check_parser
+
+        check_parser(self.tool_call_parser)
+        if self.enable_auto_tool_choice and not self.tool_call_parser:  # vLLM refuses it at start too
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (known: hermes)")
         if self.allow_credentials and "*" in self.allowed_origins:
             # Starlette's CORS middleware would answer any origin with that origin and
             # Access-Control-Allow-Credentials: true (a literal * with credentials is refused by

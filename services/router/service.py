@@ -98,7 +98,7 @@ from shared.subjects import (
     WORK_REQUEUE,
 )
 
-from services.router import api
+from services.router import api, toolcalls
 from services.router.ingress import KEY_ID_SCOPE_KEY, RESET_EXTENSION, ApiKeyError, IngressGuard, guarded_h11, key_id, load_api_keys
 from services.router.branches import BranchError, BranchTable
 from services.router.config import LOOKUP_TIMEOUT_HINT, RouterConfig
@@ -2472,6 +2472,12 @@ class RouterService(WatchedService):
         for node, msg in aborts:
             self._spawn(self._publish_abort(node, msg, p.attempt))
 
+    def _parses_tools(self, req: api.ChatRequest) -> bool:
+        """The router reads ``req``'s output for tool calls (``services.router.toolcalls``): its ``tool_choice`` is
+        ``auto`` (``api.tool_choice``) and the router runs with ``--enable-auto-tool-choice`` (whose
+        ``--tool-call-parser`` is the one known, hermes)."""
+        return self.cfg.enable_auto_tool_choice and api.tool_choice(req) == "auto"
+
     def _output_text(self, req: Any) -> OutputText:
         """The request's :class:`OutputText` (its ``stop`` strings, ``stop_token_ids``, ``min_tokens``,
         ``include_stop_str_in_output``)."""
@@ -2903,6 +2909,8 @@ class RouterService(WatchedService):
         field = "max_tokens"  # the field the client sent it in, as errors name it
         if chat:
             req: Any = api.parse_chat(body)
+            if not self.cfg.enable_auto_tool_choice and api.tool_choice(req) == "auto":  # vLLM's serving_chat refuses it
+                raise api.ApiError(400, api.AUTO_TOOL_CHOICE_OFF, param="tool_choice")
             asked = req.max_completion_tokens or req.max_tokens
             if req.max_completion_tokens:
                 field = "max_completion_tokens"
@@ -3423,7 +3431,7 @@ class RouterService(WatchedService):
             p.reset = request.scope.get("extensions", {}).get(RESET_EXTENSION)
             gen = self._stream(
                 p, rreq, chat, created, include_usage, continuous_usage, self._output_text(req), api.logprobs_asked(req), echo,
-                api.reply_role(req) if chat else "assistant",
+                api.reply_role(req) if chat else "assistant", toolcalls.HermesStream() if chat and self._parses_tools(req) else None,
             )
             return _SseResponse(
                 gen,
@@ -3479,8 +3487,17 @@ class RouterService(WatchedService):
             if lp_top is not None:  # one entry per token that counts (vLLM: up to the one that completed a stop)
                 lp_body = (api.chat_logprobs if chat else api.completion_logprobs)(lps[:n_out], lp_top, self._token_text)
             if chat:
+                content: str | None = echo + text
+                calls: list[dict[str, Any]] | None = None
+                if self._parses_tools(req):  # the calls in the output (not in the echoed message)
+                    said, found = toolcalls.extract(text)
+                    if found:
+                        content = (echo + (said or "")) or None
+                        calls = [c.message() for c in found]
+                        finish_reason = toolcalls.finish_reason(finish_reason, len(found))
                 body = api.chat_response(
-                    oid, created, model, echo + text, finish_reason, use, stop_reason=stop_reason, logprobs=lp_body, role=api.reply_role(req)
+                    oid, created, model, content, finish_reason, use, stop_reason=stop_reason, logprobs=lp_body, role=api.reply_role(req),
+                    tool_calls=calls,
                 )
             else:
                 body = api.completion_response(oid, created, model, echo + text, finish_reason, use, stop_reason=stop_reason, logprobs=lp_body)
@@ -3505,6 +3522,7 @@ class RouterService(WatchedService):
     async def _stream(
         self, p: _Pending, rreq: RouteRequest, chat: bool, created: int, include_usage: bool, continuous_usage: bool,
         decoder: OutputText, lp_top: int | None = None, echo: str = "", role: str = "assistant",
+        tools: toolcalls.HermesStream | None = None,
     ) -> AsyncIterator[bytes]:
         """SSE body from acceptance on: data chunks (one per TokenChunk whose text is not empty),
         optional usage chunk, ``[DONE]``; an error event on failure. With ``continuous_usage``
@@ -3516,7 +3534,12 @@ class RouterService(WatchedService):
         (``decoder.tokens``), so the stream's entries are the whole response's. ``echo`` (completions'
         ``echo``: the prompt's text) starts the first data chunk's text, as vLLM's first chunk
         is the prompt and the first output text; a chat's (``api.chat_echo``) is its own chunk after
-        the role's, as vLLM's; ``role`` (``api.reply_role``) is the first chat chunk's.
+        the role's, as vLLM's; ``role`` (``api.reply_role``) is the first chat chunk's. ``tools`` (a chat whose
+        output is read for tool calls: ``_parses_tools``): the text goes through it, so a call is held from
+        ``<tool_call>`` to ``</tool_call>`` and sent whole as ``delta.tool_calls`` (with the text its chunk has
+        besides, as ``delta.content``), and the last chunk's ``finish_reason`` is ``tool_calls`` when the model
+        stopped after one (``toolcalls.finish_reason``); a chunk whose text is all held is not sent (its logprobs
+        go with the next one sent, as with text a stop string holds back).
         Every chunk's ``model`` is ``--model``, the first served name, whichever name the request gave (vLLM's
         ``--served-model-name``: "The model name in the model field of a response will be the first name in this
         list"; vllm-project/vllm#24663 restored it after a time when the request's name was echoed).
@@ -3558,15 +3581,16 @@ class RouterService(WatchedService):
             lp_offset += sum(len(t) for t in out["tokens"])
             return out
 
-        def piece_obj(text: str, finish: str | None, stop_reason: str | int | None = None) -> dict[str, Any]:
+        def piece_obj(
+            text: str, finish: str | None, stop_reason: str | int | None = None, calls: list[toolcalls.ToolCall] | None = None,
+        ) -> dict[str, Any]:
             lp = lp_obj()
             if chat:
-                delta = {"content": text} if text or finish is None else {}
+                delta: dict[str, Any] = {"content": text} if text or (finish is None and not calls) else {}
+                if calls and tools is not None:  # tools.calls counts them already: the first one's index is the count before
+                    delta["tool_calls"] = [c.delta(tools.calls - len(calls) + k) for k, c in enumerate(calls)]
                 return with_usage(api.chat_chunk(oid, created, model, delta, finish, include_usage, stop_reason=stop_reason, logprobs=lp))
             return with_usage(api.completion_chunk(oid, created, model, text, finish, include_usage, stop_reason=stop_reason, logprobs=lp))
-
-        def piece(text: str, finish: str | None) -> bytes:
-            return sse(piece_obj(text, finish))
 
         try:
             item: m.TokenChunk | _Failure = await self._next_item(p, None)
@@ -3594,19 +3618,29 @@ class RouterService(WatchedService):
                     lps.extend(_lp_entries(item))
                 text = echo + decoder.push(item.token_ids)
                 echo = ""
+                calls: list[toolcalls.ToolCall] = []
                 if item.finished or decoder.stopped:
                     text += decoder.finish()
+                    if tools is not None:
+                        text, calls = tools.push(text)
+                        rest, more = tools.finish()
+                        text, calls = text + rest, calls + more
                     if decoder.stopped:
                         self._end_at_stop(p, decoder)
-                        last = piece_obj(text, "stop", decoder.stop_reason)
+                        finish, stop_reason = "stop", decoder.stop_reason
                     else:
-                        last = piece_obj(text, item.finish_reason or "length")
+                        finish, stop_reason = item.finish_reason or "length", None
+                    if tools is not None:
+                        finish = toolcalls.finish_reason(finish, tools.calls) or finish
+                    last = piece_obj(text, finish, stop_reason, calls)
                     last["ei"] = self._ei(p)
                     yield sse(last)
                     delivered()
                     break
-                if text:
-                    yield piece(text, None)
+                if tools is not None:
+                    text, calls = tools.push(text)
+                if text or calls:
+                    yield sse(piece_obj(text, None, None, calls))
                     delivered()
                 item = await self._next_item(p, None)
             if include_usage:

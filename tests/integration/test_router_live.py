@@ -82,6 +82,9 @@ class FakeCluster:
     gpu_blocks: dict[str, int] = field(default_factory=dict)
     """node -> ``NodeState.gpu_total_blocks`` it reports (default 100); like a worker's scheduler, a node
     refuses work whose KV footprint (prompt, + max_tokens where it decodes) is more: an ``error`` chunk."""
+    script: list[int] | None = None
+    """The output token ids of every work, in place of ``output_token``'s (a model that writes a given text): at
+    most max_tokens of them; fewer end with ``finish_reason`` ``stop`` (the model's EOS), as many ``length``."""
     lookup_enabled: bool = True
     lookup_delay_s: float = 0.0
     """Wall seconds kv.lookup takes to answer (a slow directory)."""
@@ -168,21 +171,26 @@ class FakeCluster:
             return
         # like a worker: output positions from the work's output_offset, chunks stamped with its attempt
         off, att = w.output_offset, w.attempt
-        ids = [output_token(off + i) for i in range(w.max_tokens)]
+        if self.script is None:
+            ids, end = [output_token(off + i) for i in range(w.max_tokens)], "length"
+        else:
+            ids = self.script[off : off + w.max_tokens]
+            end = "length" if len(ids) == w.max_tokens else "stop"
+        n = len(ids)
         decoder = w.decode_node or node
         first = m.TokenChunk(
             rid=w.rid, node=node, index=off, token_ids=ids[:1], prompt_tokens=w.prompt_tokens, cached_tokens=cached,
-            finished=w.max_tokens == 1, finish_reason="length" if w.max_tokens == 1 else None, attempt=att,
+            finished=n == 1, finish_reason=end if n == 1 else None, attempt=att,
         )
         await out(first)
         if node in self.stall_after_first and w.rid not in self.stalled:
             self.stalled.add(w.rid)
             return
-        for i in range(1, w.max_tokens, 3):
+        for i in range(1, n, 3):
             part = ids[i : i + 3]
-            last = i + len(part) >= w.max_tokens
+            last = i + len(part) >= n
             await out(m.TokenChunk(rid=w.rid, node=decoder, index=off + i, token_ids=part, finished=last,
-                                   finish_reason="length" if last else None, attempt=att))  # fmt: skip
+                                   finish_reason=end if last else None, attempt=att))  # fmt: skip
 
 
 Env = RouterEnv[FakeCluster]

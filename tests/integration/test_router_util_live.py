@@ -36,7 +36,7 @@ async def test_tokenize_counts_what_a_served_request_uses_and_detokenize_round_t
         assert r.status_code == 200, r.text
         tok = r.json()
         assert set(tok) == {"count", "max_model_len", "tokens", "token_strs"} and tok["token_strs"] is None
-        served = await env.http.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS, "max_tokens": 2})
+        served = await env.http.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS, "tool_choice": "none", "max_tokens": 2})
         assert served.status_code == 200, served.text
         assert tok["count"] == len(tok["tokens"]) == served.json()["usage"]["prompt_tokens"] > 0
         work = env.cluster.works[-1]  # the ids the node got are the ones /tokenize returned
@@ -374,7 +374,7 @@ async def test_a_chat_with_big_tools_is_rendered_off_the_event_loop(nats_url, tm
         tools = [{"type": "function", "function": {"name": f"f{i}", "description": "does a thing " * 10}} for i in range(400)]
         tok = await env.http.post("/tokenize", json={"messages": USER, "tools": tools})
         assert tok.status_code == 200, tok.text
-        served = await env.http.post("/v1/chat/completions", json={"messages": USER, "tools": tools, "max_tokens": 1})
+        served = await env.http.post("/v1/chat/completions", json={"messages": USER, "tools": tools, "tool_choice": "none", "max_tokens": 1})
         assert served.status_code == 200, served.text
         assert tok.json()["count"] == served.json()["usage"]["prompt_tokens"] == len(real.apply_chat_template(USER, tools))
         assert on_loop == [], on_loop

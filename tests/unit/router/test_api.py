@@ -644,3 +644,25 @@ def test_an_output_constraint_no_engine_enforces_is_a_400_naming_the_field():
         assert field in str(e.value) and ("not supported" in str(e.value) or value == "sometimes")
     for extra in ({"response_format": {"type": "text"}}, {"tool_choice": "none"}, {"tool_choice": "auto"}, {"tool_choice": None}):
         assert api.parse_chat(msgspec.json.encode({"messages": msgs, "tools": [tool], **extra})).messages
+
+
+def test_tool_choice_is_what_vllm_serves():
+    """vLLM's check_tool_usage: tools without tool_choice are 'auto'; an explicit null or no tools is 'none'; a
+    tool_choice other than none without tools is a 400 (it was accepted, and 'auto' served as text)."""
+    msgs = [{"role": "user", "content": "x"}]
+    tool = {"type": "function", "function": {"name": "f"}}
+
+    def choice(**extra: object) -> object:
+        return api.tool_choice(api.parse_chat(msgspec.json.encode({"messages": msgs, **extra})))
+
+    assert choice() == "none"
+    assert choice(tools=[tool]) == "auto"
+    assert choice(tools=[]) == "none"
+    assert choice(tools=[tool], tool_choice=None) == "none"
+    assert choice(tools=[tool], tool_choice="none") == "none"
+    assert choice(tools=[tool], tool_choice="auto") == "auto"
+    assert choice(tool_choice="none") == "none" and choice(tool_choice=None) == "none"
+    for value in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(api.ApiError, match="When using `tool_choice`, `tools` must be set") as e:
+            api.parse_chat(msgspec.json.encode({"messages": msgs, "tool_choice": value}))
+        assert e.value.status == 400 and e.value.param == "tool_choice"

@@ -1,0 +1,106 @@
+"""Tool calls in chat replies (``--enable-auto-tool-choice --tool-call-parser hermes``, vLLM's flags), through the
+real router over a real nats-server with the fake cluster of ``test_router_live`` scripted to write a Hermes call
+(the ids of the text in a real byte-level BPE tokenizer): ``message.tool_calls`` / ``delta.tool_calls``,
+``finish_reason`` ``tool_calls``; and vLLM's 400 for ``auto`` without the flags."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared.tokenizer import load_tokenizer
+from tests.integration.test_router_live import router_env, sse_events
+
+pytest.importorskip("tokenizers")
+
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+SAID = "I will look it up.\n"
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def _folder(tmp_path):
+    from tests.unit.router.helpers import write_bpe_tokenizer
+
+    return write_bpe_tokenizer(tmp_path / "tok")
+
+
+async def _chat(env, body: dict) -> tuple[int, dict]:
+    """(status, the answer) of a chat request; a stream's chunks folded into one choice as a client does."""
+    r = await env.http.post("/v1/chat/completions", json=body)
+    if r.status_code != 200 or not body.get("stream"):
+        return r.status_code, r.json()
+    events = [e for e in sse_events(r.text) if e != "[DONE]"]
+    content, calls, finish, usage = "", [], None, None
+    for e in events:
+        usage = e.get("usage") or usage
+        for ch in e["choices"]:
+            d = ch["delta"]
+            content += d.get("content") or ""
+            calls += d.get("tool_calls", [])
+            finish = ch["finish_reason"] or finish
+    return 200, {"content": content, "deltas": calls, "finish_reason": finish, "usage": usage, "events": events}
+
+
+async def test_a_hermes_call_is_answered_as_tool_calls_streamed_or_not(nats_url, tmp_path):
+    folder = _folder(tmp_path)
+    tok = load_tokenizer(f"hf:{folder}")
+    ids = tok.encode(SAID + CALL, add_special_tokens=False)
+    assert tok.decode(ids) == SAID + CALL  # the fake node writes exactly this text
+    flags = {"tokenizer": f"hf:{folder}", "enable_auto_tool_choice": True, "tool_call_parser": "hermes"}
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, **flags) as env:
+        env.cluster.script = ids
+        # tools without tool_choice are "auto" (vLLM), as is tool_choice "auto"
+        for extra in ({}, {"tool_choice": "auto"}):
+            status, body = await _chat(env, {"messages": USER, "tools": TOOLS, "max_tokens": 200, **extra})
+            assert status == 200, body
+            choice = body["choices"][0]
+            assert choice["finish_reason"] == "tool_calls" and choice["stop_reason"] is None, choice
+            msg = choice["message"]
+            assert msg["role"] == "assistant" and msg["content"] == SAID
+            (call,) = msg["tool_calls"]
+            assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+            assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+            assert body["usage"]["completion_tokens"] == len(ids)  # usage unaffected
+        # streamed: the text before the call as content, the call whole in one delta, then tool_calls
+        status, got = await _chat(env, {"messages": USER, "tools": TOOLS, "max_tokens": 200, "stream": True,
+                                        "stream_options": {"include_usage": True}})
+        assert status == 200 and got["content"] == SAID and got["finish_reason"] == "tool_calls", got
+        (delta,) = got["deltas"]
+        assert delta["index"] == 0 and delta["type"] == "function" and delta["id"].startswith("chatcmpl-tool-")
+        assert delta["function"]["name"] == "get_weather" and json.loads(delta["function"]["arguments"]) == {"city": "Paris"}
+        assert got["usage"]["completion_tokens"] == len(ids)
+        assert not any("<tool" in (ch["delta"].get("content") or "") for e in got["events"] for ch in e["choices"])
+        # tool_choice none: the text as the model wrote it (vLLM)
+        for stream in (False, True):
+            status, body = await _chat(env, {"messages": USER, "tools": TOOLS, "tool_choice": "none", "max_tokens": 200, "stream": stream})
+            content = body["content"] if stream else body["choices"][0]["message"]["content"]
+            finish = body["finish_reason"] if stream else body["choices"][0]["finish_reason"]
+            assert status == 200 and content == SAID + CALL and finish == "stop", body
+            assert (body["deltas"] if stream else body["choices"][0]["message"].get("tool_calls")) in ([], None)
+        # cut by max_tokens inside the call: no call (its JSON is incomplete), the text as written, "length"
+        cut = len(tok.encode(SAID + CALL[:30], add_special_tokens=False))
+        for stream in (False, True):
+            status, body = await _chat(env, {"messages": USER, "tools": TOOLS, "max_tokens": cut, "stream": stream})
+            content = body["content"] if stream else body["choices"][0]["message"]["content"]
+            finish = body["finish_reason"] if stream else body["choices"][0]["finish_reason"]
+            assert status == 200 and finish == "length" and content == tok.decode(ids[:cut]), body
+            assert (body["deltas"] if stream else body["choices"][0]["message"].get("tool_calls")) in ([], None)
+        assert env.service.counters.get("http_status.500", 0) == 0
+
+
+async def test_auto_without_the_flags_is_vllms_400(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        for extra in ({}, {"tool_choice": "auto"}):
+            r = await env.http.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS, "max_tokens": 2, **extra})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "tool_choice"
+            assert err["message"] == '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+        for extra in ({"tool_choice": "none"}, {"tool_choice": None}):
+            r = await env.http.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS, "max_tokens": 2, **extra})
+            assert r.status_code == 200, r.text
+        r = await env.http.post("/v1/chat/completions", json={"messages": USER, "tool_choice": "auto", "max_tokens": 2})
+        assert r.status_code == 400 and "`tools` must be set" in r.json()["error"]["message"], r.text
+        assert not env.cluster.works[2:]  # the refused ones never reached a node
