@@ -205,6 +205,10 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     log_requests: bool = False
     """Router's and workers' ``--log-requests``: an info line per request accepted and finished (router), and
     received, handed off, finished or aborted (each worker), with its id."""
+    enable_auto_tool_choice: bool = False
+    """Router ``--enable-auto-tool-choice`` (vLLM's): serve ``tool_choice`` ``auto`` with ``tool_call_parser``."""
+    tool_call_parser: str = ""
+    """Router ``--tool-call-parser`` (vLLM's name, ``hermes``); empty = none."""
     otlp_traces_endpoint: str = ""
     """Every service's ``--otlp-traces-endpoint`` (OTLP/HTTP collector URL; empty = each process's own
     ``OTEL_EXPORTER_OTLP_*`` environment, inherited from the launcher)."""
@@ -393,7 +397,8 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     (router ``--routing``/``--decode-binding``/routing options, planner ``--planner``/``--planner-args``/``--split``,
     workers ``--host-eviction``), the profile (and the workers' KV sizes over it; for the torch engine the router's
     and planner's ``--profile-clock wall``, as the workers read it from ``--engine``), block size, tokenizer, served
-    model name, for the torch engine the model folder, dtype, context limit and vocabulary size, the liveness
+    model name, the tool-call flags (``--enable-auto-tool-choice``, ``--tool-call-parser``), for the torch engine
+    the model folder, dtype, context limit and vocabulary size, the liveness
     time (the router's ``--fence-after-s`` and the planner's ``--silent-after-s``, one value), and the
     observability flags (every service's ``--otlp-traces-endpoint``, the router's and workers' ``--log-requests``).
     ``up`` (:class:`LocalCluster`) and the deploy scripts (``evolving-infra deploy-args``: compose's entrypoint,
@@ -440,6 +445,8 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
                 + (["--max-context-tokens", str(s.max_context_tokens)] if s.max_context_tokens else [])
                 + (["--model-vocab-size", str(s.model_vocab_size)] if s.model_vocab_size else [])
                 + (["--fence-after-s", repr(s.fence_after_s)] if s.fence_after_s > 0 else [])
+                + (["--enable-auto-tool-choice"] if s.enable_auto_tool_choice else [])
+                + (["--tool-call-parser", s.tool_call_parser] if s.tool_call_parser else [])
                 + list(s.router_args) + traces + requests)
     raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
 

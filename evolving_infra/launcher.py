@@ -70,6 +70,7 @@ from shared.log import setup_logging
 from shared.profile import ProfileError, available_profiles
 from shared.service import until_stopped
 from shared.split import SplitError, parse_split
+from services.router.toolcalls import KNOWN_PARSERS as TOOL_CALL_PARSERS
 
 DEMO_TRACE = "claude-code-sample.jsonl.gz"
 
@@ -263,6 +264,21 @@ def _add_cluster_args(
         "X-Request-ID, or its NATS-safe form with client_request_id = the id as sent; status, finish reason, prompt/cached/output tokens, ttft_s and e2e_s in "
         "simulated seconds = wall x --speedup, nodes), each worker one per request "
         "received, handed off, finished or aborted (rid), as vLLM's --enable-log-requests",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="the routers serve tool_choice 'auto' (and tools sent without tool_choice) as vLLM's flag does: the "
+        "model's calls in its output are answered as message.tool_calls / delta.tool_calls, finish_reason "
+        "'tool_calls'; needs --tool-call-parser. Without it such a request gets vLLM's 400; tool_choice 'none' is "
+        "served either way (router --enable-auto-tool-choice)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default="",
+        choices=TOOL_CALL_PARSERS,
+        help="the tool-call format the model writes, for --enable-auto-tool-choice: hermes = <tool_call>{\"name\": "
+        "..., \"arguments\": {...}}</tool_call> (Qwen2.5/Qwen3, Hermes); vLLM's name (router --tool-call-parser)",
     )
     g.add_argument(
         "--otlp-traces-endpoint",
@@ -991,6 +1007,8 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
         raise UsageError(f"error: deploy-args does not support --routers {routers} (up's and demo's: N router processes "
                          "on the one socket up holds); in a deployment run more router services, each with its own "
                          "--instance (and NATS identity), behind one load balancer")
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", ""):
+        raise UsageError(f"error: --enable-auto-tool-choice requires --tool-call-parser (known: {', '.join(TOOL_CALL_PARSERS)})")
     pol = args.live_policy if getattr(args, "live_policy", None) else _policy(args)
     args.live_policy = pol
     try:
@@ -1099,6 +1117,8 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
         log_dir=args.log_dir,
         log_level=args.log_level,
         log_requests=args.log_requests,
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", ""),
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         stream_interval=args.stream_interval,
         ready_timeout_s=args.ready_timeout,

@@ -40,6 +40,8 @@
 #   EI_FENCE_AFTER_S   up --fence-after-s S: wall seconds without a node's state after which the router fences the
 #                      node and the planner counts it dead (router --fence-after-s, planner --silent-after-s: one
 #                      time); unset: both services' default, 3
+#   EI_TOOL_CALL_PARSER  up --enable-auto-tool-choice --tool-call-parser NAME (vLLM's flags; hermes: Qwen2.5/3,
+#                      Hermes): the router answers tool_choice auto with tool_calls; unset: auto is vLLM's 400
 #   worker --profile P: refused unless P's block_size is that profile's
 #   auth checks EI_POLICY / SPLIT / EI_ENGINE and the settings above first (deploy-args env): a refused one ends
 #   it with status 2, before NATS or any service (which restart on failure) starts
@@ -63,7 +65,7 @@ CREDS=${EI_CREDS_DIR:-/creds}
 CREDS_OUT=${EI_CREDS_OUT:-/creds-out}  # auth: one folder per identity (router, planner, kvdirectory, launcher, workers)
 AUTH=${EI_NATS_AUTH:-nkeys}
 
-UP_SETTINGS="EI_GPU_KV_TOKENS EI_HOST_KV_TOKENS EI_SERVED_MODEL_NAME EI_DTYPE EI_LOG_REQUESTS EI_OTLP_TRACES_ENDPOINT EI_FENCE_AFTER_S"
+UP_SETTINGS="EI_GPU_KV_TOKENS EI_HOST_KV_TOKENS EI_SERVED_MODEL_NAME EI_DTYPE EI_LOG_REQUESTS EI_OTLP_TRACES_ENDPOINT EI_FENCE_AFTER_S EI_TOOL_CALL_PARSER"
 # compose passes an unset one as empty; a service reads EI_<FIELD> itself, and an empty number or boolean is
 # an invalid value there (EI_GPU_KV_TOKENS, EI_LOG_REQUESTS, the router's EI_LOOKUP_TIMEOUT_S)
 ROUTER_SETTINGS="EI_LOOKUP_TIMEOUT_S EI_SHUTDOWN_GRACE_S EI_MAX_BUFFERED_OUTPUT_TOKENS EI_SLOW_CLIENT_GRACE_S EI_MAX_ACTIVE_BRANCHES"
@@ -113,7 +115,8 @@ deploy_args() {  # deploy_args SERVICE: SERVICE's flags for EI_POLICY/EI_ENGINE/
         --profile "${EI_PROFILE:-gb300-glm52}" --engine "$ENGINE" ${model:+--model "$model"} \
         ${EI_GPU_KV_TOKENS:+--gpu-kv-tokens "$EI_GPU_KV_TOKENS"} ${EI_HOST_KV_TOKENS:+--host-kv-tokens "$EI_HOST_KV_TOKENS"} \
         ${EI_DTYPE:+--dtype "$EI_DTYPE"} ${EI_OTLP_TRACES_ENDPOINT:+--otlp-traces-endpoint "$EI_OTLP_TRACES_ENDPOINT"} \
-        ${EI_FENCE_AFTER_S:+--fence-after-s "$EI_FENCE_AFTER_S"} $lr
+        ${EI_FENCE_AFTER_S:+--fence-after-s "$EI_FENCE_AFTER_S"} $lr \
+        ${EI_TOOL_CALL_PARSER:+--enable-auto-tool-choice --tool-call-parser "$EI_TOOL_CALL_PARSER"}
     if [ -n "${EI_SERVED_MODEL_NAME:-}" ]; then  # comma-separated (a served name has no comma): one argument each
         set -f; IFS=,
         # shellcheck disable=SC2086
