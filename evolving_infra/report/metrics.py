@@ -113,7 +113,8 @@ def _window_index(t: float, start: float, end: float, window_s: float, n: int) -
     """Index of the window holding ``t``; ``t == end`` falls into the last window."""
     if t < start or t > end or n == 0:
         return None
-    return min(int((t - start) // window_s), n - 1)
+    k = int((t - start) // window_s)
+    return k if k < n - 1 else n - 1  # min(k, n − 1), no builtin call (one per record and series)
 
 
 def prefill_queue_by_node(records: Sequence[RequestRecord]) -> dict[str, dict[str, float | int | None]]:

@@ -739,11 +739,12 @@ class ClusterSim:
                 st.counted_max = m
             st.counted_samples += 1
             st.counted_sum += sum(counts) / len(counts)
+        max_tokens = req.output_tokens if req.output_tokens > 1 else 1  # max(1, output_tokens), no builtin call
         rr = RouteRequest(  # positional, in field order (one per request)
             req.id,  # rid
             req.input_tokens,  # prompt_tokens
             blocks,  # block_hashes
-            max(1, req.output_tokens),  # max_tokens: as the live replayer asks, a recorded 0 still gets one token
+            max_tokens,  # as the live replayer asks, a recorded 0 still gets one token
             b"",  # token_ids
             req.branch,  # branch_id
         )
@@ -754,7 +755,7 @@ class ClusterSim:
             prev = self._last_prefill.get(req.parent_branch)
         f.prev_prefill = prev
         self.flights[req.id] = f
-        footprint = -(-(req.input_tokens + max(1, req.output_tokens)) // self.bs)
+        footprint = -(-(req.input_tokens + max_tokens) // self.bs)
         if footprint > self._gpu_blocks:
             self._reject(f, f"request needs {footprint} KV blocks but a node has {self._gpu_blocks} in GPU memory", t)
             return

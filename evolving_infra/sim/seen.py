@@ -101,7 +101,7 @@ class SeenIds:
         """Add ``ids`` (any ints; ids already in the set are fine)."""
         new = self._new
         new.update(ids)
-        if not self._plain and len(new) > max(MERGE_MIN, len(self._arr) >> 3):
+        if not self._plain and len(new) > MERGE_MIN and len(new) > len(self._arr) >> 3:  # > max(MERGE_MIN, n / 8)
             try:
                 add = np.fromiter(new, dtype=np.int64, count=len(new))
             except OverflowError:  # an id outside int64: a plain set from now on

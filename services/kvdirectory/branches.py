@@ -812,7 +812,8 @@ class BranchTable:
     # ------------------------------------------------------------------ #
 
     def _touch(self, b: Branch, now: float) -> None:
-        b.last_seen = max(b.last_seen, now)
+        if now > b.last_seen:  # max(b.last_seen, now), no builtin call
+            b.last_seen = now
         self.branches.move_to_end(b.bid)
         self._touch_ancestors(b, now)
 

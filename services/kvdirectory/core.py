@@ -732,13 +732,14 @@ class KvDirectory:
     def _reuse(self, n: int, path: list[int], history: int, prev: int | None, lookup: LookupResult | None = None) -> ReuseRecord:
         lk = lookup if lookup is not None else self.lookup(path)
         local = lk.node(self.names[n]).local_blocks
-        ideal = max(history, lk.longest_any)
-        hit = lk.longest_any if self.reuse_hit_scope == "cluster" else local
+        longest = lk.longest_any
+        ideal = longest if longest > history else history  # max(history, longest): no builtin call
+        hit = longest if self.reuse_hit_scope == "cluster" else local
         prev_name = self.names[prev] if prev is not None else None
         lost, cause = attribute_lost_reuse(ideal, hit, self.names[n], prev_name)
         c = self.counters
         c["reuse.ideal_tokens"] += ideal * self.block_size
-        c["reuse.hit_tokens"] += min(hit, ideal) * self.block_size
+        c["reuse.hit_tokens"] += (ideal if ideal < hit else hit) * self.block_size
         if lost:
             c["reuse.lost_tokens." + cause] += lost * self.block_size
         return ReuseRecord(ideal, hit, lost, cause, self.names[n], prev_name)

@@ -203,7 +203,9 @@ def _match(keys: list[int], j: int, hashes: list[int], i: int) -> int:
     either, else a bisection over slices. A whole list is compared as it is, not as a
     slice copy (the usual case: a whole run; a slice copies and counts a reference to
     every item)."""
-    m = min(len(keys) - j, len(hashes) - i)
+    m = len(keys) - j
+    if len(hashes) - i < m:  # m = min(len(keys) - j, len(hashes) - i), no builtin call
+        m = len(hashes) - i
     if m == 1:
         return 1
     if m == len(keys):  # (j == 0) the whole run
@@ -224,7 +226,9 @@ def _match(keys: list[int], j: int, hashes: list[int], i: int) -> int:
 def _match_down(keys: list[int], j: int, hashes: list[int], i: int) -> int:
     """Length of the common prefix of ``hashes[i:]`` and ``keys[j::-1]`` (a run listed deepest
     first, as engines evict), given ``keys[j] == hashes[i]``."""
-    m = min(j + 1, len(hashes) - i)
+    m = j + 1
+    if len(hashes) - i < m:  # m = min(j + 1, len(hashes) - i)
+        m = len(hashes) - i
     if m == 1:
         return 1
     if m == len(keys) and keys == (hashes[i + m - 1 : i - 1 : -1] if i else hashes[m - 1 :: -1]):

@@ -73,7 +73,9 @@ def attribute_lost_reuse(ideal_blocks: int, hit_blocks: int, node: str, prev_nod
         ``none`` (nothing lost), ``eviction`` (same node), ``routing``
         (different node) or ``unattributed`` (no previous request).
     """
-    lost = max(0, ideal_blocks - hit_blocks)
+    lost = ideal_blocks - hit_blocks
+    if not lost > 0:  # lost = max(0, ideal − hit), no builtin call (one per request)
+        lost = 0
     if lost == 0:
         return 0, "none"
     if prev_node is None:

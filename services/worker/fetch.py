@@ -85,7 +85,7 @@ class FetchLink(Generic[K]):
             rate = self.bytes_per_s / n
             kmin = min(active, key=active.__getitem__)
             rmin = active[kmin]
-            t_drain = last + max(rmin, 0.0) / rate
+            t_drain = last + (0.0 if 0.0 > rmin else rmin) / rate  # max(rmin, 0.0), no builtin call
             if t_drain > now:
                 moved = (now - last) * rate
                 for k in active:
@@ -136,7 +136,7 @@ class FetchLink(Generic[K]):
         best = min(self._drained.values(), default=None)
         if self._active:
             rmin = min(self._active.values())
-            t = self._last + max(rmin, 0.0) * len(self._active) / self.bytes_per_s + self.latency_s
+            t = self._last + (0.0 if 0.0 > rmin else rmin) * len(self._active) / self.bytes_per_s + self.latency_s  # max(rmin, 0.0)
             best = t if best is None or t < best else best
         return best
 
@@ -208,7 +208,10 @@ class FetchState(IdentityValue):
         """The part that outlasted the queue wait: skip → completion (0 if never skipped)."""
         if self.done_at is None:
             return None
-        return 0.0 if self.skipped_at is None else max(0.0, self.done_at - self.skipped_at)
+        if self.skipped_at is None:
+            return 0.0
+        exposed = self.done_at - self.skipped_at
+        return exposed if exposed > 0.0 else 0.0  # max(0.0, exposed), no builtin call
 
 
 class FetchStarted(FrozenValue):

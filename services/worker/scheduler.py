@@ -600,7 +600,7 @@ class EngineScheduler:
                 continue
             if fr.start > pos or fr.node == self.node:
                 break
-            end = min(fr.end, cap)
+            end = cap if cap < fr.end else fr.end  # min(fr.end, cap), no builtin call
             spans.append((fr.node, pos, end))
             pos = end
         if pos <= lo:
@@ -658,7 +658,8 @@ class EngineScheduler:
         f.external = False
         f.missing = frozenset(missing)
         if f.sim_done_at is not None:
-            self._complete_fetch(r, max(now, f.sim_done_at))
+            done_at = f.sim_done_at
+            self._complete_fetch(r, done_at if done_at > now else now)  # max(now, done_at)
         return True
 
     @property
@@ -787,7 +788,9 @@ class EngineScheduler:
             if budget <= 0:
                 break
             before = r.cached + r.computed
-            n = min(r.prompt_tokens - before, budget)
+            n = r.prompt_tokens - before
+            if budget < n:  # n = min(left, budget), no builtin call (3.11's min parses its keywords each call)
+                n = budget
             chunks.append(PrefillChunk(r.rid, n, before, 0, before + n >= r.prompt_tokens))  # positional, in field order
             prefill_reqs.append(r)
             budget -= n
@@ -812,7 +815,8 @@ class EngineScheduler:
             prefill_s = p.prefill.iteration_time(sum_uc, sum_qk, sum_rst)
             if decode_reqs:
                 decode_s = self._decode_s.get(len(decode_reqs)) or self._decode_time(len(decode_reqs))
-                iteration_s = prefill_s + decode_s - min(p.prefill.c0, p.decode.d0)
+                c0, d0 = p.prefill.c0, p.decode.d0
+                iteration_s = prefill_s + decode_s - (d0 if d0 < c0 else c0)  # min(c0, d0)
             else:
                 decode_s = 0.0
                 iteration_s = prefill_s + decode_s
@@ -933,7 +937,10 @@ class EngineScheduler:
             if r.state != DECODING:
                 continue
             total = r.acc + step
-            n = min(total // _MILLI, r.max_tokens - r.generated)
+            n = total // _MILLI
+            left = r.max_tokens - r.generated
+            if left < n:  # n = min(n, left), no builtin call
+                n = left
             eos = stopped is not None and r.rid in stopped
             if eos:
                 n = min(n, max(0, stopped[r.rid] - r.generated))  # type: ignore[index]
@@ -990,7 +997,9 @@ class EngineScheduler:
         if plan is not self.inflight:
             raise SchedulerError("truncate() got a plan that is not in flight")
         if plan.iterations > 1 and not plan.prefill and plan.iteration_s > 0:
-            j = max(1, _ceil_div_f(now - plan.start, plan.iteration_s)) if now > plan.start else 1
+            j = _ceil_div_f(now - plan.start, plan.iteration_s) if now > plan.start else 1
+            if not j > 1:  # max(1, j)
+                j = 1
             if j < plan.iterations:
                 plan.iterations = j
                 plan.end = plan.start + j * plan.iteration_s
@@ -1067,7 +1076,9 @@ class EngineScheduler:
                         restore_tokens=r.q_host * bs,
                     )
                 )
-        remaining = max(0.0, self.inflight.end - now) if self.inflight is not None else 0.0
+        remaining = self.inflight.end - now if self.inflight is not None else 0.0
+        if not remaining > 0.0:  # max(0.0, remaining), no builtin call (one per state)
+            remaining = 0.0
         gpu, host = self.kv.gpu, self.kv.host
         return NodeState(
             node=self.node,
@@ -1134,7 +1145,9 @@ class EngineScheduler:
             if r is None or (before is not None and r.seq > before) or not self._admit(r, now):
                 break
             done = r.cached + r.computed  # the chunk's cached_before
-            n = min(r.prompt_tokens - r.cached, budget)
+            n = r.prompt_tokens - r.cached
+            if budget < n:  # n = min(left, budget)
+                n = budget
             chunks.append(PrefillChunk(r.rid, n, done, r.restored, done + n >= r.prompt_tokens))  # positional, in field order
             prefill_reqs.append(r)
             admitted.append(r.rid)
@@ -1157,7 +1170,11 @@ class EngineScheduler:
             self._drop_hold(r)  # the restored pages are pinned by L1 now
         f = r.fetch
         if f is not None and f.done_at is not None:
-            f.used = max(0, min(n_gpu + n_host, f.hi) - f.lo)
+            used = n_gpu + n_host
+            if f.hi < used:  # max(0, min(n_gpu + n_host, f.hi) - f.lo), no builtin calls
+                used = f.hi
+            used -= f.lo
+            f.used = used if used > 0 else 0
         bs = self.block_size
         r.cached = (n_gpu + n_host) * bs
         r.restored = n_host * bs
@@ -1283,7 +1300,8 @@ class EngineScheduler:
             k_h = q + 1 if q * iteration_s < d else q
         else:
             k_h = 1
-        return max(1, min(k_finish, k_h))
+        k = k_h if k_h < k_finish else k_finish  # max(1, min(k_finish, k_h)), no builtin calls
+        return k if k > 1 else 1
 
     def _decode_time(self, batch: int) -> float:
         """Eq. 2: one decode iteration of ``batch`` requests on this node (s); memoised per batch
