@@ -309,7 +309,7 @@ class _Pending:
     """Chunks of the current attempt that came past :attr:`next_index` (output between still on its way: a NATS
     reconnect stores a resent chunk after later ones), by ``index``; their tokens (:attr:`held_tokens`) at most what
     the request has left to produce (``max_tokens`` - :attr:`next_index`), their log-probabilities at most what it
-    asked for (:meth:`RouterService._logprobs_unasked`); taken in order once the gap fills
+    asked for (a chunk with more fails the request: :meth:`RouterService._bad_logprobs`); taken in order once the gap fills
     (:meth:`RouterService._take_held`), cleared by a re-dispatch or the request's end."""
     held_order: list[int] = field(default_factory=list)
     """The indices of :attr:`held`, a heap (``heapq``): the first held chunk in O(1), each taken in O(log n)."""
@@ -1385,6 +1385,8 @@ class RouterService(WatchedService):
             self.bus.droplog.event("chunks_wrong_node", "token chunk from a node the request is not on dropped", rid=chunk.rid, node=chunk.node)
             return
         if self._logprobs_unasked(p, chunk):
+            if not self._handed_off(p, chunk):  # (a node that no longer serves the stream cannot fail it)
+                self._bad_logprobs(p, chunk)
             return
         if chunk.finish_reason not in ("error", "abort") and chunk.index > p.next_index:
             self._hold_chunk(p, chunk)  # output before it is still on its way, or lost
@@ -1525,24 +1527,40 @@ class RouterService(WatchedService):
     def _logprobs_unasked(self, p: _Pending, chunk: m.TokenChunk) -> bool:
         """Whether ``chunk`` carries more log-probabilities than ``p`` asked for (``Sampling.logprobs`` of its request:
         None, none at all; k, at most k top entries a token; fewer is fine, a node's vocabulary may be smaller); then
-        it is malformed, dropped and counted (``chunks_bad_logprobs``, the drop log), whether it would be taken or
-        held. So a held chunk's log-probabilities are bounded by what the request asked (with its tokens by
-        ``max_tokens``, :meth:`_hold_chunk`), not only by message validation (one a token id, at most
-        ``MAX_TOP_LOGPROBS`` = 20 top entries, ``shared.validate``). Before, one in order was taken (its response
-        cut each top list to what was asked; the rest stayed in its queue until read) and one held kept them all
-        until the gap filled. O(tokens of the chunk)."""
+        it is malformed and fails the request (:meth:`_bad_logprobs`), whether it would be taken or held. So a held
+        chunk's log-probabilities are bounded by what the request asked (with its tokens by ``max_tokens``,
+        :meth:`_hold_chunk`), not only by message validation (one a token id, at most ``MAX_TOP_LOGPROBS`` = 20 top
+        entries, ``shared.validate``). O(tokens of the chunk); changes nothing."""
         if not (chunk.logprobs or chunk.top_ids or chunk.top_logprobs):
             return False
         sp = p.rreq.sampling if p.rreq is not None else None
         k = None if sp is None else sp.logprobs
-        if k is not None and all(len(x) <= k for x in chunk.top_ids) and all(len(x) <= k for x in chunk.top_logprobs):
-            return False
+        return k is None or any(len(x) > k for x in chunk.top_ids) or any(len(x) > k for x in chunk.top_logprobs)
+
+    def _bad_logprobs(self, p: _Pending, chunk: m.TokenChunk) -> None:
+        """``chunk`` (of ``p``'s current attempt, from a node that serves its stream) carries more log-probabilities
+        than ``p`` asked for (:meth:`_logprobs_unasked`): its node is broken or lying, and what it sends next cannot be
+        trusted to fill the stream. The request fails at once, as for a gap (:meth:`_chunk_gap`): its nodes are told
+        to drop it, its response gets a 502 error (what it has read stays its own; a stream's error event) 'malformed
+        output from node X: a token chunk at index i carries N log-probabilities, up to M top entries a token; the
+        request asked none | asked k; request failed', counted ``chunks_bad_logprobs`` (and ``aborts.bad_logprobs``),
+        logged at warning, finished as ``error``. Before, from 90e76c0 the chunk was dropped: when it was the
+        stream's last no later chunk was held, so no gap wait began and its client waited ``request_timeout_s``
+        (600 s) for a 504 (reviewer rr-sec); before 90e76c0 one in order was taken (its response cut each top list
+        to k) and one held kept all its entries until the gap filled."""
+        sp = p.rreq.sampling if p.rreq is not None else None
+        k = None if sp is None else sp.logprobs
         most = max([len(x) for x in chunk.top_ids] + [len(x) for x in chunk.top_logprobs], default=0)
+        asked = "none" if k is None else str(k)
+        why = (f"malformed output from node {chunk.node}: a token chunk at index {chunk.index} carries "
+               f"{len(chunk.logprobs)} log-probabilities, up to {most} top entries a token; the request asked {asked}; "
+               f"request failed")  # fmt: skip
         self.counters["chunks_bad_logprobs"] += 1
-        self.bus.droplog.event("chunks_bad_logprobs", "token chunk with more log-probabilities than its request asked "
-                               "for dropped", rid=chunk.rid, node=chunk.node, index=chunk.index, asked=k,
-                               logprobs=len(chunk.logprobs), top_entries=most)  # fmt: skip
-        return True
+        self.log.warning("token chunk with more log-probabilities than its request asked for; request failed",
+                         rid=p.rid, node=chunk.node, index=chunk.index, asked=k, logprobs=len(chunk.logprobs),
+                         top_entries=most)  # fmt: skip
+        self._abandon(p, f"malformed output from {chunk.node}", "bad_logprobs")
+        p.queue.put_nowait(_Failure(502, why))
 
     def _handed_off(self, p: _Pending, chunk: m.TokenChunk) -> bool:
         """Whether ``chunk`` (of ``p``'s current attempt, from its prefill node P or its decode node D: :meth:`_on_chunk`
