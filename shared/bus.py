@@ -436,6 +436,9 @@ class Bus:
         """Why the stream found is unusable, when it lacks reliable subjects (:class:`StreamLacksSubjects`'s words:
         the stream, what it lacks, the fix), else empty: logged at error, and a service's ``/readyz`` 503 reason
         (``shared.service``) for the bus's life; ``auth stream`` exits 1 with it."""
+        self._lacking_logged = ""
+        """The :attr:`stream_lacking` last logged (:meth:`_check_subjects`): a check that finds the same lack says
+        nothing again."""
         self.stream_unanswered = ""
         """What got no answer in time with :meth:`ensure_stream` ``(wait=False)`` (``auth stream``): "the stream lookup
         ($JS.API.STREAM.INFO.<stream>) in 5 s" (or the create, without a permission violation), a loaded or hung
@@ -1153,7 +1156,9 @@ class Bus:
     def _check_subjects(self, info: Any, *, log: bool) -> bool:
         """Whether the stream found (``info``, its ``StreamInfo``) lacks some reliable subjects (:func:`stream_lacks`;
         another version's, one made by hand): then :attr:`stream_lacking` says so (the stream, what it lacks, the fix)
-        and, with ``log``, an error line ``STREAM LACKS SUBJECTS: ...``. Run at the first lookup
+        and, with ``log``, an error line ``STREAM LACKS SUBJECTS: ...`` when that lack was not logged yet or changed
+        (:attr:`_lacking_logged`; the same lack found again, as at each reconnect to the same server, says nothing
+        again: one line; before, each reconnect that found it logged it again). Run at the first lookup
         (:meth:`_ensure_stream`) and at each reconnect's check that found the stream (:meth:`_after_reconnect`: a
         server restarted with an old stream). A stream found whole leaves :attr:`stream_lacking` as it was (once
         set, a service says so until it is restarted: its consumers were made on the lacking stream)."""
@@ -1166,7 +1171,8 @@ class Bus:
             f"the JetStream stream {config.name} lacks subjects {lacks} (it has {have}; another version's, or made by "
             f"hand): messages on them are kept by no stream and reach no consumer; " + STREAM_FIX.format(age=STREAM_MAX_AGE_S)
         )  # fmt: skip
-        if log:
+        if log and self.stream_lacking != self._lacking_logged:
+            self._lacking_logged = self.stream_lacking
             self.log.error("STREAM LACKS SUBJECTS: " + self.stream_lacking, stream=config.name)
         return True
 

@@ -124,12 +124,22 @@ async def test_a_stream_lacking_subjects_found_after_a_reconnect_is_said_as_at_s
     stream of the same name lacking ``req.*.out.*`` (here deleted and made the old way before the restart; a store
     restored from an older version). The reconnect's stream check finds it anew and says so as the first lookup does:
     :attr:`Bus.stream_lacking` (``/readyz`` 503 with that reason) and one error line. Before, only a service's first
-    stream lookup checked the subjects: the service stayed ready while every request's output reached no consumer."""
+    stream lookup checked the subjects: the service stayed ready while every request's output reached no consumer.
+    A second restart (the same stream, the same lack) keeps ``/readyz`` as it is and logs nothing again: one line,
+    as documented; before, each reconnect that found the lacking stream logged it again (reviewer rr-sec)."""
     with EmbeddedNatsServer() as srv:
         with structlog.testing.capture_logs() as logs:
             router = await Bus.connect(srv.url, Subjects("p7"), service="router", instance="router")
+            checks: list[bool] = []  # each subjects check's log flag: the test knows a reconnect's check ran
+            check = router._check_subjects
+
+            def counted(info, *, log: bool) -> bool:
+                checks.append(log)
+                return check(info, log=log)
+
             try:
                 assert await asyncio.wait_for(router.ensure_stream(), 10) and router.stream_lacking == ""
+                router._check_subjects = counted  # type: ignore[method-assign]
                 admin = await Bus.connect(srv.url, Subjects("p7"), service="test", instance="test")
                 try:
                     js = admin.nc.jetstream(timeout=5.0)
@@ -149,6 +159,15 @@ async def test_a_stream_lacking_subjects_found_after_a_reconnect_is_said_as_at_s
                 ready = Readiness(srv.url)
                 ready.bus, ready.phase = router, "serving"
                 assert ready.state() == ("stream", router.stream_lacking)
+                said, n = router.stream_lacking, len(checks)
+                assert checks == [True], checks
+                await asyncio.to_thread(srv.restart)  # the same lacking stream again
+                for _ in range(1000):
+                    if len(checks) > n:
+                        break
+                    await asyncio.sleep(0.02)
+                assert checks == [True, True] and router.counters["nats.reconnects"] >= 2, (checks, dict(router.counters))
+                assert router.stream_lacking == said and ready.state() == ("stream", said)
             finally:
                 await router.close()
         lines = [e for e in logs if e.get("log_level") == "error" and "STREAM LACKS SUBJECTS" in str(e.get("event"))]
