@@ -284,12 +284,15 @@ class SimTokenizer:
 
 
 _KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"})
-"""Pre-tokenizers that cut a text without dropping a character (``Split`` only with a behaviour other than
-``Removed``; ``Whitespace`` / ``WhitespaceSplit`` / ``BertPreTokenizer`` drop the whitespace)."""
+"""Pre-tokenizers that cut a text without dropping a character (``Split`` and ``Punctuation`` only with a
+behaviour other than ``Removed``; ``Whitespace`` / ``WhitespaceSplit`` / ``BertPreTokenizer`` /
+``CharDelimiterSplit`` drop characters)."""
 
 
 def _keeps_characters(pre: Any) -> bool:
-    """True when the ``pre_tokenizer`` of a ``tokenizer.json`` (None, one, or a ``Sequence``) keeps every character."""
+    """True when the ``pre_tokenizer`` of a ``tokenizer.json`` (None, one, or a ``Sequence``) keeps every
+    character: each is in :data:`_KEEPING_PRE_TOKENIZERS` and none has ``behavior: "Removed"`` (it drops what its
+    pattern matches: ``Split``'s, ``Punctuation``'s)."""
     if pre is None:
         return True
     if not isinstance(pre, dict):
@@ -297,9 +300,7 @@ def _keeps_characters(pre: Any) -> bool:
     kind = pre.get("type")
     if kind == "Sequence":
         return all(_keeps_characters(p) for p in pre.get("pretokenizers") or ())
-    if kind == "Split":
-        return pre.get("behavior") != "Removed"
-    return kind in _KEEPING_PRE_TOKENIZERS
+    return kind in _KEEPING_PRE_TOKENIZERS and pre.get("behavior") != "Removed"
 
 
 def _has_byte_level(pre: Any) -> bool:
@@ -316,7 +317,9 @@ def max_token_chars(spec: dict[str, Any]) -> int | None:
     (:func:`min_prompt_tokens`), which lets the router refuse an oversized prompt before it tokenizes it. None
     where no such bound holds for every text, so that the bound never refuses a prompt that would fit:
 
-    * the model must be BPE and cover every character: a byte-level pre-tokenizer with all 256 byte symbols in
+    * the model must be BPE (``type`` given: ``tokenizers`` loads a model without one as whichever kind its
+      fields fit, WordPiece too), with no ``continuing_subword_prefix`` / ``end_of_word_suffix``, and cover every
+      character: a byte-level pre-tokenizer with all 256 byte symbols in
       the vocabulary (GPT-2, Llama 3, Qwen), or ``byte_fallback`` with all 256 ``<0xNN>`` tokens (Llama 2,
       Mistral); a BPE that skips an unknown character, or fuses a run of them into one unknown token, and
       WordPiece / Unigram / WordLevel (one ``[UNK]`` for a whole word) have no bound;
@@ -347,7 +350,11 @@ def max_token_chars(spec: dict[str, Any]) -> int | None:
     if not _keeps_characters(pre):
         return None
     model = spec.get("model")
-    if not isinstance(model, dict) or model.get("type", "BPE") != "BPE" or not isinstance(model.get("vocab"), dict):
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        return None
+    if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        # a piece past a word's first needs the prefixed (or suffixed) symbol, which a vocabulary may lack: BPE
+        # then drops the piece (1,000 characters were 1 token with '##' and no '##x' symbols)
         return None
     vocab: dict[str, Any] = model["vocab"]
     if _has_byte_level(pre):
@@ -425,9 +432,9 @@ class HFTokenizer:
             raise TokenizerError(f"cannot load {file}: {e}") from e
         self.path = file
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
-        try:
-            spec = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, ValueError):  # tokenizers read it; a second read failing only costs the bound
+        try:  # the loaded tokenizer as tokenizers writes it: every field present (a model's type too), defaults filled in
+            spec = json.loads(self._tok.to_str())
+        except Exception:  # tokenizers raises a bare Exception; no bound then (it only lets a prompt be refused sooner)
             spec = None
         self.max_token_chars: int | None = max_token_chars(spec) if isinstance(spec, dict) else None
         """The most characters one token stands for (:func:`max_token_chars`); None: no bound holds."""

@@ -428,3 +428,58 @@ def test_sim_encode_of_a_big_text_gives_the_same_ids_and_lets_other_threads_run(
     big = "ab cd, " * 600_000  # 4.2M characters, 1.8M tokens
     stall, wall = _longest_stall_s(tok.encode, big)
     assert wall > 0.05 and stall < 0.3 * wall, (stall, wall)
+
+
+def _saved(tmp_path: Path, tok, name: str, edit=None) -> Path:
+    """``tok`` saved as ``tmp_path/name/tokenizer.json`` (``edit``: applied to its JSON first)."""
+    spec = json.loads(tok.to_str())
+    if edit is not None:
+        edit(spec)
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return folder / "tokenizer.json"
+
+
+def test_the_prompt_bound_never_exceeds_the_count_of_tokenizers_that_drop_characters(tmp_path):
+    """Review of the bound (shared.tokenizer.max_token_chars): each case had a bound above the real count, so that
+    a prompt that fits was refused (a Punctuation pre-tokenizer that removes: 2 tokens, bound 1336), or a bound
+    where none holds (a BPE with a continuing-subword prefix: 1,000 characters were 1 token, bound 84; a model
+    without "type" loaded as WordPiece: 1 token, bound 200). Now: no bound for them, a bound for the plain one."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from shared.tokenizer import _byte_level_symbols, min_prompt_tokens
+
+    syms = _byte_level_symbols()
+    cases = {}
+    punct = Tokenizer(models.BPE())
+    punct.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Punctuation(behavior="removed"), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    punct.train_from_iterator(["hello world " * 50], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    cases["punctuation removed"] = (_saved(tmp_path, punct, "punct"), "hello world" + "." * 8000)
+    for name, kw in (("prefix", {"continuing_subword_prefix": "##"}), ("suffix", {"end_of_word_suffix": "</w>"}),
+                     ("prefix fused unk", {"continuing_subword_prefix": "##", "unk_token": "[UNK]", "fuse_unk": True})):
+        vocab = {s: i for i, s in enumerate(syms)} | {"[UNK]": 256, "xxxxxxxxxxxx": 257}
+        bpe = Tokenizer(models.BPE(vocab=vocab, merges=[], **kw))
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        cases[name] = (_saved(tmp_path, bpe, name.replace(" ", "_")), "abcdefghij" * 100)
+    wp = Tokenizer(models.WordPiece(vocab={s: i for i, s in enumerate(syms)} | {"[UNK]": 256}, unk_token="[UNK]",
+                                    max_input_chars_per_word=100))
+    wp.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    cases["model without a type"] = (_saved(tmp_path, wp, "untyped", lambda s: s["model"].pop("type")), "a" * 1000)
+    for name, (file, text) in cases.items():
+        h = HFTokenizer(file)
+        n = len(h.encode(text, add_special_tokens=False))
+        assert min_prompt_tokens(h, text) <= n, (name, n, h.max_token_chars)
+        assert h.max_token_chars is None, (name, h.max_token_chars)
+    # the same byte-level BPE without a prefix or suffix keeps its bound (the longest token, 12 characters)
+    plain = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(syms)} | {"xxxxxxxxxxxx": 256}, merges=[]))
+    plain.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Punctuation(behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    h = HFTokenizer(_saved(tmp_path, plain, "plain"))
+    text = "hello world" + "." * 8000
+    assert h.max_token_chars == 12 and min_prompt_tokens(h, text) <= len(h.encode(text, add_special_tokens=False))
