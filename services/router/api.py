@@ -239,7 +239,9 @@ class ContentPart(Struct, kw_only=True):
 
 class ChatMessage(Struct, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None | msgspec.UnsetType = msgspec.UNSET
+    """``UNSET`` when the message has no ``content`` key (an empty turn, as vLLM's ``total=False`` message
+    type reads it); an explicit ``null`` only in an assistant or function message (:func:`_check_content_parts`)."""
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -694,14 +696,15 @@ def reply_role(req: ChatRequest) -> str:
 
 
 _CONTENT_OPTIONAL = frozenset({"assistant", "function"})
-"""Roles whose ``content`` may be null or absent (OpenAI's ``ChatCompletionAssistantMessageParam``: with
-``tool_calls``; ``function``'s is ``Optional[str]``); a system, developer, user or tool message needs one."""
+"""Roles whose ``content`` may be ``null`` (OpenAI's ``ChatCompletionAssistantMessageParam``: with
+``tool_calls``; ``function``'s is ``Optional[str]``); a system, developer, user or tool message's may not."""
 
 
 def _check_content_parts(messages: list[ChatMessage]) -> None:
-    """Every message but an assistant's (or a legacy ``function`` one's) has content (OpenAI and vLLM refuse a
-    user message with ``content: null`` or none with a 400; it was rendered as an empty turn); only text parts (and
-    refusal parts in assistant messages) can be rendered.
+    """No message but an assistant's (or a legacy ``function`` one's) has ``content: null``, as vLLM: none of the
+    message types it validates against takes a null there (a 400; it was rendered as an empty turn); a message
+    with no ``content`` key at all is an empty turn, as vLLM serves it (its ``CustomChatCompletionMessageParam``
+    is ``total=False``). Only text parts (and refusal parts in assistant messages) can be rendered.
 
     Raises:
         ApiError: 400 naming the content (``messages[i].content``) or the part (``messages[i].content[j]``).
@@ -709,8 +712,8 @@ def _check_content_parts(messages: list[ChatMessage]) -> None:
     for i, msg in enumerate(messages):
         if msg.content is None and msg.role not in _CONTENT_OPTIONAL:
             raise ApiError(
-                400, f"messages[{i}]: a {msg.role!r} message needs content (a string or a list of content parts); "
-                "null is allowed only in an assistant message", param=f"messages[{i}].content",
+                400, f"messages[{i}]: a {msg.role!r} message's content may not be null (a string or a list of content "
+                "parts; null is allowed only in an assistant message)", param=f"messages[{i}].content",
             )
         if isinstance(msg.content, list):
             for j, part in enumerate(msg.content):
@@ -797,16 +800,16 @@ def _check_tool_calls(messages: list[ChatMessage]) -> None:
                 )
 
 
-def _content_text(content: str | list[ContentPart] | None) -> str:
+def _content_text(content: str | list[ContentPart] | None | msgspec.UnsetType) -> str:
     """A message's text: a content list's text parts joined by newlines, as vLLM's conversation parsing
-    joins them; None is "" (:func:`chat_messages`, :func:`chat_echo`)."""
+    joins them; None or ``UNSET`` (no ``content`` key) is "" (:func:`chat_messages`, :func:`chat_echo`)."""
     if isinstance(content, list):
         return "\n".join(p.as_text() for p in content)
-    return content if content is not None else ""
+    return content if isinstance(content, str) else ""
 
 
 def chat_messages(req: ChatRequest | TokenizeChatRequest) -> list[dict[str, Any]]:
-    """Messages as plain dicts for a chat template (``None`` fields dropped; content None is ""); a content
+    """Messages as plain dicts for a chat template (``None`` fields dropped; content None or absent is ""); a content
     list's text parts joined by newlines, as vLLM's conversation parsing gives a template that reads a string."""
     out: list[dict[str, Any]] = []
     for msg in req.messages:

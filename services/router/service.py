@@ -2940,6 +2940,8 @@ class RouterService(WatchedService):
         self._check_model(req.model)
         if asked is None:  # a default the client never sent is cut to the limit, not refused (like the context cut below)
             max_tokens = min(max_tokens, self.cfg.max_output_tokens)
+        elif not ctx:  # no context to check first (vLLM's order, below): refused before a long prompt is tokenized
+            self._check_output_limit(max_tokens, field)
         part = "messages" if chat else "prompt"
         if isinstance(prompt, str):
             # refused before it is tokenized when even a lower bound on its tokens is too many (a 3 MB text took
@@ -2980,8 +2982,7 @@ class RouterService(WatchedService):
                     f"({n} in the {part}, {asked} in the completion). Please reduce the length of the {part} or completion.",
                     param=field,
                 )
-        if max_tokens > self.cfg.max_output_tokens:  # only an asked-for one: a default was cut to it above
-            raise api.ApiError(400, f"{field}={max_tokens} exceeds the limit {self.cfg.max_output_tokens}", param=field)
+        self._check_output_limit(max_tokens, field)  # only an asked-for one can fail: a default was cut to it above
         if req.min_tokens and req.min_tokens > max_tokens:
             # vLLM checks min_tokens against the max_tokens it uses (defaulted, cut to the context) too:
             # sent on, a request with a default max_tokens below it ended before its min_tokens
@@ -2999,23 +3000,36 @@ class RouterService(WatchedService):
             echo = "" if not req.echo else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
         return req, arr, max_tokens, packed, block_hashes_packed(packed, self.cfg.block_size), echo
 
-    def _check_prompt_len(self, n: int, ctx: int, part: str, *, at_least: bool = False) -> None:
-        """Refuse a prompt of ``n`` tokens (``at_least``: a lower bound on its count, before it is tokenized) that
-        fills the model's context ``ctx`` (0: none), with vLLM's message for an input that leaves no room for an
-        output token, whether or not ``max_tokens`` was sent (vLLM's ``_validate_input`` checks it first), or that
-        is longer than ``max_prompt_tokens``. ``part``: ``prompt`` or ``messages``, the error's ``param``.
+    def _check_output_limit(self, max_tokens: int, field: str) -> None:
+        """Refuse a ``max_tokens`` over the router's ``--max-output-tokens``; ``field``: the name the client sent
+        it under (``max_tokens`` or ``max_completion_tokens``), the error's ``param``.
 
         Raises:
             ApiError: 400.
         """
-        has = f"at least {n}" if at_least else f"{n}"
+        if max_tokens > self.cfg.max_output_tokens:
+            raise api.ApiError(400, f"{field}={max_tokens} exceeds the limit {self.cfg.max_output_tokens}", param=field)
+
+    def _check_prompt_len(self, n: int, ctx: int, part: str, *, at_least: bool = False) -> None:
+        """Refuse a prompt of ``n`` tokens (``at_least``: a lower bound on its count, before it is tokenized) that
+        fills the model's context ``ctx`` (0: none), with vLLM's message for an input that leaves no room for an
+        output token, whether or not ``max_tokens`` was sent (vLLM's ``_validate_input`` checks it first), or that
+        is longer than ``max_prompt_tokens``. ``part``: ``prompt`` or ``messages``, the error's ``param``. A lower
+        bound keeps vLLM's sentence as it is (clients read the count with ``your request has (\\d+) input tokens``)
+        and says after it that the count is one.
+
+        Raises:
+            ApiError: 400.
+        """
+        note = f" ({n} is a lower bound: the prompt was refused before it was tokenized.)" if at_least else ""
         if ctx and n >= ctx:
             raise api.ApiError(
-                400, f"This model's maximum context length is {ctx} tokens. However, your request has {has} input tokens. "
-                "Please reduce the length of the input messages.", param=part,
+                400, f"This model's maximum context length is {ctx} tokens. However, your request has {n} input tokens. "
+                f"Please reduce the length of the input messages.{note}", param=part,
             )
         if n > self.cfg.max_prompt_tokens:
-            raise api.ApiError(400, f"prompt has {has} tokens; at most {self.cfg.max_prompt_tokens} allowed", param="prompt")
+            has = f"at least {n}" if at_least else f"{n}"
+            raise api.ApiError(400, f"prompt has {has} tokens; at most {self.cfg.max_prompt_tokens} allowed", param=part)
 
     async def _lookup(self, hashes: list[int], tr: _ReqTrace | None = None, rid: str = "") -> tuple[m.KvLookupReply | None, str]:
         if not hashes:

@@ -8,13 +8,14 @@
 3. ``temperature`` 2.5 was a 400 (vLLM / SGLang take any temperature >= 0);
 4. completions ``logprobs: true`` was a 400 (vLLM's pydantic ``int`` reads it as 1);
 5. a 3 MB text prompt was tokenized (5.8 s) before it was refused: a lower bound on its tokens now refuses it first;
-6. a user message with ``content: null`` was served (OpenAI / vLLM: 400).
+6. a user message with ``content: null`` was served (vLLM: 400); one with no ``content`` key is an empty turn, as in vLLM.
 
 ``RouterService._prepare_body`` runs here on a service holding only what it reads (no bus, no HTTP)."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -121,9 +122,12 @@ def test_a_hopeless_text_prompt_is_refused_before_it_is_tokenized(bpe: HFTokeniz
     e = _refusal(svc, {"prompt": "x" * (most * CTX)})  # at least 1024 tokens whatever the text
     assert calls == []  # before: tokenized first
     assert e.reason == (
-        "This model's maximum context length is 1024 tokens. However, your request has at least 1024 input tokens. "
-        "Please reduce the length of the input messages."
+        "This model's maximum context length is 1024 tokens. However, your request has 1024 input tokens. "
+        "Please reduce the length of the input messages. (1024 is a lower bound: the prompt was refused before it was tokenized.)"
     )
+    # vLLM's sentence as clients parse it (review: "has at least 1024 input tokens" matched no such pattern)
+    found = re.search(r"your request has (\d+) input tokens", e.reason)
+    assert found is not None and found.group(1) == "1024"
     assert e.param == "prompt"
     # against --max-prompt-tokens (no context): the router's own message, with the bound
     svc.cfg.max_prompt_tokens = 10
@@ -156,12 +160,22 @@ def test_tokenizers_without_a_bound_have_none() -> None:
     full = {"type": "BPE", "vocab": {c: i for i, c in enumerate(alphabet)} | {"abcd": 300}}
     ok = {"model": full, "pre_tokenizer": {"type": "ByteLevel"}, "normalizer": None, "truncation": None, "added_tokens": []}
     assert max_token_chars(ok) == 4
+    isolated = {"type": "Sequence", "pretokenizers": [{"type": "Punctuation", "behavior": "Isolated"}, {"type": "ByteLevel"}]}
+    assert max_token_chars({**ok, "pre_tokenizer": isolated}) == 4  # keeps every character
+    assert max_token_chars({**ok, "model": {**full, "continuing_subword_prefix": None, "end_of_word_suffix": None}}) == 4
     assert max_token_chars({**ok, "added_tokens": [{"content": "<|a-long-added-token|>", "lstrip": False, "rstrip": False}]}) == 22
     for bad in (
         {**ok, "normalizer": {"type": "NFC"}},  # composes characters: fewer than the text's
         {**ok, "normalizer": {"type": "Lowercase"}},
         {**ok, "pre_tokenizer": {"type": "Whitespace"}},  # drops the spaces
         {**ok, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "Split", "behavior": "Removed"}, {"type": "ByteLevel"}]}},
+        # review: Punctuation drops what it matches too when it removes (2 tokens were bounded at 1336)
+        {**ok, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "Punctuation", "behavior": "Removed"}, {"type": "ByteLevel"}]}},
+        {**ok, "pre_tokenizer": {"type": "CharDelimiterSplit", "delimiter": "x"}},  # drops the delimiter
+        # review: a piece after a word's first needs '##x' / 'x</w>', which the vocabulary lacks: dropped
+        {**ok, "model": {**full, "continuing_subword_prefix": "##"}},
+        {**ok, "model": {**full, "end_of_word_suffix": "</w>"}},
+        {**ok, "model": {k: v for k, v in full.items() if k != "type"}},  # review: tokenizers may load it as WordPiece
         {**ok, "truncation": {"max_length": 10}},
         {**ok, "added_tokens": [{"content": "<mask>", "lstrip": True, "rstrip": False}]},  # takes the spaces before it
         {**ok, "model": {**full, "vocab": {"abcd": 1}}},  # a byte it cannot spell is dropped
@@ -202,15 +216,55 @@ def test_completions_logprobs_true_and_false_are_vllms_1_and_0(sent: Any, read: 
 
 
 @pytest.mark.parametrize("role", ["user", "system", "developer", "tool"])
-def test_a_null_or_absent_content_is_refused_but_in_an_assistant_message(role: str) -> None:
-    for msg in ({"role": role, "content": None}, {"role": role}):
-        with pytest.raises(api.ApiError) as e:  # before: served as an empty turn
-            api.parse_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}, msg]}))
-        assert e.value.status == 400 and e.value.param == "messages[1].content", e.value.reason
-        assert f"a {role!r} message needs content" in e.value.reason
+def test_a_null_content_is_refused_but_in_an_assistant_message(role: str) -> None:
+    with pytest.raises(api.ApiError) as e:  # before: served as an empty turn
+        api.parse_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}, {"role": role, "content": None}]}))
+    assert e.value.status == 400 and e.value.param == "messages[1].content", e.value.reason
+    assert f"a {role!r} message's content may not be null" in e.value.reason
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     api.parse_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "hi"},
                                                     {"role": "assistant", "content": None, "tool_calls": calls}]}))
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool", "assistant"])
+def test_a_message_without_content_is_an_empty_turn_as_vllm_serves_it(role: str) -> None:
+    # vLLM's CustomChatCompletionMessageParam is total=False: no content key validates, and renders as an empty
+    # turn (review of 27ff433: it had made this a 400, unlike vLLM); the same prompt as content ""
+    req = api.parse_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}, {"role": role}]}))
+    same = api.parse_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}, {"role": role, "content": ""}]}))
+    assert api.chat_messages(req) == api.chat_messages(same) and api.chat_messages(req)[1]["content"] == ""
+    tok = SimTokenizer()
+    assert api.render_chat(tok, req) == api.render_chat(tok, same)
+    if role == "assistant":  # echo of an absent content is "", as of a null one
+        echoed = api.parse_chat(msgspec.json.encode({"messages": [{"role": role}], "echo": True, "add_generation_prompt": False}))
+        assert api.chat_echo(echoed) == ""
+
+
+def test_without_a_context_an_oversized_max_tokens_is_refused_before_the_prompt_is_tokenized(bpe: HFTokenizer) -> None:
+    # review of 27ff433: with no model context the --max-output-tokens check ran after tokenizing (1 MB: 1.18 s)
+    calls: list[int] = []
+    encode = bpe.encode
+
+    def counting(text: str, **kw: Any) -> list[int]:
+        calls.append(len(text))
+        return encode(text, **kw)
+
+    svc = _service(bpe)
+    svc.tokenizer = SimpleNamespace(encode=counting, vocab_size=bpe.vocab_size, max_token_chars=None)
+    e = _refusal(svc, {"prompt": "hello world " * 1000, "max_tokens": 10_000_000}, ctx=0)
+    assert (e.reason, e.param, calls) == ("max_tokens=10000000 exceeds the limit 131072", "max_tokens", [])
+    # with a context, that is checked first (vLLM's order), after the prompt is counted
+    e = _refusal(svc, {"prompt": "hello world " * 10, "max_tokens": 10_000_000})
+    assert "maximum context length is 1024 tokens" in e.reason and e.param == "max_tokens" and len(calls) == 1
+
+
+def test_a_chat_over_max_prompt_tokens_names_messages() -> None:
+    # review of 27ff433: the router's own prompt limit named param "prompt" for a chat too
+    svc = _service(max_prompt_tokens=10)
+    e = _refusal(svc, {"messages": [{"role": "user", "content": " ".join(["word"] * 50)}]}, ctx=0)
+    assert e.param == "messages" and e.reason.startswith("prompt has ") and e.reason.endswith("tokens; at most 10 allowed")
+    e = _refusal(svc, {"prompt": " ".join(["word"] * 50)}, ctx=0)
+    assert e.param == "prompt"
 
 
 def test_the_byte_level_alphabet_is_gpt2s() -> None:
