@@ -2,7 +2,9 @@
 
 Contains zero I/O. Slotted classes with a comment per field, as vLLM's
 ``SchedulerOutput`` (STYLE §1.3): :class:`shared.values.Value` subclasses, what
-``dataclass(slots=True)`` would generate without its class creation at import. Times are
+``dataclass(slots=True)`` would generate without its class creation at import; the three built
+per plan (:class:`PrefillChunk`, :class:`IterationPlan`, :class:`TokensOut`) are
+:class:`shared.values.StructValue` subclasses, built by C code. Times are
 simulated seconds, counts are tokens unless a field says blocks.
 """
 
@@ -11,7 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from shared.messages import DecodeWork
-from shared.values import FACTORY, Value
+import msgspec
+
+from shared.values import StructValue, Value
 
 
 class WorkRejected(ValueError):
@@ -32,7 +36,7 @@ class SchedulerError(RuntimeError):
     """The caller misused the scheduler (e.g. ``schedule()`` while a plan is in flight)."""
 
 
-class PrefillChunk(Value):
+class PrefillChunk(StructValue):
     """One request's share of the prefill part of an iteration."""
 
     rid: str
@@ -45,17 +49,8 @@ class PrefillChunk(Value):
     completes: bool
     """True if this chunk finishes the prompt; the iteration then produces the first output token."""
 
-    __slots__ = __match_args__ = ("rid", "tokens", "cached_before", "restored", "completes")
 
-    def __init__(self, rid: str, tokens: int, cached_before: int, restored: int, completes: bool) -> None:
-        self.rid = rid
-        self.tokens = tokens
-        self.cached_before = cached_before
-        self.restored = restored
-        self.completes = completes
-
-
-class IterationPlan(Value):
+class IterationPlan(StructValue):
     """What the node computes from ``start`` to ``end``: ``iterations`` identical
     iterations of ``iteration_s`` each (more than one only for a skip-ahead
     pure-decode plan)."""
@@ -84,39 +79,15 @@ class IterationPlan(Value):
     """Σ t_rst over the chunks."""
     sum_cached: int
     """Σ t_c (``cached_before``) over the chunks."""
-    reqs: list[Any]
+    reqs: list[Any] = msgspec.field(default_factory=list)
     """Scheduler-internal request objects, prefill chunks first then decode (same order)."""
-    admitted: list[str]
+    admitted: list[str] = msgspec.field(default_factory=list)
     """rids whose prefill *starts* in this plan (first chunk admitted), in admission order.
     A caller that binds the decode node at prefill start (paper Eq. 7, DESIGN §4) binds
     these with ``EngineScheduler.bind_decode``; one whose prefill finishes first gives its
     first token then and waits, parked, for that call to be handed off (``EngineScheduler.parked``)."""
 
-    __slots__ = __match_args__ = (
-        "start", "iterations", "iteration_s", "end", "prefill", "decode", "prefill_s", "decode_s", "sum_uncached",
-        "sum_qk_pairs", "sum_restored", "sum_cached", "reqs", "admitted",
-    )
     _repr_skip = ("reqs",)  # scheduler-internal request objects (a dataclass's field(repr=False))
-
-    def __init__(
-        self, start: float, iterations: int, iteration_s: float, end: float, prefill: list[PrefillChunk],
-        decode: list[str], prefill_s: float, decode_s: float, sum_uncached: int, sum_qk_pairs: int,
-        sum_restored: int, sum_cached: int, reqs: Any = FACTORY, admitted: Any = FACTORY,
-    ) -> None:
-        self.start = start
-        self.iterations = iterations
-        self.iteration_s = iteration_s
-        self.end = end
-        self.prefill = prefill
-        self.decode = decode
-        self.prefill_s = prefill_s
-        self.decode_s = decode_s
-        self.sum_uncached = sum_uncached
-        self.sum_qk_pairs = sum_qk_pairs
-        self.sum_restored = sum_restored
-        self.sum_cached = sum_cached
-        self.reqs = [] if reqs is FACTORY else reqs
-        self.admitted = [] if admitted is FACTORY else admitted
 
     @property
     def phase(self) -> str:
@@ -131,7 +102,7 @@ class IterationPlan(Value):
         return self.end - self.start
 
 
-class TokensOut(Value):
+class TokensOut(StructValue):
     """Output tokens of one request produced by a plan."""
 
     rid: str
@@ -148,42 +119,19 @@ class TokensOut(Value):
     """Prompt tokens served from cache on this node (L1 hit + L2 restore) at admission."""
     at: float
     """Simulated time the tokens became available (end of the plan)."""
-    queue_s: float | None
+    queue_s: float | None = None
     """First token only: time from arrival on this node to the launch of its first prefill chunk (s)."""
-    fetch_s: float | None
+    fetch_s: float | None = None
     """First token only, when the request fetched blocks from peers: fetch start (arrival) →
     blocks resident in this node's L2 (s)."""
-    exposed_fetch_s: float | None
+    exposed_fetch_s: float | None = None
     """First token only, with a fetch: the part of the fetch that outlasted the queue wait —
     from the first ``schedule()`` that would have admitted the request but skipped it
     because its fetch was incomplete, to the fetch's completion (0 if never skipped) (s)."""
-    fetched_tokens: int
+    fetched_tokens: int = 0
     """First token only: prompt tokens whose KV was fetched from peers into L2 and was
     still there when the request started (restored into L1, so part of ``cached_tokens``);
     pages fetched but not stored, or lost before admission, are not counted."""
-
-    __slots__ = __match_args__ = (
-        "rid", "index", "count", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "at", "queue_s",
-        "fetch_s", "exposed_fetch_s", "fetched_tokens",
-    )
-
-    def __init__(
-        self, rid: str, index: int, count: int, finished: bool, finish_reason: str | None, prompt_tokens: int,
-        cached_tokens: int, at: float, queue_s: float | None = None, fetch_s: float | None = None,
-        exposed_fetch_s: float | None = None, fetched_tokens: int = 0,
-    ) -> None:
-        self.rid = rid
-        self.index = index
-        self.count = count
-        self.finished = finished
-        self.finish_reason = finish_reason
-        self.prompt_tokens = prompt_tokens
-        self.cached_tokens = cached_tokens
-        self.at = at
-        self.queue_s = queue_s
-        self.fetch_s = fetch_s
-        self.exposed_fetch_s = exposed_fetch_s
-        self.fetched_tokens = fetched_tokens
 
 
 class HandOff(Value):

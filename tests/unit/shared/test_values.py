@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.values import FACTORY, FrozenValue, IdentityValue, Value
+import msgspec
+
+from shared.values import FACTORY, FrozenValue, IdentityValue, StructValue, Value
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -62,6 +64,16 @@ def _value_classes() -> list[type]:
 
 
 CLASSES = _value_classes()
+
+
+def _struct_value_classes() -> list[type]:
+    for name in MODULES:
+        importlib.import_module(name)
+    return sorted(_subclasses(StructValue), key=lambda c: (c.__module__, c.__qualname__))
+
+
+STRUCT_CLASSES = _struct_value_classes()
+"""The :class:`StructValue` subclasses (msgspec Structs built per plan or state in the simulator)."""
 
 
 def _params(cls: type) -> list[inspect.Parameter]:
@@ -110,8 +122,8 @@ def _sample(cls: type, bump: str | None = None) -> dict[str, object]:
 
 def test_the_walk_finds_the_value_classes():
     names = {c.__qualname__ for c in CLASSES}
-    assert {"IterationPlan", "FetchModel", "NodeLoadView", "SimStats", "LivePolicy", "_Request"} <= names
-    assert len(CLASSES) >= 52
+    assert {"HandOff", "FetchModel", "NodeLoadView", "SimStats", "LivePolicy", "_Request"} <= names
+    assert len(CLASSES) >= 48
     assert any(issubclass(c, FrozenValue) for c in CLASSES) and any(issubclass(c, IdentityValue) for c in CLASSES)
 
 
@@ -196,3 +208,90 @@ def test_match_by_position():
             assert (base, per_token, min_tokens) == (0.1, 2e-6, 64)
         case _:
             pytest.fail("no match")
+
+
+def test_the_walk_finds_the_struct_value_classes():
+    names = {c.__qualname__ for c in STRUCT_CLASSES}
+    assert {"IterationPlan", "PrefillChunk", "TokensOut", "NodeLoad"} <= names
+    assert not names & {c.__qualname__ for c in CLASSES}
+
+
+def _struct_sample(cls: type, bump: str | None = None) -> dict[str, object]:
+    """Keyword arguments for every field of a :class:`StructValue`: its plain default where it has
+    one, else a string naming the field; ``bump`` gets another value."""
+    kw: dict[str, object] = {}
+    for i, f in enumerate(msgspec.structs.fields(cls)):
+        value = f.default if f.default is not msgspec.NODEFAULT else f"{f.name}#{i}"
+        if f.name == bump:
+            if isinstance(value, bool):
+                value = not value
+            elif isinstance(value, (int, float)):
+                value = value + 1
+            else:
+                value = f"{f.name}-other"
+        kw[f.name] = value
+    return kw
+
+
+@pytest.mark.parametrize("cls", STRUCT_CLASSES, ids=lambda c: f"{c.__module__}.{c.__qualname__}")
+def test_struct_value_class_behaves_as_its_dataclass(cls):
+    infos = msgspec.structs.fields(cls)
+    fields = tuple(f.name for f in infos)
+    assert cls.__match_args__ == fields
+    assert set(cls._repr_skip) <= set(fields)
+    specs = []
+    for f in infos:
+        opts: dict[str, object] = {"repr": f.name not in cls._repr_skip}
+        if f.default_factory is not msgspec.NODEFAULT:
+            opts["default_factory"] = f.default_factory
+        elif f.default is not msgspec.NODEFAULT:
+            opts["default"] = f.default
+        specs.append((f.name, object, dataclasses.field(**opts)))  # type: ignore[call-overload]
+    ref = dataclasses.make_dataclass(cls.__qualname__, specs, slots=True)
+
+    kw = _struct_sample(cls)
+    a, b, r = cls(**kw), cls(**kw), ref(**kw)
+    assert not hasattr(a, "__dict__")
+    assert [getattr(a, f) for f in fields] == [kw[f] for f in fields]
+    assert cls(*[kw[f] for f in fields]) == a  # positional, in field order
+    assert repr(a) == repr(r)
+
+    # a field made per instance (default_factory) is a new object each time
+    required = {f.name: kw[f.name] for f in infos if f.required}
+    for f in infos:
+        if f.default_factory is not msgspec.NODEFAULT:
+            x, y = getattr(cls(**required), f.name), getattr(cls(**required), f.name)
+            assert x == y and x is not y
+
+    # equality on every field; unhashable (a mutable dataclass with eq=True)
+    assert a == b and not (a != b) and (a == b) == (r == ref(**kw))
+    assert a.__eq__(r) is NotImplemented and a != r
+    for f in fields:
+        other_a, other_r = cls(**_struct_sample(cls, bump=f)), ref(**_struct_sample(cls, bump=f))
+        assert (a == other_a) == (r == other_r) is False, f
+    with pytest.raises(TypeError):
+        hash(a)
+
+    # fields assignable, no other attribute
+    setattr(b, fields[0], kw[fields[0]])
+    with pytest.raises(AttributeError):
+        b.not_a_field = 1  # type: ignore[attr-defined]
+
+    # pickle and copy keep the class and every field
+    for c in (pickle.loads(pickle.dumps(a)), copy.copy(a), copy.deepcopy(a)):
+        assert type(c) is cls and c is not a
+        assert [getattr(c, f) for f in fields] == [getattr(a, f) for f in fields]
+        assert repr(c) == repr(a) and c == a
+
+
+def test_struct_value_repr_is_recursion_safe_and_skips():
+    from services.worker.plan import IterationPlan, PrefillChunk
+
+    p = IterationPlan(0.0, 1, 0.5, 0.5, [PrefillChunk("r1", 3, 0, 0, True)], [], 0.5, 0.0, 3, 6, 0, 0)
+    p.reqs.append(object())  # left out of the repr
+    p.decode = p  # type: ignore[assignment]
+    assert repr(p) == (
+        "IterationPlan(start=0.0, iterations=1, iteration_s=0.5, end=0.5, prefill=[PrefillChunk(rid='r1', tokens=3, "
+        "cached_before=0, restored=0, completes=True)], decode=..., prefill_s=0.5, decode_s=0.0, sum_uncached=3, "
+        "sum_qk_pairs=6, sum_restored=0, sum_cached=0, admitted=[])"
+    )
