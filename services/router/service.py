@@ -3575,7 +3575,10 @@ class RouterService(WatchedService):
         Every chunk's ``model`` is ``--model``, the first served name, whichever name the request gave (vLLM's
         ``--served-model-name``: "The model name in the model field of a response will be the first name in this
         list"; vllm-project/vllm#24663 restored it after a time when the request's name was echoed).
-        A client that goes away cancels this generator (Starlette): the request is aborted."""
+        A client that goes away cancels this generator (Starlette): the request is aborted (finished ``abort``).
+        An exception raised on the way (a bug) ends the stream with the API's 500 error event (``internal error in
+        the router: <type>``) and ``[DONE]``: logged, counted ``stream_errors_500``, its request dropped on its
+        nodes and finished ``error`` (before, the stream was cut with neither, and counted as a client disconnect)."""
         model = self.cfg.model
         oid = api.response_id(p.client_id or p.rid, chat=chat)
         prompt_tokens = rreq.prompt_tokens
@@ -3682,6 +3685,13 @@ class RouterService(WatchedService):
                 yield sse(usage)
             yield _SSE_DONE
             completed = True
+        except Exception as e:  # a bug in the output path (not the client's going: that is GeneratorExit / a cancel)
+            completed = True
+            self.counters["stream_errors_500"] += 1
+            self.log.error("unexpected error in a stream; ended with a 500 error event", rid=p.rid, error=repr(e), exc_info=e)
+            self._abandon(p, f"internal error in the router: {type(e).__name__}", "internal_error")
+            yield sse(api.error_body(500, f"internal error in the router: {type(e).__name__}"))
+            yield _SSE_DONE
         finally:
             if not completed:
                 self._abandon(p, "client disconnected", "client_disconnect")

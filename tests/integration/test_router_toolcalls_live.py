@@ -104,3 +104,43 @@ async def test_auto_without_the_flags_is_vllms_400(nats_url, tmp_path):
         r = await env.http.post("/v1/chat/completions", json={"messages": USER, "tool_choice": "auto", "max_tokens": 2})
         assert r.status_code == 400 and "`tools` must be set" in r.json()["error"]["message"], r.text
         assert not env.cluster.works[2:]  # the refused ones never reached a node
+
+
+async def test_a_deeply_nested_call_is_text_and_any_error_in_a_streams_output_ends_it_as_a_router_error(
+    nats_url, tmp_path, monkeypatch
+):
+    """A call body nested past the JSON decoder's recursion limit is not a call: the text as written, streamed or
+    not (before: a 500 "internal error ... RecursionError", and a stream cut with no error event and no [DONE],
+    its end counted as a client disconnect). And whatever raises in a stream's output path ends that stream with
+    the API's 500 error event and [DONE], counted ``stream_errors_500`` and finished ``error``, not ``abort``."""
+    from services.router import toolcalls
+
+    folder = _folder(tmp_path)
+    tok = load_tokenizer(f"hf:{folder}")
+    deep = "ok <tool_call>" + "[" * 1500 + "</tool_call> after"
+    ids = tok.encode(deep, add_special_tokens=False)
+    assert tok.decode(ids) == deep
+    flags = {"tokenizer": f"hf:{folder}", "enable_auto_tool_choice": True, "tool_call_parser": "hermes"}
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, **flags) as env:
+        env.cluster.script = ids
+        for stream in (False, True):
+            status, body = await _chat(env, {"messages": USER, "tools": TOOLS, "max_tokens": 4000, "stream": stream})
+            content = body["content"] if stream else body["choices"][0]["message"]["content"]
+            finish = body["finish_reason"] if stream else body["choices"][0]["finish_reason"]
+            assert status == 200 and content == deep and finish == "stop", body
+        assert env.service.counters.get("http_status.500", 0) == 0
+
+        def broken(self, text):
+            raise RuntimeError("a bug in the output path")
+
+        monkeypatch.setattr(toolcalls.HermesStream, "push", broken)
+        before = dict(env.service.counters)
+        r = await env.http.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS, "max_tokens": 4000, "stream": True})
+        assert r.status_code == 200
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]", events[-3:]
+        err = events[-2]["error"]
+        assert err["code"] == 500 and err["message"] == "internal error in the router: RuntimeError", err
+        got = {k: v - before.get(k, 0) for k, v in env.service.counters.items() if v != before.get(k, 0)}
+        assert got.get("stream_errors_500") == 1 and got.get("finish.error") == 1, got
+        assert "finish.abort" not in got and "aborts.client_disconnect" not in got, got
