@@ -25,7 +25,7 @@ the text at a stop string or stop token id); ``logit_bias`` is refused there, as
 ``{"type": "text"}``. ``tool_choice`` (:func:`tool_choice`, vLLM's rules): ``none`` (or ``null``, or absent
 without ``tools``) is served as text; ``auto`` (or absent with ``tools``) needs the router's
 ``--enable-auto-tool-choice --tool-call-parser hermes`` and then answers the calls in the output as
-``tool_calls`` (``services.router.toolcalls``), else a 400 (:data:`AUTO_TOOL_CHOICE_OFF`, vLLM's); a
+``tool_calls`` (``services.router.toolcalls``; only with a non-empty ``tools``, as vLLM), else a 400 (:data:`AUTO_TOOL_CHOICE_OFF`, vLLM's); a
 ``tool_choice`` without ``tools`` is a 400 (vLLM's). Rejected with 400 because no engine here
 constrains the output (vLLM does, by guided decoding; :func:`_check_no_output_constraint`): any other
 ``response_format`` type (``json_object``, ``json_schema``), a ``tool_choice`` that forces a tool call

@@ -2493,8 +2493,9 @@ class RouterService(WatchedService):
     def _parses_tools(self, req: api.ChatRequest) -> bool:
         """The router reads ``req``'s output for tool calls (``services.router.toolcalls``): its ``tool_choice`` is
         ``auto`` (``api.tool_choice``) and the router runs with ``--enable-auto-tool-choice`` (whose
-        ``--tool-call-parser`` is the one known, hermes)."""
-        return self.cfg.enable_auto_tool_choice and api.tool_choice(req) == "auto"
+        ``--tool-call-parser`` is the one known, hermes) and it sends tools (a non-empty ``tools``: vLLM parses only
+        then; ``tools: []`` with ``auto`` is served as text)."""
+        return self.cfg.enable_auto_tool_choice and bool(req.tools) and api.tool_choice(req) == "auto"
 
     def _output_text(self, req: Any) -> OutputText:
         """The request's :class:`OutputText` (its ``stop`` strings, ``stop_token_ids``, ``min_tokens``,
@@ -3578,7 +3579,8 @@ class RouterService(WatchedService):
         A client that goes away cancels this generator (Starlette): the request is aborted (finished ``abort``).
         An exception raised on the way (a bug) ends the stream with the API's 500 error event (``internal error in
         the router: <type>``) and ``[DONE]``: logged, counted ``stream_errors_500``, its request dropped on its
-        nodes and finished ``error`` (before, the stream was cut with neither, and counted as a client disconnect)."""
+        nodes and finished ``error`` (unless its node's end was counted first; before, the stream was cut with
+        neither, and counted as a client disconnect)."""
         model = self.cfg.model
         oid = api.response_id(p.client_id or p.rid, chat=chat)
         prompt_tokens = rreq.prompt_tokens
