@@ -808,16 +808,41 @@ def _content_text(content: str | list[ContentPart] | None | msgspec.UnsetType) -
     return content if isinstance(content, str) else ""
 
 
+def _template_arguments(text: str) -> Any:
+    """A call's ``arguments`` (JSON text) as a chat template gets it, vLLM's ``_postprocess_messages``: the decoded
+    JSON object; ``{}`` when empty, not valid JSON (nested past the decoder's limit too) or not an object (vLLM
+    coerces it, so that a conversation with a bad call in its history can go on). Never raises."""
+    if not text:
+        return {}
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def _template_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` (checked by :func:`_check_tool_calls`) as a chat template gets them:
+    copies whose ``function.arguments`` is :func:`_template_arguments` of the text (transformers' and vLLM's: a
+    template such as Qwen2.5's writes ``arguments | tojson``, which double-encoded the text)."""
+    return [{**c, "function": {**c["function"], "arguments": _template_arguments(c["function"]["arguments"])}} for c in calls]
+
+
 def chat_messages(req: ChatRequest | TokenizeChatRequest) -> list[dict[str, Any]]:
     """Messages as plain dicts for a chat template (``None`` fields dropped; content None or absent is ""); a content
-    list's text parts joined by newlines, as vLLM's conversation parsing gives a template that reads a string."""
+    list's text parts joined by newlines, as vLLM's conversation parsing gives a template that reads a string; an
+    assistant message's tool calls with their ``arguments`` decoded to an object (:func:`_template_calls`), an empty
+    ``tool_calls`` list dropped (vLLM's ``_postprocess_messages``); the request's messages are not changed."""
     out: list[dict[str, Any]] = []
     for msg in req.messages:
         d: dict[str, Any] = {"role": msg.role}
         d["content"] = _content_text(msg.content)
         if msg.name is not None:
             d["name"] = msg.name
-        if msg.tool_calls is not None:
+        if msg.tool_calls is not None and msg.role == "assistant":
+            if msg.tool_calls:
+                d["tool_calls"] = _template_calls(msg.tool_calls)
+        elif msg.tool_calls is not None:
             d["tool_calls"] = msg.tool_calls
         if msg.tool_call_id is not None:
             d["tool_call_id"] = msg.tool_call_id

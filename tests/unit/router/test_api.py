@@ -666,3 +666,52 @@ def test_tool_choice_is_what_vllm_serves():
         with pytest.raises(api.ApiError, match="When using `tool_choice`, `tools` must be set") as e:
             api.parse_chat(msgspec.json.encode({"messages": msgs, "tool_choice": value}))
         assert e.value.status == 400 and e.value.param == "tool_choice"
+
+
+QWEN_TOOL_TEMPLATE = (  # Qwen2.5's assistant turn with tool calls, as its chat template writes it
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role }}{%- if message.content %}{{- '\\n' + message.content }}"
+    "{%- endif %}{%- for tool_call in message.tool_calls or [] %}{%- if tool_call.function is defined %}"
+    "{%- set tool_call = tool_call.function %}{%- endif %}{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}"
+    "{{- '\", \"arguments\": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_chat_messages_give_a_template_an_assistant_calls_arguments_as_an_object_as_vllm(tmp_path):
+    """vLLM's ``_postprocess_messages``: an assistant message's ``tool_calls[i].function.arguments`` (JSON text in the
+    request) reaches the chat template as the decoded object: empty → ``{}``; not valid JSON, or not an object
+    (``[1]``, ``42``) → ``{}`` (vLLM coerces it so that a conversation with one bad call in its history can go on);
+    an empty ``tool_calls`` list is dropped. Before, the text went as it was: Qwen2.5's ``arguments | tojson``
+    rendered it as a JSON string, double-encoded (``"arguments": "{\\"city\\": ..."``), unlike what the model wrote.
+    The request's own messages are not changed; other roles' calls are passed as before."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    import json
+
+    from shared.tokenizer import load_tokenizer
+    from tests.unit.router.helpers import write_bpe_tokenizer
+
+    def call(args: str, name: str = "get_weather") -> dict:
+        return {"id": "c1", "type": "function", "function": {"name": name, "arguments": args}}
+
+    calls = [call('{"city": "Paris", "unit": "°C"}'), call(""), call("{not json"), call("[1]"), call("42"), call("[" * 3000)]
+    body = {"messages": [
+        {"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"}, {"role": "assistant", "content": "ok", "tool_calls": []},
+    ]}
+    req = api.parse_chat(msgspec.json.encode(body))
+    msgs = api.chat_messages(req)
+    assert [c["function"]["arguments"] for c in msgs[1]["tool_calls"]] == [{"city": "Paris", "unit": "°C"}, {}, {}, {}, {}, {}]
+    assert msgs[1]["tool_calls"][0] == {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}}
+    assert "tool_calls" not in msgs[3]
+    assert req.messages[1].tool_calls == calls and req.messages[3].tool_calls == []  # the request as sent
+
+    folder = write_bpe_tokenizer(tmp_path / "tok")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = QWEN_TOOL_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = load_tokenizer(f"hf:{folder}")
+    one = {"messages": [body["messages"][0], {"role": "assistant", "content": None, "tool_calls": calls[:1]}]}
+    text = tok.decode(api.render_chat(tok, api.parse_chat(msgspec.json.encode(one))), skip_special_tokens=False)
+    # what the model wrote for the call (toolcalls.parse_body's json.dumps of it), not a JSON string of it
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>' in text, text
