@@ -269,6 +269,10 @@ class SimTokenizer:
         w = self.word
         return " ".join(w(int(i)) for i in ids)
 
+    def special_tokens(self) -> dict[int, str]:
+        """The tokens :meth:`decode` leaves out by default: none in the sim vocabulary (``{}``)."""
+        return {}
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
         add_generation_prompt: bool = True, continue_final_message: bool = False, add_special_tokens: bool = False,
@@ -496,6 +500,12 @@ class HFTokenizer:
         if len(seq) <= _GIL_FREE_CHARS:
             return str(self._tok.decode(seq, skip_special_tokens=skip_special_tokens))
         return str(self._tok.decode_batch([seq], skip_special_tokens=skip_special_tokens)[0])
+
+    def special_tokens(self) -> dict[int, str]:
+        """The tokens :meth:`decode` leaves out by default: ``tokenizer.json``'s added tokens marked ``special``
+        (id → text; what ``tokenizers`` skips with ``skip_special_tokens``, as transformers' fast tokenizers and so
+        vLLM)."""
+        return {int(i): str(t.content) for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,

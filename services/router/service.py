@@ -803,6 +803,9 @@ class RouterService(WatchedService):
         # (the ttft policy's profile on the cluster clock: --profile-clock wall, a torch worker's, is x --speedup)
         policy = cfg.routing_policy(ttft_breakdown=self.log.is_enabled_for(logging.DEBUG))
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
+        self._tag_tokenizer: Tokenizer | None = toolcalls.keep_tags(self.tokenizer) if cfg.enable_auto_tool_choice else None
+        """The output decoder of a request whose tool calls are parsed when the tokenizer marks the tags special
+        (``toolcalls.keep_tags``); None: such a request decodes as any other."""
         self.core = RouterCore(
             policy, block_size=cfg.block_size, fence_after=cfg.fence_after_s * cfg.speedup, decode_binding=cfg.decode_binding,
             state_clock=clock.local_now,  # node-state ages on the monotonic clock: a wall-clock step fences no node
@@ -2497,11 +2500,20 @@ class RouterService(WatchedService):
         then; ``tools: []`` with ``auto`` is served as text)."""
         return self.cfg.enable_auto_tool_choice and bool(req.tools) and api.tool_choice(req) == "auto"
 
+    def _output_tokenizer(self, req: Any) -> Tokenizer:
+        """The tokenizer that makes ``req``'s output text: the router's, or for a chat whose tool calls are parsed
+        (:meth:`_parses_tools`) with a tokenizer that marks the tags special, the view that keeps them
+        (``toolcalls.keep_tags``: vLLM's hermes parser decodes such a request with ``skip_special_tokens`` off)."""
+        if self._tag_tokenizer is not None and isinstance(req, api.ChatRequest) and self._parses_tools(req):
+            return self._tag_tokenizer
+        return self.tokenizer
+
     def _output_text(self, req: Any) -> OutputText:
         """The request's :class:`OutputText` (its ``stop`` strings, ``stop_token_ids``, ``min_tokens``,
-        ``include_stop_str_in_output``)."""
+        ``include_stop_str_in_output``; its tokenizer: :meth:`_output_tokenizer`)."""
         return OutputText(
-            self.tokenizer, api.stop_strings(req), req.stop_token_ids or (), req.min_tokens or 0, req.include_stop_str_in_output
+            self._output_tokenizer(req), api.stop_strings(req), req.stop_token_ids or (), req.min_tokens or 0,
+            req.include_stop_str_in_output,
         )
 
     def _count_end(self, p: _Pending, reason: str) -> None:
@@ -3506,7 +3518,7 @@ class RouterService(WatchedService):
                     stops.push(item.token_ids)
             finish_reason, stop_reason, n_out = last.finish_reason, None, len(ids)
             if stops is None:
-                text = self.tokenizer.decode(ids)
+                text = self._output_tokenizer(req).decode(ids)
             else:
                 stops.finish()
                 text, n_out = stops.text, stops.tokens

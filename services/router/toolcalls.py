@@ -26,6 +26,10 @@ exactly what :func:`extract` returns, wherever the text is split):
   call is kept as written (vLLM keeps it). vLLM's whole response keeps only the text before the first call;
   its stream sends the text after a call too, as this does (both modes here).
 
+Tokenizers that mark the tags special tokens (Hermes-2-Pro / Hermes-3) would lose them in the usual decode, which
+skips special tokens: the router decodes such a request through :func:`keep_tags` (vLLM's hermes parser turns
+``skip_special_tokens`` off for it).
+
 A stream holds text back only while it may be a call: from a ``<`` that may start ``<tool_call>`` until it
 does not, and from ``<tool_call>`` until ``</tool_call>`` (or the end); each call is sent whole, in one delta.
 """
@@ -184,6 +188,46 @@ class HermesStream:
             held, self._held = self._held, ""
             self._text(out, held)
         return "".join(out), calls
+
+
+class TagKeepingTokenizer:
+    """A view of a tokenizer (``shared.tokenizer``'s) whose :meth:`decode` by default skips every special token but
+    the tool-call tags: for a request whose output is parsed, when the tokenizer marks ``<tool_call>`` /
+    ``</tool_call>`` special (Hermes-2-Pro / Hermes-3 do; Qwen2.5 / Qwen3 do not), else the tags vanished before the
+    parser. vLLM's hermes parser turns ``skip_special_tokens`` off for such a request (vllm-project/vllm#25281), which
+    shows the other special tokens too (a ``<|im_start|>`` the model writes); here they stay out as in any other
+    output (the ids are dropped before a decode that keeps the rest: what ``tokenizers`` does for
+    ``skip_special_tokens``). Everything else is the tokenizer's.
+
+    Args:
+        tokenizer: the router's tokenizer.
+        drop: the special token ids to leave out (all but the tags').
+    """
+
+    def __init__(self, tokenizer: Any, drop: frozenset[int]) -> None:
+        self._tok = tokenizer
+        self._drop = drop
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+    def decode(self, ids: Any, *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``: special tokens but the tags left out (``skip_special_tokens`` True), or all shown."""
+        if skip_special_tokens:
+            drop = self._drop
+            ids = [i for i in ids if i not in drop]
+        return str(self._tok.decode(ids, skip_special_tokens=False))
+
+
+def keep_tags(tokenizer: Any) -> TagKeepingTokenizer | None:
+    """The :class:`TagKeepingTokenizer` of ``tokenizer`` when it marks a tool-call tag special (its
+    ``special_tokens()``: id → text; a tokenizer without that method has none), else None (the tags are plain text:
+    decode as for any request)."""
+    listed = getattr(tokenizer, "special_tokens", None)
+    special: dict[int, str] = listed() if listed is not None else {}
+    if not any(text in (START, END) for text in special.values()):
+        return None
+    return TagKeepingTokenizer(tokenizer, frozenset(i for i, text in special.items() if text not in (START, END)))
 
 
 def extract(text: str) -> tuple[str | None, list[ToolCall]]:

@@ -152,3 +152,41 @@ async def test_a_deeply_nested_call_is_text_and_any_error_in_a_streams_output_en
         # finished "error", or as its node ended it when that end came first ("stop": counted at its last chunk)
         assert got.get("stream_errors_500") == 1 and got.get("finish.error", 0) + got.get("finished.stop", 0) == 1, got
         assert "finish.abort" not in got and "aborts.client_disconnect" not in got, got
+
+
+async def test_tool_call_tags_that_are_special_tokens_reach_the_parser_and_other_specials_stay_out(nats_url, tmp_path):
+    """A tokenizer that marks ``<tool_call>`` / ``</tool_call>`` special (Hermes-2-Pro / Hermes-3 added them so): the
+    output is decoded with special tokens skipped (vLLM's default), so the tags vanished before the parser and the
+    call came back as bare JSON in ``content``. vLLM's hermes parser sets ``skip_special_tokens=False`` for a request
+    it parses (PR #25281); here, for such a request, only the tags are kept: the other special tokens (``<|im_end|>``,
+    the model's EOS, which a node sends as its last token) stay out of the text, streamed or not, as before.
+    ``tool_choice`` ``none``: decoded as before, tags skipped (vLLM's parser does not touch that request)."""
+    from tokenizers import Tokenizer
+
+    folder = _folder(tmp_path)
+    raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    raw.add_special_tokens(["<tool_call>", "</tool_call>"])
+    raw.save(str(folder / "tokenizer.json"))
+    tok = load_tokenizer(f"hf:{folder}")
+    ids = tok.encode(SAID + CALL + "<|im_end|>", add_special_tokens=False)
+    assert len([i for i in ids if tok.decode([i]) == ""]) == 3  # the two tags and <|im_end|>: special, skipped by default
+    assert tok.decode(ids, skip_special_tokens=False) == SAID + CALL + "<|im_end|>"
+    flags = {"tokenizer": f"hf:{folder}", "enable_auto_tool_choice": True, "tool_call_parser": "hermes"}
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, **flags) as env:
+        env.cluster.script = ids
+        for stream in (False, True):
+            for extra in ({}, {"stop": ["never"]}):  # without and with stop strings (the two decode paths)
+                status, body = await _chat(env, {"messages": USER, "tools": TOOLS, "max_tokens": 200, "stream": stream, **extra})
+                assert status == 200, body
+                if stream:
+                    content, calls, finish = body["content"], body["deltas"], body["finish_reason"]
+                else:
+                    msg = body["choices"][0]["message"]
+                    content, calls, finish = msg["content"], msg.get("tool_calls") or [], body["choices"][0]["finish_reason"]
+                assert content == SAID and finish == "tool_calls", (stream, extra, body)
+                (call,) = calls
+                assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+        for stream in (False, True):
+            status, body = await _chat(env, {"messages": USER, "tools": TOOLS, "tool_choice": "none", "max_tokens": 200, "stream": stream})
+            content = body["content"] if stream else body["choices"][0]["message"]["content"]
+            assert status == 200 and content == tok.decode(ids) and "<tool_call>" not in content, body

@@ -151,3 +151,34 @@ def test_check_parser_names_the_known_ones() -> None:
     tc.check_parser("hermes")
     with pytest.raises(ValueError, match=r"--tool-call-parser 'qwen3_xml' is not known; known: hermes"):
         tc.check_parser("qwen3_xml")
+
+
+def test_keep_tags_only_for_a_tokenizer_that_marks_a_tag_special(tmp_path) -> None:
+    """``keep_tags``: None for the sim tokenizer, one without ``special_tokens``, and a real one whose tags are plain
+    text or absent (Qwen2.5's added tokens are not special); a view when a tag is special, whose decode leaves out
+    the other special tokens only (and shows all with ``skip_special_tokens=False``)."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+
+    from shared.tokenizer import SimTokenizer, load_tokenizer
+    from tests.unit.router.helpers import write_bpe_tokenizer
+
+    assert tc.keep_tags(SimTokenizer()) is None and tc.keep_tags(object()) is None
+    folder = write_bpe_tokenizer(tmp_path / "tok")
+    assert tc.keep_tags(load_tokenizer(f"hf:{folder}")) is None  # no tags at all
+    raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    raw.add_tokens(["<tool_call>", "</tool_call>"])  # plain added tokens, as Qwen2.5's
+    raw.save(str(folder / "tokenizer.json"))
+    tok = load_tokenizer(f"hf:{folder}")
+    assert tc.keep_tags(tok) is None
+    text = '<|im_start|>x<tool_call>{"name": "f", "arguments": {}}</tool_call><|im_end|>'
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == 'x<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    raw.add_special_tokens(["<tool_call>", "</tool_call>"])
+    raw.save(str(folder / "tokenizer.json"))
+    tok = load_tokenizer(f"hf:{folder}")
+    view = tc.keep_tags(tok)
+    assert view is not None and view.vocab_size == tok.vocab_size
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == 'x{"name": "f", "arguments": {}}'  # the usual decode loses the tags
+    assert view.decode(ids) == 'x<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    assert view.decode(ids, skip_special_tokens=False) == text
