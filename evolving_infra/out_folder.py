@@ -29,10 +29,11 @@ class OutFolderError(Exception):
 
 
 def _run_outputs() -> tuple[str, ...]:
-    """The names a run writes in ``OUT``: its report, records, page and every plot it may draw."""
-    from evolving_infra.report.write import REPORT_HTML, REPORT_JSON, REQUESTS_JSONL, RUN_PLOTS
+    """The names a run writes in ``OUT``: its report, records, planner decisions (``simulate``), page and every plot
+    it may draw."""
+    from evolving_infra.report.write import DECISIONS_JSONL, REPORT_HTML, REPORT_JSON, REQUESTS_JSONL, RUN_PLOTS
 
-    return (REPORT_JSON, REQUESTS_JSONL, REPORT_HTML, *RUN_PLOTS)
+    return (REPORT_JSON, REQUESTS_JSONL, DECISIONS_JSONL, REPORT_HTML, *RUN_PLOTS)
 
 
 @contextmanager
@@ -90,7 +91,7 @@ def hold_out(out: Path) -> Iterator[None]:
 
 def check_previous_run(out: Path) -> list[str]:
     """The outputs in ``out`` that :func:`set_aside_previous_run` would move to ``out/previous/``, touching nothing:
-    every name this run writes (``report.json``, ``requests.jsonl``, ``report.html``, the
+    every name a run writes (``report.json``, ``requests.jsonl``, ``decisions.jsonl``, ``report.html``, the
     :data:`~evolving_infra.report.write.RUN_PLOTS`) already there, an earlier run's or not, so none is overwritten;
     the user's other files (their own PNGs too) stay in place.
 

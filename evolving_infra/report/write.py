@@ -37,6 +37,8 @@ from evolving_infra.report.timeline import RunTimeline, timeline_from_builtins
 REPORT_JSON = "report.json"
 REQUESTS_JSONL = "requests.jsonl"
 REPORT_HTML = "report.html"
+DECISIONS_JSONL = "decisions.jsonl"
+"""The planner's every evaluation, written by ``simulate`` next to :data:`REPORT_JSON` (``sim.run.write_decisions``)."""
 
 
 def build_report(

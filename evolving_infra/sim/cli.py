@@ -280,29 +280,30 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
         why = output_error(args.out, directory=True)
         if why:  # before the trace is read and the run made, not after
             raise SimConfigError(why)
-        requests, bs, prov = load_workload(args, ahead)
-        cfg = apply_schedule(cfg, args, prov)
     except SimConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    setup = time.monotonic() - t0
     out = Path(args.out)
     from contextlib import ExitStack
 
-    from evolving_infra.out_folder import PREVIOUS, OutFolderError, hold_out, set_aside_previous_run
+    from evolving_infra.out_folder import OutFolderError, check_previous_run, hold_out
 
-    with ExitStack() as held:  # OUT's lock (hold_out), from before the set-aside to the end of the report
-        try:  # before the run: a second run into OUT stops here, as replay's and demo's do
+    with ExitStack() as held:  # OUT's lock (hold_out), from before the input is read to the end of the report
+        try:  # before the input is read: a second run into OUT stops here, as replay's and demo's do
             held.callback(remove_folders, make_folders(out))  # after the lock's release: OUT back out if left empty
             held.enter_context(hold_out(out))
-            moved = [] if args.sweep else set_aside_previous_run(out)  # a sweep writes no file of those names in OUT
+            if not args.sweep:  # a sweep writes no file of those names in OUT
+                check_previous_run(out)  # its refusals now; the set-aside itself once the run has ended
         except (OutFolderError, OSError) as e:
             print(f"error: --out {out}: {e}", file=sys.stderr)
             return 2
-        if moved:
-            print(f"simulate: the outputs in {out} this run would overwrite moved to {out / PREVIOUS}/ ({', '.join(moved)}; "
-                  f"it keeps only the last run's)", file=sys.stderr)
-        return _simulate_held(args, cfg, requests, bs, prov, setup, out)
+        try:
+            requests, bs, prov = load_workload(args, ahead)
+            cfg = apply_schedule(cfg, args, prov)
+        except SimConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return _simulate_held(args, cfg, requests, bs, prov, time.monotonic() - t0, out)
 
 
 def _simulate_held(args: argparse.Namespace, cfg: SimConfig, requests: Any, bs: int, prov: dict[str, Any],
@@ -330,6 +331,16 @@ def _simulate_held(args: argparse.Namespace, cfg: SimConfig, requests: Any, bs: 
     except (SimConfigError, ComponentMissing, ReplayError) as e:  # a component's bad option (--planner-opt ...) names itself
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from evolving_infra.out_folder import PREVIOUS, OutFolderError, set_aside_previous_run
+
+    try:  # only now, before the first output: a run that failed or was interrupted leaves the earlier one's in place
+        moved = set_aside_previous_run(out)
+    except (OutFolderError, OSError) as e:
+        print(f"error: --out {out}: {e}; this run's report was not written", file=sys.stderr)
+        return 2
+    if moved:
+        print(f"simulate: the outputs in {out} this run would overwrite moved to {out / PREVIOUS}/ ({', '.join(moved)}; "
+              f"it keeps only the last run's)", file=sys.stderr)
     try:  # OUT was made before the run (hold_out); taken back by the caller when left empty
         path = write_report(out, res.report, res.records, plots=not args.no_plots)
         write_decisions(out, res.stats.planner_decisions)
@@ -430,11 +441,12 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="control plane: first token / end -> client (s; default 0)")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="simulate-out", type=folder,
-                   help="output directory (report.json, requests.jsonl, plots; default simulate-out, as demo-out, replay-out and "
-                   "fidelity-out; removed again when a failed run left it empty). Files of those names already there (an earlier "
-                   "run's, or your own) move to OUT/previous/ before the run, never overwritten; OUT/previous/ keeps only the "
-                   "last run's (replaced each run). The run stops before it starts when OUT/previous holds other files, or "
-                   "while another run is writing to OUT (it holds OUT/.evolving-infra.lock)")
+                   help="output directory (report.json, requests.jsonl, decisions.jsonl, plots; default simulate-out, as demo-out, "
+                   "replay-out and fidelity-out; removed again when a failed run left it empty). Files of those names already there "
+                   "(an earlier run's, or your own) move to OUT/previous/ once the run has ended, just before its outputs are "
+                   "written, never overwritten (a run that fails or is interrupted leaves them in place); OUT/previous/ keeps only "
+                   "the last run's (replaced each run). The run stops before it starts (before reading its input) when "
+                   "OUT/previous holds other files, or while another run is writing to OUT (it holds OUT/.evolving-infra.lock)")
     o.add_argument("--label", default=None, help="what names the run in comparisons, as 'OUT (LABEL)' (default: the policy set)")
     o.add_argument("--no-plots", action="store_true", help="no plots: report.json, requests.jsonl and decisions.jsonl only (a sweep's compare/ has "
                    "compare.json and compare.html's table, no PNGs)")

@@ -27,7 +27,7 @@ import msgspec
 
 from evolving_infra.report.records import RequestRecord
 from evolving_infra.report.timeline import RunTimeline, SplitPoint, SwitchRecord
-from evolving_infra.report.write import build_report
+from evolving_infra.report.write import DECISIONS_JSONL, build_report
 from evolving_infra.sim.cluster import DIRECTORY_SAMPLE_S, ClusterResult, ClusterSim, SimStats
 from evolving_infra.sim.config import Resolved, SimConfig, SimConfigError, node_names, resolve
 from evolving_infra.sim.workload import PlainWorkload, TiledWorkload, WorkloadError
@@ -37,7 +37,6 @@ from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import PrivateIds, rechain_blocks, rechunk_request
 from shared.values import Value
 
-DECISIONS_JSONL = "decisions.jsonl"
 """Every planner evaluation of a simulated run (switch, no switch, skip, warm-up), one JSON per line."""
 
 

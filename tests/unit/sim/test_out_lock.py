@@ -54,7 +54,7 @@ def test_a_second_simulate_sets_the_first_ones_outputs_aside_as_replay_does(tmp_
     assert _simulate(out, "--seed", "7") == 0
     err = capsys.readouterr().err
     assert f"simulate: the outputs in {out} this run would overwrite moved to {out / 'previous'}/ (report.json, " \
-           "requests.jsonl; it keeps only the last run's)" in err, err
+           "requests.jsonl, decisions.jsonl; it keeps only the last run's)" in err, err
     assert {n: (out / "previous" / n).read_bytes() for n in first} == first
     assert json.loads((out / "report.json").read_text())["meta"]["seed"] == 7
     assert (out / "notes.txt").read_text() == "mine\n"  # the user's other files stay
@@ -139,3 +139,63 @@ def test_simulate_holds_its_out_without_importing_the_live_stack(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
                           env=os.environ | {"PYTHONPATH": str(root)})
     assert done.stdout.strip().splitlines()[-1] == "0", done.stdout + done.stderr
+
+
+RUN_FILES = ("report.json", "requests.jsonl", "decisions.jsonl")
+
+
+def test_a_simulate_that_fails_before_its_outputs_keeps_the_earlier_runs_in_place(tmp_path, capsys):
+    """The set-aside comes just before the first output is written: a run that fails before it (a bad component
+    option: exit 2, nothing started) left OUT without the earlier run's report and records, and deleted the older
+    previous/ (reviewer rr-out)."""
+    out = tmp_path / "o"
+    assert _simulate(out) == 0 and _simulate(out, "--seed", "7") == 0  # OUT: run 2; previous/: run 1
+    before = _tree(out)
+    assert "previous/report.json" in before
+    capsys.readouterr()
+    assert _simulate(out, "--planner-opt", "no_such_option=1") == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "moved to" not in err, err
+    assert _tree(out) == before
+
+
+def test_a_simulate_interrupted_before_its_outputs_keeps_the_earlier_runs_in_place(tmp_path, capsys, monkeypatch):
+    import evolving_infra.sim.run as sim_run
+
+    out = tmp_path / "o"
+    assert _simulate(out) == 0
+    before = _tree(out)
+
+    def interrupted(*a, **k):  # Ctrl-C in the loop
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sim_run, "simulate", interrupted)
+    capsys.readouterr()
+    assert _simulate(out, "--seed", "7") == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert _tree(out) == before
+    assert not (out / LOCK).exists()
+
+
+def test_decisions_jsonl_is_set_aside_with_the_report(tmp_path, capsys):
+    """simulate always writes decisions.jsonl: a second run overwrote it, and previous/ held the first run's report
+    and records without its decisions (reviewer rr-out)."""
+    out = tmp_path / "o"
+    assert _simulate(out) == 0
+    first = {n: (out / n).read_bytes() for n in RUN_FILES}
+    capsys.readouterr()
+    assert _simulate(out, "--seed", "7") == 0
+    assert "(report.json, requests.jsonl, decisions.jsonl; it keeps only the last run's)" in capsys.readouterr().err
+    assert {n: (out / "previous" / n).read_bytes() for n in RUN_FILES} == first
+    assert json.loads((out / "report.json").read_text())["meta"]["seed"] == 7
+    assert (out / "decisions.jsonl").is_file()
+
+
+def test_a_simulate_into_a_held_out_is_refused_before_its_trace_is_read(tmp_path, capsys):
+    """The lock is taken before the input is loaded: a second run stops at once, not after reading its trace (here
+    one that cannot be read, whose error came first before; reviewer rr-out)."""
+    out, bad = tmp_path / "o", tmp_path / "bad.jsonl"
+    bad.write_text("not a trace\n")
+    with hold_out(out):
+        assert main(["simulate", "--trace", str(bad), "--duration", "5", "--no-plots", "--out", str(out)]) == 2
+        _refused(capsys.readouterr().err, out)
