@@ -100,8 +100,8 @@ def check_previous_run(out: Path) -> list[str]:
 
     Raises:
         OutFolderError: ``out`` is not a folder, or ``out/previous`` (which the move replaces) is a symlink, is not
-            a folder or holds anything but plain files of those names (the user's files, or a folder of theirs
-            so named).
+            a folder or holds anything but plain files of those names and :data:`LOCK` (the user's files, or a
+            folder of theirs so named), or a ``report show`` of ``out/previous`` holds its lock now.
         OSError: ``out`` or ``out/previous`` cannot be read.
     """
     if not out.exists():
@@ -121,13 +121,43 @@ def check_previous_run(out: Path) -> list[str]:
         raise OutFolderError(f"{prev} is not a folder, and the outputs in {out} this run would overwrite are moved "
                              "there: move or remove it, or choose another --out")
     if prev.is_dir():
-        foreign = sorted(p.name for p in prev.iterdir() if p.name not in own or p.is_symlink() or not p.is_file())
+        holder = _lock_holder(prev)
+        if holder is not None:
+            raise OutFolderError(f"{holder} is writing to {prev} (it holds {prev / LOCK}: 'report show' redrawing it), "
+                                 f"and the outputs in {out} this run would overwrite would replace it there: wait for "
+                                 "it to end, or choose another --out")
+        foreign = sorted(p.name for p in prev.iterdir() if not _run_file(p, own))
         if foreign:
             shown_names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
             raise OutFolderError(f"{prev} holds files that are not a run's outputs ({shown_names}); the outputs in "
                                  f"{out} this run would overwrite would replace it there: nothing was changed; move or "
                                  f"rename {prev}, or choose another --out")
     return names
+
+
+def _run_file(p: Path, own: tuple[str, ...] | set[str]) -> bool:
+    """Whether ``p``, in a ``previous/``, is a plain file of a run's: one of the names ``own`` or the :data:`LOCK`
+    a ``report show`` of that folder left (killed: the kernel dropped its lock, the file stays)."""
+    return (p.name in own or p.name == LOCK) and not p.is_symlink() and p.is_file()
+
+
+def _lock_holder(folder: Path) -> str | None:
+    """Who holds ``folder/``:data:`LOCK` now (``'another run (pid N)'``), or None: no such file, or nobody holds
+    it (taken and released at once: a shared ``flock``, read-only). Raises nothing."""
+    try:
+        fd = os.open(folder / LOCK, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        return f"another run (pid {pid})" if pid.isdigit() else "another run"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None
 
 
 def set_aside_previous_run(out: Path) -> list[str]:
@@ -223,24 +253,13 @@ _LEFTOVER = re.compile(r"\.previous\.(tmp|old)-([1-9][0-9]{0,6})-([0-9]{1,4})")
 """The folders :func:`set_aside_previous_run` makes in ``OUT`` (:func:`_new_folder`): kind, process id, number."""
 
 
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (this process too; one of another user, or a zombie, counts as alive)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists; anything else: not known to be gone
-        return True
-    return True
-
-
 def recover_set_aside(out: Path) -> list[str]:
     """Undo what a :func:`set_aside_previous_run` that never ended (SIGKILL, OOM, power loss) left in ``out``: its
     ``.previous.tmp-<pid>-<n>`` (the outputs it had moved out of ``out``: their only copy) and
-    ``.previous.old-<pid>-<n>`` (the older ``previous/`` it was replacing), for every ``pid`` no longer alive;
-    a live one's are never touched. Call it holding :func:`hold_out` (which does).
+    ``.previous.old-<pid>-<n>`` (the older ``previous/`` it was replacing). Call it holding :func:`hold_out` (which
+    does): a set-aside runs only under that lock, so every such folder seen with it held was left by a run that
+    ended, whatever its ``pid`` is now here (a container's runs are all pid 1; the pid reused; a run on another
+    host sharing ``out``), and each is recovered.
 
     ``out`` is put back as it was before that set-aside, so that this run's own set-aside moves those outputs to
     ``previous/`` as the killed one meant to: an ``old`` folder's ``previous/`` goes back to ``out/previous`` when
@@ -248,27 +267,34 @@ def recover_set_aside(out: Path) -> list[str]:
     is deleted (when it holds a run's plain output files alone); a ``tmp`` folder's files go back to ``out`` under
     their names; where ``out`` has a file of that name already (a run of a version without this step ran since) the
     folder becomes ``out/previous`` when there is none, else it is left in place with a warning. Each step says
-    what it did in one line on stderr.
+    what it did in one line on stderr (``note:``, or ``warning:`` for what is left in place: never silently).
 
     Returns:
         The lines printed (empty when nothing was left).
     """
-    try:
-        found = [(m.group(1), int(m.group(2)), int(m.group(3)), p) for p in out.iterdir()
-                 if (m := _LEFTOVER.fullmatch(p.name)) and p.is_dir() and not p.is_symlink()]
-    except OSError:
-        return []
     said: list[str] = []
 
     def say(line: str, *, kept: bool = False) -> None:  # kept: left in place, for the user to sort out
         said.append(line)
         print(f"{'warning' if kept else 'note'}: --out {out}: {line}", file=sys.stderr)
 
+    try:
+        matched = [(m, p) for p in out.iterdir() if (m := _LEFTOVER.fullmatch(p.name))]
+    except OSError as e:
+        say(f"cannot look for what a run killed while setting its outputs aside left ({e.strerror or e}); "
+            "nothing recovered", kept=True)
+        return said
+    found = []
+    for m, p in matched:
+        if p.is_dir() and not p.is_symlink():
+            found.append((m.group(1), int(m.group(2)), int(m.group(3)), p))
+        else:
+            say(f"{p} is named as a set-aside's folder but is {'a symlink' if p.is_symlink() else 'not a folder'}: "
+                "left in place; move or remove it", kept=True)
     prev = out / PREVIOUS
     own = set(_run_outputs())
-    dead = {pid for _, pid, _, _ in found if not _alive(pid)}
     # old before tmp: the older previous/ first goes back to its place, then the staged outputs to theirs
-    for kind, pid, _n, path in sorted((f for f in found if f[1] in dead), key=lambda f: (f[0] != "old", f[1], f[2])):
+    for kind, pid, _n, path in sorted(found, key=lambda f: (f[0] != "old", f[1], f[2])):
         who = f"a run (pid {pid}) that ended while setting its outputs aside"
         try:
             if kind == "old":
@@ -277,7 +303,7 @@ def recover_set_aside(out: Path) -> list[str]:
                     os.rename(held, prev)
                     say(f"{who} had moved {PREVIOUS}/ to {path.name}: put back")
                 elif os.path.lexists(held):
-                    other = [q.name for q in held.iterdir() if q.name not in own or q.is_symlink() or not q.is_file()] \
+                    other = [q.name for q in held.iterdir() if not _run_file(q, own)] \
                         if held.is_dir() and not held.is_symlink() else [held.name]
                     if other:
                         say(f"{path} ({who}) holds files that are not a run's outputs ({', '.join(sorted(other)[:3])}); "

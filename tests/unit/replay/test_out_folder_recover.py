@@ -3,7 +3,8 @@
 ``OUT/.previous.old-<pid>-<n>`` (the older ``previous/`` it was replacing), and nothing ever cleaned them: the next
 run's set-aside went on beside them, so the killed run's outputs stayed hidden in a dot-folder, or ``previous/`` was
 gone. Now the next holder of ``OUT`` (:func:`~evolving_infra.out_folder.hold_out`) puts them back first
-(:func:`~evolving_infra.out_folder.recover_set_aside`) and never touches a live process's."""
+(:func:`~evolving_infra.out_folder.recover_set_aside`): every one of them, whatever its pid (a set-aside runs only
+under ``OUT``'s lock, so whatever is there with the lock held was abandoned)."""
 
 from __future__ import annotations
 
@@ -83,26 +84,41 @@ def test_the_next_run_puts_back_what_a_killed_set_aside_left(tmp_path, capsys, o
     assert (f"note: --out {out}: a run (pid " in err) == held, err  # said when it held something (not an empty one)
 
 
-def test_a_live_processs_folders_are_never_touched(tmp_path, capsys):
+@pytest.mark.parametrize("whose", ["this process", "a live process", "pid 1"])
+def test_a_leftover_whose_pid_is_alive_here_is_recovered_too(tmp_path, capsys, whose):
+    """A set-aside runs only under OUT's lock: whatever is left with the lock held is abandoned, whatever its pid
+    is now here. Before (af867e8) a leftover whose pid looked alive was skipped silently, for ever: in a container
+    every run is pid 1 (this process's own pid here), a pid is reused, or the run was on another host sharing OUT
+    (reviewer rr-out)."""
     out = tmp_path / "o"
-    run2 = _run(out, "run2")
+    _run(out, "run3")
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        theirs = out / f".previous.tmp-{alive.pid}-0"
-        theirs.mkdir()
-        (theirs / "report.json").write_text("staged\n")
+        pid = {"this process": os.getpid(), "a live process": alive.pid, "pid 1": 1}[whose]
+        staged = out / f".previous.tmp-{pid}-0"
+        staged.mkdir()
+        (staged / "report.json").write_text("run2\n")
         with hold_out(out):
-            assert recover_set_aside(out) == []
-            set_aside_previous_run(out)
-        assert _files(theirs) == {"report.json": "staged\n"}
-        assert _files(out / PREVIOUS) == run2
-        assert "--out" not in capsys.readouterr().err
+            said = recover_set_aside(out)  # hold_out's own pass has put it back already: nothing left
+        err = capsys.readouterr().err
+        assert said == [] and not staged.exists(), err
+        assert _files(out / PREVIOUS) == {"report.json": "run2\n"}, err  # OUT had report.json again: it became previous/
+        assert f"note: --out {out}: a run (pid {pid}) that ended while setting its outputs aside had moved " in err, err
     finally:
         alive.kill()
         alive.wait(10)
-    with hold_out(out):  # ended now: its staged file goes back into OUT
+
+
+def test_a_leftover_that_is_not_a_folder_is_said_not_skipped_silently(tmp_path, capsys):
+    out = tmp_path / "o"
+    _run(out, "run2")
+    odd = out / ".previous.tmp-4242-0"
+    odd.write_text("mine\n")
+    with hold_out(out):
         pass
-    assert (out / "report.json").read_text() == "staged\n" and not theirs.exists()
+    err = capsys.readouterr().err
+    assert f"warning: --out {out}: {odd} is named as a set-aside's folder but is not a folder: left in place" in err, err
+    assert odd.read_text() == "mine\n"
 
 
 def test_a_dead_runs_staged_files_clashing_with_outs_become_previous_when_there_is_none(tmp_path, capsys):

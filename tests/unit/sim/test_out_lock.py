@@ -199,3 +199,24 @@ def test_a_simulate_into_a_held_out_is_refused_before_its_trace_is_read(tmp_path
     with hold_out(out):
         assert main(["simulate", "--trace", str(bad), "--duration", "5", "--no-plots", "--out", str(out)]) == 2
         _refused(capsys.readouterr().err, out)
+
+
+def test_a_lock_file_a_killed_report_show_left_in_previous_does_not_refuse_later_runs(tmp_path, capsys):
+    """``report show OUT/previous`` holds previous/ itself: killed, it left previous/.evolving-infra.lock, and every
+    later run into OUT was refused ('holds files that are not a run's outputs'; reviewer rr-out). The file is a
+    run's own now, deleted with the older previous/; while a show holds it, the run stops before it starts."""
+    out = tmp_path / "o"
+    assert _simulate(out) == 0 and _simulate(out, "--seed", "7") == 0
+    (out / "previous" / LOCK).write_text("4242\n")  # what a killed show left (the kernel dropped its lock)
+    second = (out / "report.json").read_bytes()
+    capsys.readouterr()
+    assert _simulate(out, "--seed", "9") == 0, capsys.readouterr().err
+    assert (out / "previous" / "report.json").read_bytes() == second
+    assert not (out / "previous" / LOCK).exists()
+    with hold_out(out / "previous"):  # a show redrawing previous/ now
+        before = _tree(out)
+        assert _simulate(out, "--seed", "11") == 2
+        err = capsys.readouterr().err
+        assert f"error: --out {out}: another run (pid {os.getpid()}) is writing to {out / 'previous'} (it holds " \
+               f"{out / 'previous' / LOCK}" in err, err
+        assert _tree(out) == before
