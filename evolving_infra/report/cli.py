@@ -15,7 +15,11 @@ from evolving_infra.report.write import REPORT_JSON, build_report, load_run, pri
 def cmd_show(args: argparse.Namespace) -> int:
     """Print the summary of one run and redraw its PNGs and ``report.html`` from disk. When it writes (the plots,
     ``--recompute``) it holds ``RUN_DIR`` as a run writing there does (:func:`~evolving_infra.out_folder.hold_out`):
-    while a run writes to it, it stops with that run's line and exit 2."""
+    while a run writes to it, it stops with that run's line and exit 2. A folder this user cannot write (its lock
+    cannot be made: not writable, a read-only file system) still gets its summary (recomputed, not stored, with
+    ``--recompute``), then one line saying nothing was written and to use ``--no-plots``: exit 2."""
+    import errno
+
     from evolving_infra.out_folder import OutFolderError, hold_out
 
     run_dir = Path(args.run_dir)
@@ -27,23 +31,36 @@ def cmd_show(args: argparse.Namespace) -> int:
     with ExitStack() as held:
         try:
             held.enter_context(hold_out(run_dir))
-        except (OutFolderError, OSError) as e:
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                print(f"error: {run_dir}: {e}", file=sys.stderr)
+                return 2
+            return _show(args, run_dir, read_only=f"{e.strerror or e}: {e.filename or run_dir}")
+        except OutFolderError as e:
             print(f"error: {run_dir}: {e}", file=sys.stderr)
             return 2
         return _show(args, run_dir)
 
 
-def _show(args: argparse.Namespace, run_dir: Path) -> int:
-    """:func:`cmd_show`'s work; returns the exit code."""
+def _show(args: argparse.Namespace, run_dir: Path, read_only: str | None = None) -> int:
+    """:func:`cmd_show`'s work; returns the exit code. ``read_only``: why ``run_dir`` cannot be written (then the
+    summary alone, and exit 2: what was asked to be written was not)."""
     try:
         report, records = load_run(run_dir)
         if args.recompute:
             report = recompute(report, records)
-            (run_dir / REPORT_JSON).write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+            if read_only is None:
+                (run_dir / REPORT_JSON).write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_summary(report)
+    if read_only is not None:
+        unwritten = " and ".join(w for w, asked in (("the recomputed report.json", args.recompute),
+                                                      ("the plots and report.html", not args.no_plots)) if asked)
+        print(f"error: {run_dir}: read-only folder ({read_only}): {unwritten} not written; use --no-plots (the summary "
+              "above is all it can show)", file=sys.stderr)
+        return 2
     if not args.no_plots:
         try:
             path = render_run(run_dir, report, records)

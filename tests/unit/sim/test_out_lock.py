@@ -220,3 +220,28 @@ def test_a_lock_file_a_killed_report_show_left_in_previous_does_not_refuse_later
         assert f"error: --out {out}: another run (pid {os.getpid()}) is writing to {out / 'previous'} (it holds " \
                f"{out / 'previous' / LOCK}" in err, err
         assert _tree(out) == before
+
+
+@pytest.mark.parametrize("flags", [[], ["--recompute", "--no-plots"]])
+def test_report_show_of_a_folder_it_cannot_write_prints_the_summary(tmp_path, capsys, monkeypatch, flags):
+    """A RUN_DIR this user cannot write: its lock cannot be made (PermissionError; the tests run as root, whom
+    a chmod does not stop, so the lock's open is what fails here). Before, show stopped at the lock with no summary
+    (reviewer rr-out); now the summary, then one line, exit 2 (what was asked to be written was not)."""
+    import evolving_infra.out_folder as of
+
+    run = tmp_path / "r"
+    assert _simulate(run) == 0
+    before = _tree(run)
+    capsys.readouterr()
+
+    def denied(out):
+        raise PermissionError(13, "Permission denied", str(out / LOCK))
+
+    monkeypatch.setattr(of, "hold_out", denied)
+    assert main(["report", "show", str(run), *flags]) == 2
+    got = capsys.readouterr()
+    assert "requests   sent " in got.out and "TTFT       mean" in got.out, got
+    assert f"error: {run}: read-only folder (Permission denied: {run / LOCK}): " in got.err, got.err
+    assert "use --no-plots" in got.err and len(got.err.strip().splitlines()) == 1, got.err
+    assert _tree(run) == before
+    assert main(["report", "show", str(run), "--no-plots"]) == 0  # reading alone: no lock, no error
