@@ -739,15 +739,46 @@ _SALT_TEXT = re.compile(r"([0-9a-f]{32,128})\n?")
 """A salt file's content as ``up`` writes it (``secrets.token_hex(16)`` and a newline; longer hex accepted)."""
 
 
+def _own_file_here(folder: Path) -> tuple[int, int] | None:
+    """``(uid, mode bits)`` a file this process makes in ``folder`` with mode 0600 gets there (a new empty file,
+    removed at once): not this process's euid on an NFS export with root_squash (root's files are ``nobody``'s),
+    nor mode 600 on a file system that keeps no POSIX mode (a vfat or SMB mount gives every file its mount's mode).
+    None when no file can be made there. Never raises."""
+    import stat
+    import tempfile
+
+    try:
+        fd, name = tempfile.mkstemp(prefix=".api-key-id.probe-", dir=folder)
+    except OSError:
+        return None
+    try:
+        os.fchmod(fd, 0o600)
+        st = os.fstat(fd)
+        return st.st_uid, stat.S_IMODE(st.st_mode)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+
+
 def kept_key_id_salt(path: Path) -> tuple[str | None, str | None]:
     """The salt an earlier ``up`` left in ``path`` (its log folder's :data:`KEY_ID_SALT_FILE`), for this one to keep.
 
-    Valid is what ``up`` writes: a plain file (not a symlink), the user's own, mode 0600 or narrower (no group or
-    other bit: :func:`shared.auth.write_private`'s mode), holding one line of 32 to 128 lowercase hex digits.
+    Valid is what ``up`` writes: a plain file (not a symlink), owned as this process's files are there, mode 0600
+    or narrower (no group or other bit: :func:`shared.auth.write_private`'s mode), holding one line of 32 to 128
+    lowercase hex digits. "Owned as this process's files are" and "0600" are as a file this process makes in that
+    folder gets them (:func:`_own_file_here`, asked only when the file's owner is not this euid or its mode is wider):
+    on an NFS export with root_squash a root ``up``'s files are ``nobody``'s, and a file system that keeps no mode
+    gives every file the same one, so a salt ``up`` wrote there is kept, not rejected at every run.
 
     Returns:
-        ``(salt, None)`` for a valid file; ``(None, why)`` for one that is there but not valid (``why`` a phrase,
-        e.g. ``"is readable by others (mode 644, not 600)"``); ``(None, None)`` when there is none. Never raises.
+        ``(salt, None)`` for a valid file; ``(None, why)`` for one that is there but not valid (``why`` a phrase
+        naming the rule that failed, e.g. ``"is open to others (mode 644, not 600)"``); ``(None, None)`` when there
+        is none. Never raises.
     """
     import errno
     import stat
@@ -763,10 +794,15 @@ def kept_key_id_salt(path: Path) -> tuple[str | None, str | None]:
         mode = stat.S_IMODE(st.st_mode)
         if not stat.S_ISREG(st.st_mode):
             return None, "is not a plain file"
-        if st.st_uid != os.geteuid():
-            return None, f"is another user's (uid {st.st_uid})"
-        if mode & 0o077:
-            return None, f"is open to others (mode {mode:o}, not 600)"
+        here = _own_file_here(path.parent) if st.st_uid != os.geteuid() or mode & 0o077 else None
+        if st.st_uid != os.geteuid() and (here is None or st.st_uid != here[0]):
+            return None, (f"is another user's (uid {st.st_uid}, not {os.geteuid()}"
+                          + (f" nor {here[0]}, the owner this process's files get there" if here and here[0] != os.geteuid() else "")
+                          + ")")
+        if mode & 0o077 and (here is None or mode & ~here[1]):
+            return None, (f"is open to others (mode {mode:o}, not 600"
+                          + (f" nor {here[1]:o}, the mode a 600 file gets there" if here and here[1] != 0o600 else "")
+                          + ")")
         m = _SALT_TEXT.fullmatch(os.read(fd, 256).decode("ascii", errors="replace"))
         if m is None:
             return None, "does not hold a salt as up writes it (one line of 32 hex digits)"
@@ -779,18 +815,27 @@ def kept_key_id_salt(path: Path) -> tuple[str | None, str | None]:
 
 def write_key_id_salt(path: Path, salt: str, invalid: str | None) -> str | None:
     """Write ``salt`` to ``path`` (mode 0600: :func:`shared.auth.write_private`), when :func:`kept_key_id_salt` kept
-    none. A file there that was not valid (``invalid``, its reason) is first moved to ``<path>.invalid``, not written
-    over nor through (a symlink): its owner may still map older log lines with it.
+    none. A file there that was not valid (``invalid``, its reason) is first moved aside, not written over nor
+    through (a symlink): its owner may still map older log lines with it. Aside is ``<path>.invalid``, or, that
+    taken by an earlier rejection (kept: it maps still older lines), the first free ``<path>.invalid.N``.
 
     Returns:
         The warning line to show when an invalid file was put aside, else None.
 
     Raises:
-        OSError: the file cannot be moved or written.
+        OSError: the file cannot be moved or written (also when ``.invalid`` to ``.invalid.999`` are all taken).
     """
+    import errno
+
     aside = path.with_name(path.name + ".invalid")
     if invalid:
-        os.replace(path, aside)
+        for n in range(1000):
+            aside = path.with_name(path.name + ".invalid" + (f".{n}" if n else ""))
+            if not os.path.lexists(aside):
+                break
+        else:
+            raise FileExistsError(errno.EEXIST, f"{path.name}.invalid to .invalid.999 all exist", str(aside))
+        os.rename(path, aside)
     write_private(path, (salt + "\n").encode())
     if not invalid:
         return None

@@ -47,3 +47,65 @@ def test_a_symlink_or_a_folder_is_not_kept(tmp_path):
     link.unlink()
     link.mkdir()
     assert kept_key_id_salt(link) == (None, "is not a plain file")
+
+
+def test_a_second_rejection_keeps_the_first_rejected_salt(tmp_path):
+    """Each rejected salt maps the log lines of the runs that used it: the second rejection moved its file over the
+    first one's api-key-id.salt.invalid (os.replace; reviewer rr-out). Now .invalid, then .invalid.1, ..."""
+    from evolving_infra.launcher import write_key_id_salt
+
+    path = tmp_path / KEY_ID_SALT_FILE
+    olds = [f"{n:032x}" for n in (1, 2, 3)]
+    for n, old in enumerate(olds):
+        write_private(path, (old + "\n").encode())
+        path.chmod(0o644)
+        salt, why = kept_key_id_salt(path)
+        assert salt is None and why is not None
+        said = write_key_id_salt(path, SALT, why)
+        aside = KEY_ID_SALT_FILE + ".invalid" + (f".{n}" if n else "")
+        assert said is not None and f"(the old file is {aside})" in said, said
+    assert [(tmp_path / (KEY_ID_SALT_FILE + s)).read_text() for s in (".invalid", ".invalid.1", ".invalid.2")] == \
+        [o + "\n" for o in olds]
+    assert kept_key_id_salt(path) == (SALT, None)
+
+
+def test_the_probe_gives_what_a_file_made_here_gets_and_leaves_nothing(tmp_path):
+    from evolving_infra.launcher import _own_file_here
+
+    assert _own_file_here(tmp_path) == (os.geteuid(), 0o600)
+    assert list(tmp_path.iterdir()) == []
+    assert _own_file_here(tmp_path / "missing") is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_root_squash_a_salt_owned_as_this_process_s_files_are_there_is_kept(tmp_path, monkeypatch):
+    """NFS with root_squash: a root up's files are nobody's (65534), so 'the user's own' (st_uid == euid) rejected
+    the salt at every run (reviewer rr-out). The owner compared is the one a file made there gets (the probe: here
+    faked, as this box has no such export); a file of a third uid is still refused, naming both."""
+    import evolving_infra.launcher as launcher
+
+    path = tmp_path / KEY_ID_SALT_FILE
+    write_private(path, (SALT + "\n").encode())
+    os.chown(path, 65534, 65534)
+    assert kept_key_id_salt(path) == (None, "is another user's (uid 65534, not 0)")  # an ordinary file system
+    monkeypatch.setattr(launcher, "_own_file_here", lambda folder: (65534, 0o600))
+    assert kept_key_id_salt(path) == (SALT, None)
+    os.chown(path, 4242, 4242)
+    assert kept_key_id_salt(path) == (None, "is another user's (uid 4242, not 0 nor 65534, the owner this process's "
+                                            "files get there)")
+
+
+def test_a_file_system_that_keeps_no_mode_keeps_the_salt(tmp_path, monkeypatch):
+    """vfat/SMB mounts give every file the mount's mode (a 0600 file is 755): 'open to others' rejected the salt at
+    every run, the new one as open. The mode compared is the one a 0600 file made there gets (faked probe)."""
+    import evolving_infra.launcher as launcher
+
+    path = tmp_path / KEY_ID_SALT_FILE
+    write_private(path, (SALT + "\n").encode())
+    path.chmod(0o755)
+    assert kept_key_id_salt(path) == (None, "is open to others (mode 755, not 600)")  # an ordinary file system
+    monkeypatch.setattr(launcher, "_own_file_here", lambda folder: (os.geteuid(), 0o755))
+    assert kept_key_id_salt(path) == (SALT, None)
+    path.chmod(0o777)
+    assert kept_key_id_salt(path) == (None, "is open to others (mode 777, not 600 nor 755, the mode a 600 file gets "
+                                            "there)")
