@@ -19,7 +19,7 @@ same for every class, lives here once:
   equality and hash by identity.
 * :class:`StructValue` - ``dataclass(slots=True)`` as a ``msgspec.Struct`` (fields declared by
   annotation, a per-instance default by ``msgspec.field(default_factory=...)``; no ``_compare_skip``):
-  for the few classes built per plan or per state in the simulator's loop. Calling a Python class
+  for the classes built per plan, state or request in the simulator's loop. Calling a Python class
   in CPython 3.11 goes through ``type.__call__`` and a Python ``__init__`` frame: ~1,600
   instructions for one field, ~3,000 for twelve; a Struct is built by C code (~1,300 for twelve;
   cachegrind, 200,000 constructions less an empty loop).

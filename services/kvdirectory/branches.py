@@ -73,8 +73,10 @@ from operator import not_ as _not
 from operator import sub as _sub
 from typing import Any
 
+import msgspec
+
 from shared.messages import CountUpdates
-from shared.values import FACTORY, IdentityValue, Value
+from shared.values import FACTORY, IdentityValue, StructValue
 
 from .index import GPU, HOST, BlockIndex, _match, local_bit, tier_bit
 
@@ -147,34 +149,18 @@ class Branch(IdentityValue):
         self.last_rid = last_rid
 
 
-class PlaceOutcome(Value):
+class PlaceOutcome(StructValue):
     """What :meth:`BranchTable.place` did (input to lost-reuse attribution)."""
 
     branch: Branch | None
-    version: int
-    bumped: bool
-    rejected: str | None
+    version: int = 0
+    bumped: bool = False
+    rejected: str | None = None
     """Why the placement was refused (``ended_branch``), else None."""
-    history_blocks: int
+    history_blocks: int = 0
     """Blocks of π_new that the branch (or, for a fork's first request, its parent) had in its path before."""
-    prev_prefill_node: int | None
-    released_nodes: list[int]
-
-    __slots__ = __match_args__ = (
-        "branch", "version", "bumped", "rejected", "history_blocks", "prev_prefill_node", "released_nodes",
-    )
-
-    def __init__(
-        self, branch: Branch | None, version: int = 0, bumped: bool = False, rejected: str | None = None,
-        history_blocks: int = 0, prev_prefill_node: int | None = None, released_nodes: Any = FACTORY,
-    ) -> None:
-        self.branch = branch
-        self.version = version
-        self.bumped = bumped
-        self.rejected = rejected
-        self.history_blocks = history_blocks
-        self.prev_prefill_node = prev_prefill_node
-        self.released_nodes = [] if released_nodes is FACTORY else released_nodes
+    prev_prefill_node: int | None = None
+    released_nodes: list[int] = msgspec.field(default_factory=list)
 
 
 class BranchTable:

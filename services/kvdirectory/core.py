@@ -30,6 +30,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import msgspec
+
 from shared.messages import (
     AllBlocksCleared,
     BlockRemoved,
@@ -44,7 +46,7 @@ from shared.messages import (
     KvSnapshot,
     RoutePlaced,
 )
-from shared.values import FACTORY, Value
+from shared.values import FACTORY, StructValue, Value
 
 from .branches import Branch, BranchTable
 from .index import GPU, HOST, TIER_INDEX, TIERS, BlockIndex, tier_bit
@@ -95,33 +97,19 @@ class ApplyResult(Value):
         self.detail = detail
 
 
-class PlaceResult(Value):
+class PlaceResult(StructValue):
     """What a ``RoutePlaced`` did."""
 
     branch_id: str
     node: str
-    version: int
-    bumped: bool
+    version: int = 0
+    bumped: bool = False
     """The path did not extend the previous one: context rewritten (Alg. E.1)."""
-    rejected: str | None
-    released_nodes: list[str]
+    rejected: str | None = None
+    released_nodes: list[str] = msgspec.field(default_factory=list)
     """Same-phase sources released right away (target already held v_β)."""
-    reuse: ReuseRecord | None
+    reuse: ReuseRecord | None = None
     """Lost-reuse record (prefill placements only)."""
-
-    __slots__ = __match_args__ = ("branch_id", "node", "version", "bumped", "rejected", "released_nodes", "reuse")
-
-    def __init__(
-        self, branch_id: str, node: str, version: int = 0, bumped: bool = False, rejected: str | None = None,
-        released_nodes: Any = FACTORY, reuse: ReuseRecord | None = None,
-    ) -> None:
-        self.branch_id = branch_id
-        self.node = node
-        self.version = version
-        self.bumped = bumped
-        self.rejected = rejected
-        self.released_nodes = [] if released_nodes is FACTORY else released_nodes
-        self.reuse = reuse
 
 
 class _Stream(Value):

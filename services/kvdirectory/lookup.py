@@ -21,30 +21,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import compress
-from typing import Any
+
+import msgspec
 
 from shared.messages import FetchRange, KvLookupReply, NodePrefix
-from shared.values import FACTORY, FrozenValue, Value, set_field
+from shared.values import FrozenValue, StructValue, set_field
 
 from .index import GPU, HOST, BlockIndex, tier_bit
 
 
-class LookupResult(Value):
+class LookupResult(StructValue):
     """Answer of :meth:`KvDirectory.lookup` (all lengths in blocks)."""
 
     path_blocks: int
-    nodes: list[NodePrefix]
+    nodes: list[NodePrefix] = msgspec.field(default_factory=list)
     """Nodes with a non-empty local prefix, in node registration order."""
-    longest_any: int
-    sources: list[FetchRange]
-
-    __slots__ = __match_args__ = ("path_blocks", "nodes", "longest_any", "sources")
-
-    def __init__(self, path_blocks: int, nodes: Any = FACTORY, longest_any: int = 0, sources: Any = FACTORY) -> None:
-        self.path_blocks = path_blocks
-        self.nodes = [] if nodes is FACTORY else nodes
-        self.longest_any = longest_any
-        self.sources = [] if sources is FACTORY else sources
+    longest_any: int = 0
+    sources: list[FetchRange] = msgspec.field(default_factory=list)
 
     def to_reply(self, block_size: int) -> KvLookupReply:
         """The ``kv.lookup`` wire reply."""

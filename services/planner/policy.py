@@ -39,7 +39,7 @@ from shared.config import parse_key_values
 from shared.messages import CandidateGain, IterationRecord, NodeState, Phase, PlannerDecision
 from shared.profile import Profile
 from shared.split import assign_min_change, split_name
-from shared.values import FACTORY, FrozenValue, Value, set_field
+from shared.values import FACTORY, FrozenValue, StructValue, set_field
 
 if TYPE_CHECKING:
     from services.planner.observe import Observer
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 PLANNERS: tuple[str, ...] = ("static", "evolving", "dynamo", "arrow")
 
 
-class RequestDone(Value):
+class RequestDone(StructValue):
     """A finished request as the planner sees it (w̄ of paper §5.2, arrivals for the SLO guard).
 
     In the simulator every field is exact. The live planner builds it from the
@@ -73,25 +73,6 @@ class RequestDone(Value):
     arrived_at: float
     ttft_s: float
     e2e_s: float
-
-    __slots__ = __match_args__ = (
-        "rid", "prefill_node", "decode_node", "prompt_tokens", "cached_tokens", "output_tokens", "arrived_at", "ttft_s",
-        "e2e_s",
-    )
-
-    def __init__(
-        self, rid: str, prefill_node: str, decode_node: str, prompt_tokens: int, cached_tokens: int,
-        output_tokens: int, arrived_at: float, ttft_s: float, e2e_s: float,
-    ) -> None:
-        self.rid = rid
-        self.prefill_node = prefill_node
-        self.decode_node = decode_node
-        self.prompt_tokens = prompt_tokens
-        self.cached_tokens = cached_tokens
-        self.output_tokens = output_tokens
-        self.arrived_at = arrived_at
-        self.ttft_s = ttft_s
-        self.e2e_s = e2e_s
 
 
 class SplitDecision(FrozenValue):

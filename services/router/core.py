@@ -36,7 +36,7 @@ from typing import Any
 
 from shared.messages import KvLookupReply, NodeState, PlannerModels, PrefillWork, RequestAbort, RoutePlaced, RouteSent, SplitCommand
 from shared.subjects import check_token
-from shared.values import FACTORY, FrozenValue, Value, set_field
+from shared.values import FACTORY, FrozenValue, StructValue, set_field
 
 DECODE_BINDINGS: tuple[str, ...] = ("dispatch", "prefill-start")
 """When the decode node of a PD request is chosen: at dispatch (``PrefillWork.decode_node``),
@@ -84,7 +84,7 @@ class DecodeBinding(FrozenValue):
         return self.decode.node
 
 
-class RouteDecision(Value):
+class RouteDecision(StructValue):
     """A placement and the messages that carry it.
 
     Attributes:
@@ -107,21 +107,8 @@ class RouteDecision(Value):
     decode: DecodeChoice | None
     placed: list[RoutePlaced]
     work: PrefillWork
-    candidates: Sequence[NodeLoad]
-    decode_candidates: Sequence[NodeLoad]
-
-    __slots__ = __match_args__ = ("prefill", "decode", "placed", "work", "candidates", "decode_candidates")
-
-    def __init__(
-        self, prefill: PrefillChoice, decode: DecodeChoice | None, placed: list[RoutePlaced], work: PrefillWork,
-        candidates: Any = FACTORY, decode_candidates: Any = FACTORY,
-    ) -> None:
-        self.prefill = prefill
-        self.decode = decode
-        self.placed = placed
-        self.work = work
-        self.candidates = () if candidates is FACTORY else candidates
-        self.decode_candidates = () if decode_candidates is FACTORY else decode_candidates
+    candidates: Sequence[NodeLoad] = ()
+    decode_candidates: Sequence[NodeLoad] = ()
 
     @property
     def decode_node(self) -> str | None:

@@ -38,7 +38,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
-from shared.values import Value
+from shared.values import StructValue
 
 ABS_ERR_EDGES_S: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Bucket upper bounds (s) of the TTFT prediction error histogram (+Inf implied)."""
@@ -117,7 +117,7 @@ class Histogram:
         return out
 
 
-class TtftSample(Value):
+class TtftSample(StructValue):
     """One request's first token as the metrics saw it (simulated seconds).
 
     Read-only once built. Not ``frozen=True`` (nothing hashes it; equality is unchanged): one is
@@ -130,17 +130,6 @@ class TtftSample(Value):
     predicted_s: float | None
     measured_s: float | None
     queue_s: float | None
-
-    __slots__ = __match_args__ = ("rid", "node", "predicted_s", "measured_s", "queue_s")
-
-    def __init__(
-        self, rid: str, node: str, predicted_s: float | None, measured_s: float | None, queue_s: float | None,
-    ) -> None:
-        self.rid = rid
-        self.node = node
-        self.predicted_s = predicted_s
-        self.measured_s = measured_s
-        self.queue_s = queue_s
 
     @property
     def error_s(self) -> float | None:

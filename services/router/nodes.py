@@ -182,22 +182,12 @@ class FencedNode(FrozenValue):
         set_field(self, "cause", cause)
 
 
-class _Flight(Value):
+class _Flight(StructValue):
     prefill_node: str
     decode_node: str | None
-    first_token: bool
-    handed_off: bool
+    first_token: bool = False
+    handed_off: bool = False
     """Its decode node has the hand-off (it streamed output, or handed the work back)."""
-
-    __slots__ = __match_args__ = ("prefill_node", "decode_node", "first_token", "handed_off")
-
-    def __init__(
-        self, prefill_node: str, decode_node: str | None, first_token: bool = False, handed_off: bool = False,
-    ) -> None:
-        self.prefill_node = prefill_node
-        self.decode_node = decode_node
-        self.first_token = first_token
-        self.handed_off = handed_off
 
 
 class NodeLoadView(Value):

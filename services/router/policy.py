@@ -43,8 +43,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import msgspec
+
 from shared.messages import FetchRange, KvLookupReply, NodeState, PlannerModels, Sampling
-from shared.values import FACTORY, FrozenValue, Value, set_field
+from shared.values import FACTORY, FrozenValue, StructValue, set_field
 
 from services.router.nodes import NodeLoad
 
@@ -83,7 +85,7 @@ class RouteRequest:
         return len(self.block_hashes)
 
 
-class PrefillChoice(Value):
+class PrefillChoice(StructValue):
     """A policy's prefill decision with the numbers behind it (for the route log).
 
     Attributes:
@@ -111,32 +113,13 @@ class PrefillChoice(Value):
 
     node: str
     path: str
-    matched_blocks: int
-    match_rate: float
-    loads: dict[str, int]
-    matches: dict[str, int]
-    predicted_ttft_s: float | None
-    estimates: Sequence[Any]
-    fetch: tuple[FetchRange, ...]
-
-    __slots__ = __match_args__ = (
-        "node", "path", "matched_blocks", "match_rate", "loads", "matches", "predicted_ttft_s", "estimates", "fetch",
-    )
-
-    def __init__(
-        self, node: str, path: str, matched_blocks: int = 0, match_rate: float = 0.0, loads: Any = FACTORY,
-        matches: Any = FACTORY, predicted_ttft_s: float | None = None, estimates: Sequence[Any] = (),
-        fetch: tuple[FetchRange, ...] = (),
-    ) -> None:
-        self.node = node
-        self.path = path
-        self.matched_blocks = matched_blocks
-        self.match_rate = match_rate
-        self.loads = {} if loads is FACTORY else loads
-        self.matches = {} if matches is FACTORY else matches
-        self.predicted_ttft_s = predicted_ttft_s
-        self.estimates = estimates
-        self.fetch = fetch
+    matched_blocks: int = 0
+    match_rate: float = 0.0
+    loads: dict[str, int] = msgspec.field(default_factory=dict)
+    matches: dict[str, int] = msgspec.field(default_factory=dict)
+    predicted_ttft_s: float | None = None
+    estimates: Sequence[Any] = ()
+    fetch: tuple[FetchRange, ...] = ()
 
 
 class DecodeChoice(FrozenValue):

@@ -96,7 +96,7 @@ from typing import Any, NamedTuple, overload
 from shared.itermodel import DecodeModel, PrefillModel
 from shared.messages import FetchRange, KvLookupReply, NodeState, PlannerModels, QueuedWork
 from shared.profile import Profile
-from shared.values import FrozenValue, Value, set_field
+from shared.values import FrozenValue, StructValue, set_field
 
 from services.kvdirectory.lookup import fetch_ranges
 from services.router.nodes import NodeLoad
@@ -455,16 +455,10 @@ class _QueueFold:
         return t_open, used, qk, rst
 
 
-class _Send(Value):
+class _Send(StructValue):
     work: QueuedWork
-    seen: bool
+    seen: bool = False
     """A state of the node listed this rid (it is in, or has left, the reported queue)."""
-
-    __slots__ = __match_args__ = ("work", "seen")
-
-    def __init__(self, work: QueuedWork, seen: bool = False) -> None:
-        self.work = work
-        self.seen = seen
 
 
 class _NodeTrack:
