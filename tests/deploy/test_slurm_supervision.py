@@ -497,6 +497,57 @@ def test_sigterm_at_any_moment_stops_supervise_and_its_child():
     assert not hung, f"supervise still running 1 s after SIGTERM in {len(hung)} of 300 runs"
 
 
+STARTS_SLOWLY = """import pathlib, signal, sys, time
+time.sleep(float(sys.argv[2]))  # its imports: the service shell's handlers are not installed yet
+signal.signal(signal.SIGINT, lambda *_: sys.exit(0))  # as shared.service: SIGINT and SIGTERM stop it
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+pathlib.Path(sys.argv[1]).write_text("up")
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_sigint_to_supervise_stops_a_worker_still_starting(tmp_path):
+    """The worker step's stop is a SIGINT (stop_worker_step: srun forwards it to each task, whose supervise passes it
+    on). A worker still starting (Python importing, the service shell's handlers not installed: a loaded node after a
+    READY_TIMEOUT) had SIGINT ignored, as bash starts a background command without job control, and Python keeps an
+    ignored SIGINT ignored: the SIGINT was lost, the worker then started and ran until the job's SIGKILL STOP_GRACE
+    (50) s later (the job's stop took 50.6 s in a loaded suite). Now supervise sends SIGTERM after the SIGINT, which
+    ends a worker still starting at once and stops a started one as SIGINT does (the worker has no drain)."""
+    text = SBATCH.read_text()
+    func = re.search(r"^supervise\(\) \{\n.*?^\}\n", text, re.S | re.M)
+    assert func, "no supervise() in the sbatch"
+    child, up = tmp_path / "child.py", tmp_path / "up"
+    child.write_text(STARTS_SLOWLY)
+    script = func.group(0) + f"MAX_RESTARTS=10\nsupervise w0 {tmp_path}/w0.log {sys.executable} {child} {up} 3\n"
+    p = subprocess.Popen(["bash", "-c", script], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not any(str(child) in cmd for cmd in (Path(f"/proc/{q}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
+                                                    for q in _children(p.pid))):
+            assert time.monotonic() < deadline, "supervise did not start its child"
+            time.sleep(0.05)
+        os.kill(p.pid, signal.SIGINT)  # while the child sleeps its 3 s "imports"
+        try:
+            rc = p.wait(8)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"supervise still running 8 s after its SIGINT (its child started: {up.exists()})")
+        assert rc == 0
+        assert not up.exists(), "the child started after the stop signal"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (/proc/PID/task/PID/children)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 DRAINS = """import signal, sys, time
 name, out, drain = sys.argv[1], sys.argv[2], float(sys.argv[3])
 stop_at = None
