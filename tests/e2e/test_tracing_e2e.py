@@ -190,14 +190,20 @@ async def test_a_request_re_dispatched_after_its_decode_node_died_stays_one_trac
     """The decode node of a streaming request is SIGKILLed mid-decode; the router fences it and
     re-dispatches the rest (a continuation: new lookup, new prefill, decode on the restarted node).
     That second attempt's spans belong to the request's trace: before the fix the re-dispatched
-    ``work.prefill`` / ``work.decode`` carried no ``traceparent``, so the trace ended at the dead node."""
+    ``work.prefill`` / ``work.decode`` carried no ``traceparent``, so the trace ended at the dead node.
+
+    ``fence_after_s`` 60: the router fences w1 when its restarted process reports (its state sequence went back)
+    and the second attempt waits, parked, for it. With the default 3 s, a restart slower than 3 s (a loaded box:
+    4.7 s from the kill to the new process's first line) had w1 fenced as silent first, and the planner let w0
+    serve both phases "until they are back": the second attempt decoded on w0, in the trace too (no span was
+    lost), and no w1 ``worker.decode`` came (3 of 4 runs beside 2 CPU hogs, 2 of 3 beside 3)."""
     rid = "trace-e2e-redispatch"
     with OtlpReceiver() as rx:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", rx.url)
         monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
         spec = ClusterSpec(
             nodes=2, split="1P1D", speedup=1.0, port=0, routing="ttft", block_size=64, log_dir=str(tmp_path / "logs"),
-            ready_timeout_s=120.0, restart=True,
+            ready_timeout_s=120.0, restart=True, fence_after_s=60.0,
         )
         async with LocalCluster(spec) as cluster:
             body = {"prompt": list(range(1, 700)), "max_tokens": 1500, "stream": True, "ignore_eos": True}
