@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-__all__ = ["FACTORY", "FrozenValue", "IdentityValue", "StructValue", "Value", "set_field"]
+__all__ = ["FACTORY", "FrozenStructValue", "FrozenValue", "IdentityValue", "StructValue", "Value", "set_field"]
 
 FACTORY: Any = object()
 """Default of a field made per instance (``field(default_factory=list)``): the ``__init__``
@@ -134,6 +134,14 @@ class IdentityValue(Value):
     __hash__ = object.__hash__  # type: ignore[assignment]
 
 
+@recursive_repr()
+def _struct_repr(self: Any) -> str:
+    """:class:`Value`'s ``__repr__`` for a Struct: its fields in order, less ``_repr_skip``."""
+    skip = self._repr_skip
+    fields = ", ".join([f"{name}={getattr(self, name)!r}" for name in self.__struct_fields__ if name not in skip])
+    return f"{self.__class__.__qualname__}({fields})"
+
+
 class StructValue(msgspec.Struct):
     """What :class:`Value` gives, for a ``msgspec.Struct``: the same ``__repr__`` (``QualName(f1=...,
     f2=...)``, recursion-safe, without the fields named in ``_repr_skip``); ``==`` (same class, every
@@ -149,8 +157,15 @@ class StructValue(msgspec.Struct):
     _repr_skip: ClassVar[tuple[str, ...]] = ()
     """Fields left out of the repr (a dataclass's ``field(repr=False)``)."""
 
-    @recursive_repr()
-    def __repr__(self) -> str:
-        skip = self._repr_skip
-        fields = ", ".join([f"{name}={getattr(self, name)!r}" for name in self.__struct_fields__ if name not in skip])
-        return f"{self.__class__.__qualname__}({fields})"
+    __repr__ = _struct_repr
+
+
+class FrozenStructValue(msgspec.Struct, frozen=True):
+    """:class:`StructValue` for a :class:`FrozenValue`: hashable (the Struct's hash of its fields, not
+    ``hash`` of their tuple: for no class kept in a set or ordered by hash), and assigning raises
+    ``AttributeError`` (``FrozenInstanceError``'s base, not it). Checked as :class:`StructValue`'s are."""
+
+    _repr_skip: ClassVar[tuple[str, ...]] = ()
+    """Fields left out of the repr (a dataclass's ``field(repr=False)``)."""
+
+    __repr__ = _struct_repr

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import numpy as np
 
 from evolving_infra.traces.schema import TraceRequest
-from shared.values import FACTORY, FrozenValue, Value, set_field
+from shared.values import FACTORY, FrozenStructValue, FrozenValue, Value, set_field
 
 
 class ReplayError(ValueError):
@@ -76,22 +76,16 @@ class Arrival(FrozenValue):
             raise ReplayError("admission cap must be >= 0")
 
 
-class SendRequest(FrozenValue):
-    """Send ``req`` now; ``admission_wait_s`` > 0 only on an agent's first request."""
+class SendRequest(FrozenStructValue, frozen=True):
+    """Send ``req`` now; ``admission_wait_s`` > 0 only on an agent's first request. Frozen (one per
+    request: a :class:`FrozenStructValue`, not a ``FrozenValue`` setting each field through
+    ``object.__setattr__``)."""
 
     req: TraceRequest
     due_at: float
     """Simulated time the request became due (the send should happen then)."""
     new_branch: bool
-    admission_wait_s: float
-
-    __slots__ = __match_args__ = ("req", "due_at", "new_branch", "admission_wait_s")
-
-    def __init__(self, req: TraceRequest, due_at: float, new_branch: bool, admission_wait_s: float = 0.0) -> None:
-        set_field(self, "req", req)
-        set_field(self, "due_at", due_at)
-        set_field(self, "new_branch", new_branch)
-        set_field(self, "admission_wait_s", admission_wait_s)
+    admission_wait_s: float = 0.0
 
 
 class EndBranch(FrozenValue):

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from shared.values import FrozenValue, set_field
+from shared.values import FrozenStructValue
 
 Cause = Literal["none", "eviction", "routing", "unattributed"]
 
 
-class ReuseRecord(FrozenValue):
-    """Lost reuse of one prefill placement (blocks)."""
+class ReuseRecord(FrozenStructValue, frozen=True):
+    """Lost reuse of one prefill placement (blocks). Frozen (one per placement: a :class:`FrozenStructValue`,
+    not a ``FrozenValue`` setting each field through ``object.__setattr__``)."""
 
     ideal_blocks: int
     hit_blocks: int
@@ -45,18 +46,6 @@ class ReuseRecord(FrozenValue):
     cause: Cause
     node: str
     prev_node: str | None
-
-    __slots__ = __match_args__ = ("ideal_blocks", "hit_blocks", "lost_blocks", "cause", "node", "prev_node")
-
-    def __init__(
-        self, ideal_blocks: int, hit_blocks: int, lost_blocks: int, cause: Cause, node: str, prev_node: str | None,
-    ) -> None:
-        set_field(self, "ideal_blocks", ideal_blocks)
-        set_field(self, "hit_blocks", hit_blocks)
-        set_field(self, "lost_blocks", lost_blocks)
-        set_field(self, "cause", cause)
-        set_field(self, "node", node)
-        set_field(self, "prev_node", prev_node)
 
 
 def attribute_lost_reuse(ideal_blocks: int, hit_blocks: int, node: str, prev_node: str | None) -> tuple[int, Cause]:

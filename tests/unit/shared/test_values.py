@@ -22,7 +22,7 @@ import pytest
 
 import msgspec
 
-from shared.values import FACTORY, FrozenValue, IdentityValue, StructValue, Value
+from shared.values import FACTORY, FrozenStructValue, FrozenValue, IdentityValue, StructValue, Value
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -69,11 +69,11 @@ CLASSES = _value_classes()
 def _struct_value_classes() -> list[type]:
     for name in MODULES:
         importlib.import_module(name)
-    return sorted(_subclasses(StructValue), key=lambda c: (c.__module__, c.__qualname__))
+    return sorted(_subclasses(StructValue) + _subclasses(FrozenStructValue), key=lambda c: (c.__module__, c.__qualname__))
 
 
 STRUCT_CLASSES = _struct_value_classes()
-"""The :class:`StructValue` subclasses (msgspec Structs built per plan or state in the simulator)."""
+"""The :class:`StructValue` and :class:`FrozenStructValue` subclasses (msgspec Structs built per plan, state or request in the simulator)."""
 
 
 def _params(cls: type) -> list[inspect.Parameter]:
@@ -123,7 +123,7 @@ def _sample(cls: type, bump: str | None = None) -> dict[str, object]:
 def test_the_walk_finds_the_value_classes():
     names = {c.__qualname__ for c in CLASSES}
     assert {"HandOff", "FetchModel", "NodeLoadView", "SimStats", "LivePolicy", "_Request"} <= names
-    assert len(CLASSES) >= 39
+    assert len(CLASSES) >= 37
     assert any(issubclass(c, FrozenValue) for c in CLASSES) and any(issubclass(c, IdentityValue) for c in CLASSES)
 
 
@@ -213,6 +213,7 @@ def test_match_by_position():
 def test_the_walk_finds_the_struct_value_classes():
     names = {c.__qualname__ for c in STRUCT_CLASSES}
     assert {"IterationPlan", "PrefillChunk", "TokensOut", "NodeLoad", "RouteDecision", "PlaceResult", "LookupResult"} <= names
+    assert {"SendRequest", "ReuseRecord"} <= {c.__qualname__ for c in STRUCT_CLASSES if c.__struct_config__.frozen}
 
 
 def _struct_sample(cls: type, bump: str | None = None) -> dict[str, object]:
@@ -246,7 +247,8 @@ def test_struct_value_class_behaves_as_its_dataclass(cls):
         elif f.default is not msgspec.NODEFAULT:
             opts["default"] = f.default
         specs.append((f.name, object, dataclasses.field(**opts)))  # type: ignore[call-overload]
-    ref = dataclasses.make_dataclass(cls.__qualname__, specs, slots=True)
+    frozen = cls.__struct_config__.frozen
+    ref = dataclasses.make_dataclass(cls.__qualname__, specs, slots=True, frozen=frozen)
 
     kw = _struct_sample(cls)
     a, b, r = cls(**kw), cls(**kw), ref(**kw)
@@ -262,17 +264,26 @@ def test_struct_value_class_behaves_as_its_dataclass(cls):
             x, y = getattr(cls(**required), f.name), getattr(cls(**required), f.name)
             assert x == y and x is not y
 
-    # equality on every field; unhashable (a mutable dataclass with eq=True)
+    # equality on every field; unhashable as a mutable dataclass with eq=True, hashable when frozen
     assert a == b and not (a != b) and (a == b) == (r == ref(**kw))
     assert a.__eq__(r) is NotImplemented and a != r
     for f in fields:
         other_a, other_r = cls(**_struct_sample(cls, bump=f)), ref(**_struct_sample(cls, bump=f))
         assert (a == other_a) == (r == other_r) is False, f
-    with pytest.raises(TypeError):
-        hash(a)
+    if frozen:
+        assert hash(a) == hash(b) and {a: 1}[b] == 1
+    else:
+        with pytest.raises(TypeError):
+            hash(a)
 
-    # fields assignable, no other attribute
-    setattr(b, fields[0], kw[fields[0]])
+    # fields assignable unless frozen (AttributeError: FrozenInstanceError's base), no other attribute
+    if frozen:
+        for name in (fields[0], "not_a_field"):
+            with pytest.raises(AttributeError):
+                setattr(a, name, 1)
+        assert getattr(a, fields[0]) == kw[fields[0]]
+    else:
+        setattr(b, fields[0], kw[fields[0]])
     with pytest.raises(AttributeError):
         b.not_a_field = 1  # type: ignore[attr-defined]
 
