@@ -453,7 +453,9 @@ class GpuBlockPool:
 
     def match_prefix(self, path: Sequence[int], limit: int) -> int:
         """Number of leading blocks of ``path[:limit]`` resident in L1. O(runs on the path)."""
-        n = min(limit, len(path))
+        n = len(path)
+        if limit < n:
+            n = limit
         pos = 0
         children: dict[int, _GpuRun] | None = self.roots
         while pos < n and children:
@@ -509,7 +511,9 @@ class GpuBlockPool:
     def match_runs(self, path: Sequence[int], limit: int) -> tuple[list[_GpuRun], int]:
         """:meth:`match_prefix` and the runs that hold the match, root first (the last may go
         on past it), for :meth:`_acquire_runs_if_room` before L1 changes. O(runs on the path)."""
-        n = min(limit, len(path))
+        n = len(path)
+        if limit < n:
+            n = limit
         pos = 0
         runs: list[_GpuRun] = []
         children: dict[int, _GpuRun] | None = self.roots
@@ -1166,7 +1170,9 @@ class RunHostPool:
                 r = q.first()
                 if r is None:
                     break
-                t = min(len(r.keys), e)
+                t = len(r.keys)
+                if e < t:
+                    t = e
                 self._cut_tail(r, t, out)
                 e -= t
         if e > 0:
@@ -1189,7 +1195,9 @@ class RunHostPool:
 
     def match_from(self, path: Sequence[int], start: int, limit: int) -> int:
         """Number of consecutive blocks ``path[start:limit]`` present in L2. O(runs)."""
-        n = min(limit, len(path))
+        n = len(path)
+        if limit < n:
+            n = limit
         if start >= n:
             return 0
         g = self.gpu.match_prefix(path, n)
@@ -1202,7 +1210,9 @@ class RunHostPool:
 
     def match_after_l1(self, path: Sequence[int], start: int, limit: int) -> int:
         """:meth:`match_from` where ``start`` is the end of the path's L1 prefix. O(runs)."""
-        n = min(limit, len(path))
+        n = len(path)
+        if limit < n:
+            n = limit
         if start >= n:
             return 0
         return self._match_runs(path, start, n) - start
@@ -1277,7 +1287,9 @@ class RunHostPool:
         ``BlockRemoved(host)`` for evictions and one ``BlockStored(host)`` per run
         of new pages. Returns the pages stored. O(runs + pages of the path).
         """
-        n = min(hi, len(path))
+        n = len(path)
+        if hi < n:
+            n = hi
         if lo >= n:
             return 0
         ranges = [(max(s, lo), e) for s, e, kind, _ in self._locate(path, n) if kind == _MISSING and e > lo]
@@ -1294,7 +1306,9 @@ class RunHostPool:
                 keys = r.keys
                 d = r.depth
                 c = _common(keys, path, d, n) if d < n and path[d] == keys[0] else 0
-                t = min(len(keys) - c, need)
+                t = len(keys) - c
+                if need < t:
+                    t = need
                 if t > 0 and holds:
                     need -= self._evict_free(r, c, t, evicted)
                 elif t > 0:
@@ -1448,11 +1462,15 @@ def _agree(keys: list[int], off: int, seq: Sequence[int], i: int, n: int) -> int
     seq[i]``. ``seq`` is any list of hashes (a count message, not a path), so equal last
     pages do not imply equal stretches: slices of doubling length are compared, O(length)
     in C and O(log length) Python steps (a message in no order costs O(1) per entry)."""
-    size = min(len(keys) - off, n - i)
+    size = len(keys) - off
+    if n - i < size:
+        size = n - i
     k = 1
     step = 4
     while k < size:
-        e = min(size, k + step)
+        e = k + step
+        if size < e:
+            e = size
         a = keys[off + k : off + e]
         b = seq[i + k : i + e]
         if a != b:
@@ -2245,7 +2263,9 @@ class BranchRunHostPool(RunHostPool):
             if r is None:  # queued (the caller's stretch): some run holds it
                 raise KvInvariantError(f"queued page {hashes[i]} at depth {d} is in no L2 run")
             o = d - r.depth
-            m = min(k, len(r.keys) - o)
+            m = len(r.keys) - o
+            if k < m:
+                m = k
             out.append((r, o, m))
             i += m
             d += m
