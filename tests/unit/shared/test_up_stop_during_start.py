@@ -49,7 +49,7 @@ async def test_up_stopped_during_start_up_lets_the_cluster_stop_finish(monkeypat
     monkeypatch.setattr(launcher, "LocalCluster", SlowToStopCluster)
     monkeypatch.setattr(launcher, "_stop_on_signals", stop_soon)
     assert launcher.CLUSTER_STOP_GRACE_S > 10.0  # LocalCluster.stop's own wait for its services
-    status = await launcher._up(argparse.Namespace(host="127.0.0.1", port=0))
+    status = await launcher._up(argparse.Namespace(host="127.0.0.1", port=0, log_dir=None))
     assert status == 0
     assert events == ["stopping", "stopped", "creds removed"], events
 
@@ -89,6 +89,6 @@ async def test_up_stops_a_cluster_whose_start_finished_despite_its_cancel(monkey
     monkeypatch.setattr(launcher, "port_unavailable", lambda host, port: None)
     monkeypatch.setattr(launcher, "LocalCluster", LostCancelCluster)
     monkeypatch.setattr(launcher, "_stop_on_signals", stop_soon)
-    status = await launcher._up(argparse.Namespace(host="127.0.0.1", port=0))
+    status = await launcher._up(argparse.Namespace(host="127.0.0.1", port=0, log_dir=None))
     assert status == 0
     assert events == ["started", "stopped", "creds removed"], events
