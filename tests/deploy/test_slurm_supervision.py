@@ -520,7 +520,11 @@ def test_sigint_to_supervise_stops_a_worker_still_starting(tmp_path):
     child, up = tmp_path / "child.py", tmp_path / "up"
     child.write_text(STARTS_SLOWLY)
     script = func.group(0) + f"MAX_RESTARTS=10\nsupervise w0 {tmp_path}/w0.log {sys.executable} {child} {up} 3\n"
-    p = subprocess.Popen(["bash", "-c", script], start_new_session=True)
+    # SIGINT at its default in bash, whatever the runner's: a runner started as a background job (`make test &`,
+    # nohup, a CI agent) ignores SIGINT, bash inherits that, and a non-interactive bash cannot trap a signal ignored
+    # at its entry (the trap would be silently void and this test would fail for the runner's reason, not supervise's)
+    p = subprocess.Popen(["bash", "-c", script], start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         deadline = time.monotonic() + 10
         while not any(str(child) in cmd for cmd in (Path(f"/proc/{q}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ")
