@@ -1468,7 +1468,7 @@ async def _demo(args: argparse.Namespace) -> int:
 
 async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     from evolving_infra.replay.core import Arrival
-    from evolving_infra.out_folder import PREVIOUS, OutFolderError, check_previous_run, hold_out, set_aside_previous_run
+    from evolving_infra.out_folder import OutFolderError, check_previous_run, hold_out, set_aside_note, set_aside_previous_run
     from evolving_infra.replay.live import LiveReplayer, RecordAppender
     from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
     from evolving_infra.report.write import REQUESTS_JSONL, build_report, print_summary, report_line, write_report
@@ -1601,8 +1601,7 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
             print(f"error: --out {out}: {e}", file=sys.stderr, flush=True)
             return 1
         if moved:
-            print(f"demo: the outputs in {out} this run would overwrite moved to {out / PREVIOUS}/ ({', '.join(moved)}; "
-                  "it keeps only the last run's)", flush=True)
+            print(set_aside_note("demo", out, moved), flush=True)
         try:
             append = RecordAppender(out / REQUESTS_JSONL)
         except OSError as e:

@@ -212,6 +212,13 @@ def set_aside_previous_run(out: Path) -> list[str]:
     return names
 
 
+def set_aside_note(command: str, out: Path, moved: list[str]) -> str:
+    """The line ``command`` (``replay``, ``demo``, ``simulate``) shows for what :func:`set_aside_previous_run` moved
+    (``moved``, not empty)."""
+    return (f"{command}: the outputs in {out} this run would overwrite moved to {out / PREVIOUS}/ ({', '.join(moved)}; "
+            "it keeps only the last run's)")
+
+
 def _new_folder(out: Path, tag: str) -> Path:
     """A new empty folder ``out/.previous.<tag>-<pid>-<n>`` (the first ``n`` free), made with the process's umask
     as ``previous/`` itself would be. Raises OSError when it cannot be made."""

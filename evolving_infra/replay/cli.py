@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from evolving_infra.out_folder import LOCK, PREVIOUS, OutFolderError, check_previous_run, hold_out, set_aside_previous_run  # noqa: F401 - re-exported (the tests import them from here)
+from evolving_infra.out_folder import LOCK, PREVIOUS, OutFolderError, check_previous_run, hold_out, set_aside_note, set_aside_previous_run  # noqa: F401 - re-exported (the tests import them from here)
 from evolving_infra.replay.core import Arrival, ReplayError
 from evolving_infra.stdio_args import STDIO, folder, shown, stdin_file
 from services.router.config import RouterConfig
@@ -147,8 +147,7 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
         print(f"error: --out {out}: {e}", file=sys.stderr)
         return 2
     if moved:
-        print(f"replay: the outputs in {out} this run would overwrite moved to {out / PREVIOUS}/ ({', '.join(moved)}; "
-              f"it keeps only the last run's)", file=sys.stderr)
+        print(set_aside_note("replay", out, moved), file=sys.stderr)
     run_id = uuid.uuid4().hex[:12]
     prefix = f"{run_id}:" if args.branch_prefix is None else args.branch_prefix
     too_long = longest_sent_id(trace.requests, prefix)

@@ -331,7 +331,7 @@ def _simulate_held(args: argparse.Namespace, cfg: SimConfig, requests: Any, bs: 
     except (SimConfigError, ComponentMissing, ReplayError) as e:  # a component's bad option (--planner-opt ...) names itself
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from evolving_infra.out_folder import PREVIOUS, OutFolderError, set_aside_previous_run
+    from evolving_infra.out_folder import OutFolderError, set_aside_note, set_aside_previous_run
 
     try:  # only now, before the first output: a run that failed or was interrupted leaves the earlier one's in place
         moved = set_aside_previous_run(out)
@@ -339,8 +339,7 @@ def _simulate_held(args: argparse.Namespace, cfg: SimConfig, requests: Any, bs: 
         print(f"error: --out {out}: {e}; this run's report was not written", file=sys.stderr)
         return 2
     if moved:
-        print(f"simulate: the outputs in {out} this run would overwrite moved to {out / PREVIOUS}/ ({', '.join(moved)}; "
-              f"it keeps only the last run's)", file=sys.stderr)
+        print(set_aside_note("simulate", out, moved), file=sys.stderr)
     try:  # OUT was made before the run (hold_out); taken back by the caller when left empty
         path = write_report(out, res.report, res.records, plots=not args.no_plots)
         write_decisions(out, res.stats.planner_decisions)
