@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 PREVIOUS = "previous"
@@ -87,6 +87,19 @@ def hold_out(out: Path) -> Iterator[None]:
         except OSError:
             pass  # gone already, or OUT no longer writable: the lock is released all the same
         os.close(fd)
+
+
+def hold_new_out(held: ExitStack, out: Path) -> None:
+    """Make ``out`` (and its missing parents) and hold it (:func:`hold_out`) until ``held`` closes; the folders made
+    here are removed again after the lock's release when the run left them empty (``traces.io.remove_folders``).
+
+    Raises:
+        OutFolderError, OSError: as :func:`hold_out`; OSError also when ``out`` cannot be made.
+    """
+    from evolving_infra.traces.io import make_folders, remove_folders
+
+    held.callback(remove_folders, make_folders(out))  # registered first: runs after the lock's release
+    held.enter_context(hold_out(out))
 
 
 def check_previous_run(out: Path) -> list[str]:

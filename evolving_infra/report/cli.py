@@ -104,14 +104,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     from contextlib import ExitStack
 
-    from evolving_infra.out_folder import OutFolderError, hold_out
-    from evolving_infra.traces.io import make_folders, remove_folders
+    from evolving_infra.out_folder import OutFolderError, hold_new_out
 
     out = Path(args.out)
     with ExitStack() as held:  # OUT held while it is written, as a run's: a second writer into it stops here
         try:
-            held.callback(remove_folders, make_folders(out))  # after the lock's release: OUT back out if left empty
-            held.enter_context(hold_out(out))
+            hold_new_out(held, out)  # OUT made and held; taken back after the lock's release when left empty
         except (OutFolderError, OSError) as e:
             print(f"error: --out {out}: {e}", file=sys.stderr)
             return 2

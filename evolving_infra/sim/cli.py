@@ -272,7 +272,7 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
     import evolving_infra.report.write  # noqa: F401 - imported here, as the run's modules, while the trace inflates
     import evolving_infra.sim.run  # noqa: F401 - (inflate_ahead); used by _simulate_held
     from evolving_infra.sim.config import SimConfigError
-    from evolving_infra.traces.io import make_folders, output_error, remove_folders
+    from evolving_infra.traces.io import output_error
 
     t0 = time.monotonic()
     try:
@@ -286,12 +286,11 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
     out = Path(args.out)
     from contextlib import ExitStack
 
-    from evolving_infra.out_folder import OutFolderError, check_previous_run, hold_out
+    from evolving_infra.out_folder import OutFolderError, check_previous_run, hold_new_out
 
     with ExitStack() as held:  # OUT's lock (hold_out), from before the input is read to the end of the report
         try:  # before the input is read: a second run into OUT stops here, as replay's and demo's do
-            held.callback(remove_folders, make_folders(out))  # after the lock's release: OUT back out if left empty
-            held.enter_context(hold_out(out))
+            hold_new_out(held, out)  # OUT made and held; taken back after the lock's release when left empty
             if not args.sweep:  # a sweep writes no file of those names in OUT
                 check_previous_run(out)  # its refusals now; the set-aside itself once the run has ended
         except (OutFolderError, OSError) as e:

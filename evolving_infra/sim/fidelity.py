@@ -352,8 +352,7 @@ def add_fidelity_args(p: argparse.ArgumentParser) -> None:
 def cmd_fidelity(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
-    from evolving_infra.out_folder import OutFolderError, hold_out
-    from evolving_infra.traces.io import make_folders, remove_folders
+    from evolving_infra.out_folder import OutFolderError, hold_new_out
     from shared.log import setup_logging
 
     setup_logging("console", "warning")
@@ -372,8 +371,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     out = Path(args.out)
     with ExitStack() as held:  # OUT held for the whole run, as replay's and demo's: a second run into it stops here
         try:
-            held.callback(remove_folders, make_folders(out))  # after the lock's release: OUT back out if left empty
-            held.enter_context(hold_out(out))
+            hold_new_out(held, out)  # OUT made and held; taken back after the lock's release when left empty
         except (OutFolderError, OSError) as e:
             print(f"error: --out {out}: {e}", file=sys.stderr)
             return 2
