@@ -1536,9 +1536,14 @@ class RouterService(WatchedService):
         entries, ``shared.validate``). O(tokens of the chunk); changes nothing."""
         if not (chunk.logprobs or chunk.top_ids or chunk.top_logprobs):
             return False
-        sp = p.rreq.sampling if p.rreq is not None else None
-        k = None if sp is None else sp.logprobs
+        k = self._asked_logprobs(p)
         return k is None or any(len(x) > k for x in chunk.top_ids) or any(len(x) > k for x in chunk.top_logprobs)
+
+    @staticmethod
+    def _asked_logprobs(p: _Pending) -> int | None:
+        """The top log-probabilities a token ``p`` asked for (its ``Sampling.logprobs``): None, none at all."""
+        sp = p.rreq.sampling if p.rreq is not None else None
+        return None if sp is None else sp.logprobs
 
     def _bad_logprobs(self, p: _Pending, chunk: m.TokenChunk) -> None:
         """``chunk`` (of ``p``'s current attempt, from a node that serves its stream) carries more log-probabilities
@@ -1551,8 +1556,7 @@ class RouterService(WatchedService):
         stream's last no later chunk was held, so no gap wait began and its client waited ``request_timeout_s``
         (600 s) for a 504 (reviewer rr-sec); before 90e76c0 one in order was taken (its response cut each top list
         to k) and one held kept all its entries until the gap filled."""
-        sp = p.rreq.sampling if p.rreq is not None else None
-        k = None if sp is None else sp.logprobs
+        k = self._asked_logprobs(p)
         most = max([len(x) for x in chunk.top_ids] + [len(x) for x in chunk.top_logprobs], default=0)
         asked = "none" if k is None else str(k)
         why = (f"malformed output from node {chunk.node}: a token chunk at index {chunk.index} carries "
