@@ -362,8 +362,9 @@ def max_token_chars(spec: dict[str, Any]) -> int | None:
         return None
     vocab: dict[str, Any] = model["vocab"]
     if _has_byte_level(pre):
-        from_bytes = _byte_level_symbols()
-        if not all(ch in vocab for ch in from_bytes):
+        from tokenizers.pre_tokenizers import ByteLevel  # the 256 symbols GPT-2's byte-level maps bytes to
+
+        if not all(ch in vocab for ch in ByteLevel.alphabet()):
             return None
     elif not (model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256))):
         return None
@@ -372,19 +373,6 @@ def max_token_chars(spec: dict[str, Any]) -> int | None:
         return None
     longest = max((len(t) for t in vocab), default=0)
     return max([longest, *(len(t["content"]) for t in added)]) or None
-
-
-def _byte_level_symbols() -> list[str]:
-    """The 256 characters GPT-2's byte-level pre-tokenizer maps the bytes to (``bytes_to_unicode``)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out, extra = [], 0
-    for b in range(256):
-        if b in keep:
-            out.append(chr(b))
-        else:
-            out.append(chr(256 + extra))
-            extra += 1
-    return out
 
 
 def min_prompt_tokens(tok: Any, text: str) -> int:

@@ -25,7 +25,7 @@ import pytest
 
 from services.router import api
 from services.router.service import RouterService
-from shared.tokenizer import HFTokenizer, SimTokenizer, _byte_level_symbols, max_token_chars, min_prompt_tokens
+from shared.tokenizer import HFTokenizer, SimTokenizer, max_token_chars, min_prompt_tokens
 from tests.unit.router.helpers import write_bpe_tokenizer
 
 CTX = 1024
@@ -156,7 +156,9 @@ def test_the_bound_never_exceeds_the_count(bpe: HFTokenizer) -> None:
 def test_tokenizers_without_a_bound_have_none() -> None:
     assert min_prompt_tokens(SimTokenizer(), "x" * 10_000_000) == 0  # the sim tokenizer's words have no length bound
     plain = {"type": "BPE", "vocab": {chr(b): b for b in range(256)} | {"abc": 300}, "byte_fallback": False}
-    alphabet = _byte_level_symbols()  # the 256 symbols of GPT-2's byte-level alphabet
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = sorted(ByteLevel.alphabet())  # the 256 symbols of GPT-2's byte-level alphabet
     full = {"type": "BPE", "vocab": {c: i for i, c in enumerate(alphabet)} | {"abcd": 300}}
     ok = {"model": full, "pre_tokenizer": {"type": "ByteLevel"}, "normalizer": None, "truncation": None, "added_tokens": []}
     assert max_token_chars(ok) == 4
@@ -265,8 +267,3 @@ def test_a_chat_over_max_prompt_tokens_names_messages() -> None:
     assert e.param == "messages" and e.reason.startswith("prompt has ") and e.reason.endswith("tokens; at most 10 allowed")
     e = _refusal(svc, {"prompt": " ".join(["word"] * 50)}, ctx=0)
     assert e.param == "prompt"
-
-
-def test_the_byte_level_alphabet_is_gpt2s() -> None:
-    tokenizers = pytest.importorskip("tokenizers")
-    assert sorted(_byte_level_symbols()) == sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
