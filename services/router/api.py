@@ -771,9 +771,11 @@ def _check_tool_calls(messages: list[ChatMessage]) -> None:
     """Each of a message's ``tool_calls`` is OpenAI's ``ChatCompletionMessageToolCallParam`` (vLLM's requests take
     the same TypedDict, all keys required): ``{"id": str, "type": "function", "function": {"name": str,
     "arguments": str}}``; ``arguments`` is the call's JSON text, not parsed here (OpenAI: the model does not
-    always generate valid JSON). Other keys are ignored, as vLLM's. The name must be non-empty, as a tool's
-    (:func:`_check_tools`): a call to no function. Unchecked, any shape (``[{}]``, arguments as an object) was
-    served, rendered into the prompt as sent (or a template's error, a 400 naming only ``messages``).
+    always generate valid JSON), or the arguments as a JSON object, as newer vLLM takes them (its
+    ``_postprocess_messages`` hands an object to the template as it is; before, that was a 400 here). Other keys
+    are ignored, as vLLM's. The name must be non-empty, as a tool's (:func:`_check_tools`): a call to no function.
+    Unchecked, any shape (``[{}]``, arguments as a number) was served, rendered into the prompt as sent (or a
+    template's error, a 400 naming only ``messages``).
 
     Raises:
         ApiError: 400 naming the message and the field (``messages[i].tool_calls[j].function.arguments``).
@@ -793,9 +795,9 @@ def _check_tool_calls(messages: list[ChatMessage]) -> None:
             if not isinstance(name, str) or not name:
                 raise ApiError(400, f"{where}.function.name must be a non-empty string", param=f"{where}.function.name")
             args = fn.get("arguments")
-            if not isinstance(args, str):
+            if not isinstance(args, (str, dict)):
                 raise ApiError(
-                    400, f"{where}.function.arguments must be a string (the arguments' JSON text), got {_json_type(args)}",
+                    400, f"{where}.function.arguments must be a string (the arguments' JSON text) or an object, got {_json_type(args)}",
                     param=f"{where}.function.arguments",
                 )
 
@@ -824,8 +826,12 @@ def _template_arguments(text: str) -> Any:
 def _template_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """An assistant message's ``tool_calls`` (checked by :func:`_check_tool_calls`) as a chat template gets them:
     copies whose ``function.arguments`` is :func:`_template_arguments` of the text (transformers' and vLLM's: a
-    template such as Qwen2.5's writes ``arguments | tojson``, which double-encoded the text)."""
-    return [{**c, "function": {**c["function"], "arguments": _template_arguments(c["function"]["arguments"])}} for c in calls]
+    template such as Qwen2.5's writes ``arguments | tojson``, which double-encoded the text), or the object the
+    client sent, as it is (vLLM's)."""
+    def args(a: str | dict[str, Any]) -> dict[str, Any] | Any:
+        return a if isinstance(a, dict) else _template_arguments(a)
+
+    return [{**c, "function": {**c["function"], "arguments": args(c["function"]["arguments"])}} for c in calls]
 
 
 def chat_messages(req: ChatRequest | TokenizeChatRequest) -> list[dict[str, Any]]:

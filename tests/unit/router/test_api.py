@@ -377,7 +377,8 @@ def test_a_malformed_tool_call_of_a_message_is_a_400_naming_the_message():
     were not checked: ``[{}]``, a call without a function or with its arguments as an object were served 200
     with the sim tokenizer (rendered into the prompt as sent) and failed an HF chat template with a 400 that
     named only ``messages``. Each is now a 400 naming the message, the call and the field, on
-    ``/v1/chat/completions`` and ``/tokenize`` alike."""
+    ``/v1/chat/completions`` and ``/tokenize`` alike. ``arguments`` as an object is served, as newer vLLM serves it
+    (it was a 400 here); another type (array, number, boolean, null) is a 400."""
     def says(calls: object, match: str, param: str) -> None:
         msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": calls},
                 {"role": "tool", "content": "out", "tool_call_id": "c1"}]
@@ -397,12 +398,15 @@ def test_a_malformed_tool_call_of_a_message_is_a_400_naming_the_message():
     says([{**good, "function": "ls"}], "function must be an object", "messages[1].tool_calls[0].function")
     says([{**good, "function": {"arguments": "{}"}}], "name must be a non-empty string", "messages[1].tool_calls[0].function.name")
     says([{**good, "function": {"name": 3, "arguments": "{}"}}], "name must be a non-empty string", "messages[1].tool_calls[0].function.name")
-    says([{**good, "function": {"name": "ls"}}], "arguments must be a string .* got null", "messages[1].tool_calls[0].function.arguments")
-    says([{**good, "function": {"name": "ls", "arguments": {"path": "/"}}}], "arguments must be a string .* got object",
-         "messages[1].tool_calls[0].function.arguments")
+    says([{**good, "function": {"name": "ls"}}], "arguments must be a string .* or an object, got null", "messages[1].tool_calls[0].function.arguments")
+    for other, kind in ((["/"], "array"), (3, "number"), (True, "boolean")):
+        says([{**good, "function": {"name": "ls", "arguments": other}}], f"arguments must be a string .* or an object, got {kind}",
+             "messages[1].tool_calls[0].function.arguments")
     # the OpenAI shape is served (unknown keys too, as vLLM's TypedDicts ignore them); arguments are not parsed
-    # (OpenAI: "the model does not always generate valid JSON"); an empty list is no call
-    for calls in ([good], [good, {**good, "id": "", "extra": 1, "function": {"name": "f", "arguments": "not json"}}], []):
+    # (OpenAI: "the model does not always generate valid JSON"); an empty list is no call; arguments as an object
+    # are served as newer vLLM serves them (they were a 400 here)
+    obj = {**good, "function": {"name": "ls", "arguments": {"path": "/"}}}
+    for calls in ([good], [good, {**good, "id": "", "extra": 1, "function": {"name": "f", "arguments": "not json"}}], [], [obj], [good, obj]):
         body = msgspec.json.encode({"messages": [{"role": "assistant", "content": None, "tool_calls": calls}]})
         assert api.parse_chat(body).messages[0].tool_calls == calls
         assert api.parse_tokenize(body).messages[0].tool_calls == calls
@@ -702,6 +706,12 @@ def test_chat_messages_give_a_template_an_assistant_calls_arguments_as_an_object
     req = api.parse_chat(msgspec.json.encode(body))
     msgs = api.chat_messages(req)
     assert [c["function"]["arguments"] for c in msgs[1]["tool_calls"]] == [{"city": "Paris", "unit": "°C"}, {}, {}, {}, {}, {}]
+    # arguments sent as an object reach the template as they are (vLLM's), an empty one too
+    as_obj = {"messages": [body["messages"][0], {"role": "assistant", "content": None, "tool_calls": [
+        {**calls[0], "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}},
+        {**calls[0], "function": {"name": "f", "arguments": {}}}]}]}  # fmt: skip
+    got = api.chat_messages(api.parse_chat(msgspec.json.encode(as_obj)))[1]["tool_calls"]
+    assert [c["function"]["arguments"] for c in got] == [{"city": "Paris", "unit": "°C"}, {}]
     assert msgs[1]["tool_calls"][0] == {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}}
     assert "tool_calls" not in msgs[3]
     assert req.messages[1].tool_calls == calls and req.messages[3].tool_calls == []  # the request as sent
@@ -715,3 +725,5 @@ def test_chat_messages_give_a_template_an_assistant_calls_arguments_as_an_object
     text = tok.decode(api.render_chat(tok, api.parse_chat(msgspec.json.encode(one))), skip_special_tokens=False)
     # what the model wrote for the call (toolcalls.parse_body's json.dumps of it), not a JSON string of it
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>' in text, text
+    one_obj = {"messages": as_obj["messages"][:1] + [{**as_obj["messages"][1], "tool_calls": as_obj["messages"][1]["tool_calls"][:1]}]}
+    assert tok.decode(api.render_chat(tok, api.parse_chat(msgspec.json.encode(one_obj))), skip_special_tokens=False) == text
