@@ -60,11 +60,29 @@ class Tokenizer(Protocol):
         ``skip_special_tokens``; an echoed token-id prompt keeps them, as vLLM's)."""
         ...
 
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary piece as the vocabulary spells it (byte-level BPE's ``Ġhello``, special tokens
+        shown), as transformers' ``convert_ids_to_tokens`` (vLLM's ``/tokenize`` ``token_strs``); an id outside the
+        vocabulary gives ``""``."""
+        ...
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
+        add_generation_prompt: bool = True, continue_final_message: bool = False,
+    ) -> str:
+        """The chat template's text of a chat, the very string :meth:`apply_chat_template` encodes (flags as
+        there).
+
+        Raises:
+            ValueError: as :meth:`apply_chat_template`.
+        """
+        ...
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
         add_generation_prompt: bool = True, continue_final_message: bool = False, add_special_tokens: bool = False,
     ) -> list[int]:
-        """Token ids of a chat, ending with the assistant generation prompt (``add_generation_prompt``, the
+        """Token ids of a chat (``encode(render_chat(...), add_special_tokens=add_special_tokens)``), ending with the assistant generation prompt (``add_generation_prompt``, the
         default) or after the last message's end of turn (False), or inside the last message
         (``continue_final_message``: its text left open, no end of turn, as transformers' / vLLM's);
         ``add_special_tokens`` adds the model's special tokens (BOS) on top of the template's.
@@ -273,13 +291,27 @@ class SimTokenizer:
         """The tokens :meth:`decode` leaves out by default: none in the sim vocabulary (``{}``)."""
         return {}
 
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Each id's placeholder word (:meth:`word`; the sim vocabulary has no other spelling); ``""`` for an id
+        outside the vocabulary, as transformers' (which gives None, and vLLM "")."""
+        w, n = self.word, self.vocab_size
+        return [w(i) if 0 <= i < n else "" for i in map(int, ids)]
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
+        add_generation_prompt: bool = True, continue_final_message: bool = False,
+    ) -> str:
+        """ChatML rendering of ``messages`` (+ tools) (flags: :class:`Tokenizer`). Raises ValueError for both flags
+        true."""
+        return _render_chatml(messages, tools, add_generation_prompt, continue_final_message)
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
         add_generation_prompt: bool = True, continue_final_message: bool = False, add_special_tokens: bool = False,
     ) -> list[int]:
-        """ChatML rendering of ``messages`` (+ tools) encoded with :meth:`encode` (flags: :class:`Tokenizer`;
-        ``add_special_tokens`` changes nothing here). Raises ValueError for both flags true."""
-        return self.encode(_render_chatml(messages, tools, add_generation_prompt, continue_final_message))
+        """:meth:`render_chat` encoded with :meth:`encode` (flags: :class:`Tokenizer`; ``add_special_tokens``
+        changes nothing here). Raises ValueError for both flags true."""
+        return self.encode(self.render_chat(messages, tools, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message))
 
 
 # --------------------------------------------------------------------------- #
@@ -495,25 +527,42 @@ class HFTokenizer:
         vLLM)."""
         return {int(i): str(t.content) for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
-    def apply_chat_template(
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary piece (``tokenizers``' ``id_to_token``: ``Ġhello`` in byte-level BPE, ``▁hello`` in
+        SentencePiece, special tokens as written), as transformers' ``convert_ids_to_tokens``; ``""`` for an id
+        outside the vocabulary (transformers gives None; vLLM replaces it with "")."""
+        piece = self._tok.id_to_token
+        return [piece(int(i)) or "" for i in ids]
+
+    def render_chat(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
-        add_generation_prompt: bool = True, continue_final_message: bool = False, add_special_tokens: bool = False,
-    ) -> list[int]:
-        """Render the model's chat template and encode it, the model's special tokens added only with
-        ``add_special_tokens`` (flags: :class:`Tokenizer`; ``continue_final_message`` cuts the rendering
-        as transformers does, :func:`continue_final`).
+        add_generation_prompt: bool = True, continue_final_message: bool = False,
+    ) -> str:
+        """The model's chat template rendered (ChatML without one; flags: :class:`Tokenizer`;
+        ``continue_final_message`` cuts the rendering as transformers does, :func:`continue_final`).
 
         Raises:
             ValueError: both flags true, or a final message that cannot be continued.
         """
         if self._template is None:
-            text = _render_chatml(messages, tools, add_generation_prompt, continue_final_message)
-        else:
-            template = self._template
-            text = _render_chat(
-                lambda msgs, gen: template.render(messages=msgs, tools=tools, add_generation_prompt=gen, **self._special),
-                messages, add_generation_prompt, continue_final_message,
-            )
+            return _render_chatml(messages, tools, add_generation_prompt, continue_final_message)
+        template = self._template
+        return _render_chat(
+            lambda msgs, gen: template.render(messages=msgs, tools=tools, add_generation_prompt=gen, **self._special),
+            messages, add_generation_prompt, continue_final_message,
+        )
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
+        add_generation_prompt: bool = True, continue_final_message: bool = False, add_special_tokens: bool = False,
+    ) -> list[int]:
+        """:meth:`render_chat` encoded, the model's special tokens added only with ``add_special_tokens`` (flags:
+        :class:`Tokenizer`).
+
+        Raises:
+            ValueError: both flags true, or a final message that cannot be continued.
+        """
+        text = self.render_chat(messages, tools, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
         return self._encode(text, add_special_tokens)
 
     def output_ids(self) -> list[int]:

@@ -674,19 +674,24 @@ def _check_generation_prompt(req: ChatRequest | TokenizeChatRequest) -> None:
         raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", param="continue_final_message")
 
 
-def render_chat(tokenizer: Any, req: ChatRequest | TokenizeChatRequest) -> list[int]:
+def render_chat(tokenizer: Any, req: ChatRequest | TokenizeChatRequest, check: Callable[[str], None] | None = None) -> list[int]:
     """The prompt ids of a chat request: its messages and tools through ``tokenizer``'s chat template with
-    the request's ``add_generation_prompt`` / ``continue_final_message`` / ``add_special_tokens``
-    (``shared.tokenizer.Tokenizer.apply_chat_template``); what ``/v1/chat/completions`` serves and
-    ``/tokenize`` counts.
+    the request's ``add_generation_prompt`` / ``continue_final_message`` (``Tokenizer.render_chat``), the text
+    encoded with ``add_special_tokens`` (what ``Tokenizer.apply_chat_template`` gives); what ``/v1/chat/completions``
+    serves and ``/tokenize`` counts. ``check``: called with the rendered text before it is encoded (a template
+    may drop text, so a bound on the tokens of a prompt holds for this string, not for the messages).
 
     Raises:
         ValueError (or the template's own error): a conversation the template refuses.
+        ApiError: what ``check`` raises.
     """
-    return tokenizer.apply_chat_template(
-        chat_messages(req), req.tools, add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message, add_special_tokens=req.add_special_tokens,
+    text = tokenizer.render_chat(
+        chat_messages(req), req.tools, add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
     )
+    if check is not None:
+        check(text)
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    return ids
 
 
 def reply_role(req: ChatRequest) -> str:

@@ -2706,9 +2706,9 @@ class RouterService(WatchedService):
     async def _tokenize(self, request: Request) -> Response:
         """``POST /tokenize`` (vLLM's): a prompt or chat messages tokenized as the router tokenizes them for
         ``/v1/completions`` / ``/v1/chat/completions`` (``count`` = that request's ``usage.prompt_tokens``).
-        A body over ``_BIG_TEXT`` bytes is parsed, tokenized and (``return_token_strs``, one decode per id:
-        1.2 s for the 1M ids of a 5.5 MB prompt) decoded, and the answer encoded (``api.tokenize_response_json``),
-        in a worker thread, off the event loop."""
+        ``return_token_strs``: each id's vocabulary piece (``Tokenizer.convert_ids_to_tokens``, vLLM's). A body over
+        ``_BIG_TEXT`` bytes is parsed, tokenized, its pieces listed and the answer encoded
+        (``api.tokenize_response_json``) in a worker thread, off the event loop."""
 
         def run(body: bytes) -> bytes:
             req = api.parse_tokenize(body)
@@ -2721,7 +2721,8 @@ class RouterService(WatchedService):
             except Exception as e:  # a chat template may raise on a malformed conversation
                 raise api.ApiError(400, f"cannot tokenize: {e}", param="messages" if isinstance(req, api.TokenizeChatRequest) else "prompt") from e
             ids = [int(t) for t in ids]
-            strs = [self._token_text(t) for t in ids] if req.return_token_strs else None
+            # vLLM's token_strs: each id's vocabulary piece (convert_ids_to_tokens), special tokens shown
+            strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
             return api.tokenize_response_json(ids, max_model_len, strs)
 
         max_model_len = self.max_model_len  # read here, on the loop: the node view is not read from a worker thread
@@ -2966,7 +2967,8 @@ class RouterService(WatchedService):
             self._check_prompt_len(min_prompt_tokens(self.tokenizer, prompt), ctx, part, at_least=True)
         try:
             if chat:
-                ids = api.render_chat(self.tokenizer, req)
+                # bounded as a text prompt, on the template's text (what is tokenized; a template may drop text)
+                ids = api.render_chat(self.tokenizer, req, lambda text: self._check_prompt_len(min_prompt_tokens(self.tokenizer, text), ctx, part, at_least=True))
             elif isinstance(prompt, str):
                 ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
             else:
@@ -3716,8 +3718,11 @@ class RouterService(WatchedService):
             self._forget(p)
 
     def _token_text(self, t: int) -> str:
-        """One token's own text (a logprob entry's ``token``; vLLM decodes each id alone)."""
-        return self.tokenizer.decode([t])
+        """One token's own text (a logprob entry's ``token``): the id decoded alone with its special tokens shown, as
+        vLLM's ``convert_ids_list_to_tokens`` (``decode([id])`` at the tokenizer's default, ``skip_special_tokens``
+        False), so an ``<|im_end|>`` the model chose is listed as such; output text still skips it. Before, each id
+        was decoded as output text: a special token's entry was ``""``."""
+        return self.tokenizer.decode([t], skip_special_tokens=False)
 
     def _close_stream(self, p: _Pending) -> None:
         """After an SSE response: forget ``p`` if its body never ran (the client left before it started)."""

@@ -315,8 +315,8 @@ async def test_tokenize_with_a_real_bpe_tokenizer(nats_url, tmp_path):
 
 
 async def test_token_strs_of_a_big_prompt_are_made_off_the_event_loop(nats_url, tmp_path):
-    """``return_token_strs`` decodes every id alone (1.2 s for the 1M ids of a 5.5 MB prompt, the body
-    limit is 64 MB): for a big prompt that runs in a worker thread, as its tokenization does, so the
+    """``return_token_strs`` lists every id's piece (one decode per id took 1.2 s for the 1M ids of a 5.5 MB prompt,
+    the body limit is 64 MB): for a big prompt that runs in a worker thread, as its tokenization does, so the
     router's event loop (every stream, the bus) does not stop for it. Before, the decodes ran on the loop."""
     import threading
 
@@ -329,10 +329,10 @@ async def test_token_strs_of_a_big_prompt_are_made_off_the_event_loop(nats_url, 
             def __getattr__(self, name):
                 return getattr(real, name)
 
-            def decode(self, ids):
+            def convert_ids_to_tokens(self, ids):
                 if threading.get_ident() == loop_thread:
                     on_loop.append(len(ids))
-                return real.decode(ids)
+                return real.convert_ids_to_tokens(ids)
 
         env.service.tokenizer = Recording()
         prompt = "alpha beta gamma delta " * 4000  # 92,000 characters: above the router's _BIG_TEXT
@@ -340,10 +340,11 @@ async def test_token_strs_of_a_big_prompt_are_made_off_the_event_loop(nats_url, 
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["count"] == len(body["token_strs"]) == len(real.encode(prompt)) > 10_000
-        assert body["token_strs"] == [real.decode([t]) for t in body["tokens"]]
-        assert on_loop == [], f"{len(on_loop)} decodes ran on the event loop"
+        assert body["token_strs"] == [real.decode([t]) for t in body["tokens"]]  # the sim's pieces are its words
+        assert on_loop == [], f"{len(on_loop)} piece lists were made on the event loop"
         small = await env.http.post("/tokenize", json={"prompt": "alpha beta", "return_token_strs": True})
         assert small.json()["token_strs"] == [real.decode([t]) for t in small.json()["tokens"]]
+        assert on_loop == [2]  # a small one on the loop: the check above can see one
 
 
 async def test_a_chat_with_big_tools_is_rendered_off_the_event_loop(nats_url, tmp_path):
@@ -356,15 +357,17 @@ async def test_a_chat_with_big_tools_is_rendered_off_the_event_loop(nats_url, tm
         real = env.service.tokenizer
         loop_thread = threading.get_ident()
         on_loop: list[str] = []
+        rendered: list[int] = []
 
         class Recording:
             def __getattr__(self, name):
                 return getattr(real, name)
 
-            def apply_chat_template(self, messages, tools=None, **flags):
+            def render_chat(self, messages, tools=None, **flags):
                 if threading.get_ident() == loop_thread:
-                    on_loop.append("apply_chat_template")
-                return real.apply_chat_template(messages, tools, **flags)
+                    on_loop.append("render_chat")
+                rendered.append(threading.get_ident())
+                return real.render_chat(messages, tools, **flags)
 
         env.service.tokenizer = Recording()
         env.cluster.gpu_blocks = {"c0": 1000}  # room for the ~24k-token prompt (else a 400 before dispatch)
@@ -377,7 +380,7 @@ async def test_a_chat_with_big_tools_is_rendered_off_the_event_loop(nats_url, tm
         served = await env.http.post("/v1/chat/completions", json={"messages": USER, "tools": tools, "tool_choice": "none", "max_tokens": 1})
         assert served.status_code == 200, served.text
         assert tok.json()["count"] == served.json()["usage"]["prompt_tokens"] == len(real.apply_chat_template(USER, tools))
-        assert on_loop == [], on_loop
+        assert on_loop == [] and len(rendered) == 2, (on_loop, rendered)
         small = await env.http.post("/tokenize", json={"messages": USER})
         assert small.json()["count"] == len(real.apply_chat_template(USER))
 

@@ -139,6 +139,46 @@ def test_a_hopeless_text_prompt_is_refused_before_it_is_tokenized(bpe: HFTokeniz
     assert calls == [most * 8]
 
 
+def test_a_hopeless_chat_is_refused_after_its_template_before_it_is_tokenized(bpe: HFTokenizer) -> None:
+    """A chat's prompt had no bound before tokenizing (a 3 MB message was rendered and tokenized, seconds of a core,
+    only to be refused by its count). The bound is taken on the rendered prompt, the string that is tokenized (a
+    template may drop text, so the messages' size bounds nothing): refused at once with vLLM's message; one whose
+    rendering fits is tokenized and served."""
+    import time
+
+    calls: list[int] = []
+
+    def counting(text: str, **kw: Any) -> list[int]:
+        calls.append(len(text))
+        return bpe.encode(text, **kw)
+
+    svc = _service(bpe)
+    svc.tokenizer = SimpleNamespace(encode=counting, render_chat=bpe.render_chat, vocab_size=bpe.vocab_size, max_token_chars=bpe.max_token_chars)
+    most = bpe.max_token_chars
+    assert most is not None
+    big = {"messages": [{"role": "user", "content": "x" * 3_000_000}]}
+    t0 = time.perf_counter()
+    e = _refusal(svc, big)
+    took = time.perf_counter() - t0
+    assert calls == [], calls  # before: the 3 MB rendering was tokenized first
+    bound = -(-len(bpe.render_chat(big["messages"])) // most)
+    assert e.param == "messages" and e.reason == (
+        f"This model's maximum context length is 1024 tokens. However, your request has {bound} input tokens. Please reduce the "
+        f"length of the input messages. ({bound} is a lower bound: the prompt was refused before it was tokenized.)"
+    )
+    assert took < 1.0, took  # rendering only (tokenizing it took seconds)
+    # a chat whose rendering fits is tokenized once (the rendered text) and served
+    fits = {"messages": [{"role": "user", "content": "x" * (most * 8)}], "max_tokens": 4}
+    req, ids, max_tokens, *_ = svc._prepare_body(msgspec.json.encode(fits), True, CTX)
+    rendered = bpe.render_chat(fits["messages"])
+    assert calls == [len(rendered)] and list(ids) == bpe.encode(rendered, add_special_tokens=False) and max_tokens == 4
+    assert list(ids) == bpe.apply_chat_template(fits["messages"])  # the same ids as the template's own call
+    # the bound is the rendered text's: a template that drops the message leaves nothing to refuse
+    calls.clear()
+    svc.tokenizer.render_chat = lambda messages, tools=None, **flags: "<|im_start|>user\n<|im_end|>\n"
+    assert svc._prepare_body(msgspec.json.encode(big), True, CTX)[2] > 0 and len(calls) == 1
+
+
 def test_the_bound_never_exceeds_the_count(bpe: HFTokenizer) -> None:
     """Texts made to be few tokens (the longest vocabulary tokens, added tokens, spaces, multi-byte characters)."""
     vocab = bpe._tok.get_vocab()

@@ -350,6 +350,33 @@ def test_hf_chat_template_flags_give_transformers_ids(tmp_path):
     assert wl.apply_chat_template([{"role": "user", "content": "hello"}], add_special_tokens=True) == [1, 2]
 
 
+def test_hf_token_pieces_texts_and_chat_text_are_transformers(tmp_path):
+    """What vLLM shows per token, with special tokens: ``convert_ids_to_tokens`` (its ``/tokenize`` ``token_strs``:
+    the vocabulary's pieces, ``Ġ`` for a space) and ``decode([id])`` at transformers' default (its logprob entries'
+    texts: ``skip_special_tokens`` False), for every id of a byte-level BPE; ``render_chat`` is transformers'
+    ``apply_chat_template(tokenize=False)``, and ``apply_chat_template`` its encoding."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    transformers = pytest.importorskip("transformers")
+    from tests.unit.router.helpers import write_bpe_tokenizer
+
+    folder = write_bpe_tokenizer(tmp_path / "bpe")
+    tok = load_tokenizer(f"hf:{folder}")
+    ref = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ids = list(range(tok.vocab_size))
+    assert tok.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids)
+    assert [tok.decode([i], skip_special_tokens=False) for i in ids] == [ref.decode([i]) for i in ids]
+    special = tok._tok.token_to_id("<|im_end|>")  # type: ignore[attr-defined]
+    assert tok.convert_ids_to_tokens([special, tok.vocab_size]) == ["<|im_end|>", ""]  # out of the vocabulary: "" (vLLM's)
+    for flags in ({}, {"add_generation_prompt": False}, {"add_generation_prompt": False, "continue_final_message": True}):
+        want = ref.apply_chat_template(CHAT, tokenize=False, **{"add_generation_prompt": True, **flags})
+        assert tok.render_chat(CHAT, **flags) == want, flags
+        assert tok.apply_chat_template(CHAT, **flags) == tok.encode(want, add_special_tokens=False)
+    sim = SimTokenizer()
+    assert sim.convert_ids_to_tokens([5, 70_000, -1, SIM_VOCAB_SIZE]) == [sim.word(5), sim.word(70_000), "", ""]
+    assert sim.apply_chat_template(CHAT) == sim.encode(sim.render_chat(CHAT))
+
+
 TRIM_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
