@@ -58,6 +58,9 @@ name                                                type       meaning
 ``ei_router_chunks_gap_total``                     counter    requests failed (502 'output lost') because output
                                                                tokens never reached the router: chunks after them
                                                                waited ``CHUNK_GAP_WAIT_S`` without them
+``ei_router_chunks_bad_logprobs_total``            counter    requests failed (502) because a node's chunk carried more
+                                                               log-probabilities than the request asked for (none, or
+                                                               more than its top k a token): malformed output
 ``ei_router_buffered_output_tokens``                gauge      output tokens held for clients that have not taken them
 ``ei_router_branches_active``                       gauge      ``X-Branch-Id`` branches active (not ended, not expired)
 ``ei_router_branches_expired_total``                counter    branches expired silent past ``--branch-ttl-s`` (resumable)
@@ -216,6 +219,13 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
         "router: later chunks of the request waited CHUNK_GAP_WAIT_S (7 s: a NATS reconnect's resend; longer while the "
         "router's own NATS link settles) without the missing ones (a reliable message lost on the bus)",
         {(): float(c.get("chunks_gap", 0))},
+    )
+    yield counter_family(
+        "ei_router_chunks_bad_logprobs",
+        "Requests failed with a 502 because a node's token chunk carried more log-probabilities than the request asked "
+        "for (some when it asked none, or more than its top k entries a token): malformed output from that node (a "
+        "worker bug or a mismatched version), also aborts.bad_logprobs",
+        {(): float(c.get("chunks_bad_logprobs", 0))},
     )
     yield gauge_family(
         "ei_router_buffered_output_tokens",

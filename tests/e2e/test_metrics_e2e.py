@@ -40,11 +40,12 @@ FAULT_METRICS = (
     "ei_router_drain_refused_total", "ei_node_bind_failures_total", "ei_node_bind_refused_total", "ei_node_parked",
     "ei_nats_permission_violations_total", "ei_router_gone_before_dispatch_total", "ei_router_gate_disconnects_total",
     "ei_router_branches_active", "ei_router_branches_evicted_total", "ei_service_ready", "ei_bus_resend_dropped_total",
-    "ei_router_chunks_gap_total",
+    "ei_router_chunks_gap_total", "ei_router_chunks_bad_logprobs_total",
 )
 """What the dashboard's "Faults & health" row shows: lost reliable messages (held copies, resend windows), NATS
 reconnects and stream waits, slow and gone clients, buffered tokens, drains, failed decode bindings, parked prefills,
-permission violations, services up but not ready, requests failed for output lost on the bus. The live test below
+permission violations, services up but not ready, requests failed for output lost on the bus or for a node's malformed
+log-probabilities. The live test below
 checks that each is exported from a service's first scrape (a counter at 0), so an ``increase()`` over it (panel or
 alert) counts the first fault too."""
 
@@ -258,6 +259,7 @@ async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the
         assert sample("ei_bus_resend_dropped", fam, suffix="_total") == 0, endpoint  # every service's bus
         if endpoint.startswith("router"):
             assert sample("ei_router_chunks_gap", fam, suffix="_total") == 0, endpoint
+            assert sample("ei_router_chunks_bad_logprobs", fam, suffix="_total") == 0, endpoint
 
     # every series the Grafana dashboard queries exists in what the services export, with the
     # labels its PromQL groups by (``by (...)``) or selects (``{...}``)

@@ -61,6 +61,7 @@ async def test_a_chunk_with_more_top_logprobs_than_asked_fails_the_request_at_on
     async with router_env(nats_url, tmp_path, {"c0": "both"}, request_timeout_s=TIMEOUT_S) as env:
         await _torch(env)
         svc = env.service
+        assert "\nei_router_chunks_bad_logprobs_total 0.0\n" in (await env.http.get("/metrics")).text
         t0 = time.monotonic()
         req, w = await _dispatched(env, {"prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 2})
         assert w.sampling is not None and w.sampling.logprobs == 2
@@ -76,6 +77,8 @@ async def test_a_chunk_with_more_top_logprobs_than_asked_fails_the_request_at_on
         await _wait_for(lambda: [n for n, a in env.cluster.aborts if a.rid == w.rid] == ["c0"], what="work.abort to c0")
         await svc._on_chunk(_lp_chunk(w, 2, 3, last=True), "")  # another bad one, late: the request is over
         assert svc.counters["chunks_bad_logprobs"] == 1 and svc.counters["aborts"] == 1, dict(svc.counters)
+        # exported (it was a counter with no metric): at 0 from the first scrape (test_metrics_e2e), 1 here
+        assert "\nei_router_chunks_bad_logprobs_total 1.0\n" in (await env.http.get("/metrics")).text
 
 
 async def test_a_bad_chunk_ends_a_stream_with_an_error_event_after_what_it_had(nats_url, tmp_path):
