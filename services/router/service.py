@@ -332,12 +332,12 @@ class _Pending:
     """The client's ``X-Request-ID`` as sent (``api.parse_request_id``; its rid is ``api.request_rid`` of it):
     the response's ``x-request-id`` and body ``id``; None: the router made the rid."""
     stops: bool = False
-    """It has stop strings or stop token ids: the router, not its node, may end it with ``stop``, so an
-    end decided outside its response (its node's last chunk, a failure, a fence) is counted when the
-    response's finish reason is known (:meth:`RouterService._end_decided`)."""
+    """It has stop strings or stop token ids: the router, not its node, may end it with ``stop``."""
     end_reason: str | None = None
     """The finish reason of an end decided outside its response (``stop`` / ``length`` served, ``error`` /
-    ``abort``) while not yet counted: chunks queued before it may still end the response at a stop."""
+    ``abort``) while its response is still on, counted when the response ends (:meth:`RouterService._end_decided`):
+    chunks queued before it may still end the response at a stop, or the response fail after it (a 500 in the
+    output path, a client too slow), which the client then sees and the count says."""
     counted: str | None = None
     """The finish reason it is counted under in ``ei_router_requests_finished_total`` (once; None: not yet)."""
     unread: int = 0
@@ -1509,11 +1509,7 @@ class RouterService(WatchedService):
                    "requests: --max-buffered-output-tokens); request aborted")
             self.counters["slow_client_aborts"] += 1
             self.log.warning("client too slow; request aborted", rid=victim.rid, unread_tokens=n, cap_tokens=cap)
-            if victim.done:  # its output all came: nothing on a node to abort; its client sees this error, not its end
-                if victim.counted is None:
-                    victim.end_reason = "abort"
-            else:
-                self._abandon(victim, "client too slow", "slow_client")
+            self._failed_after_end(victim, "client too slow", "slow_client")
             victim.queue.put_nowait(_Failure(503, why))
             if victim.reset is not None:
                 asyncio.get_running_loop().call_later(self.cfg.slow_client_grace_s, self._reset_slow_client, victim)
@@ -2532,18 +2528,31 @@ class RouterService(WatchedService):
 
     def _end_decided(self, p: _Pending, reason: str) -> None:
         """``p`` ended outside its response (``reason``: its node's last chunk's, or the router's failure
-        of it): counted now, unless it has stops and its response is still on (``_pending``): the
-        chunks queued before this end may complete a stop string, and the response, which reads them in
-        order, then ends with ``stop`` (counted by :meth:`_end_at_stop`); else :meth:`_forget` counts
-        ``reason``. Before, a failure or fence decided while such a chunk was queued was counted
-        ``error`` / ``abort`` / ``length`` under a client's ``stop``."""
-        if p.stops and p.counted is None and self._pending.get(p.rid) is p:
+        of it): counted now, unless its response is still on (``_pending``): then when the response ends
+        (:meth:`_forget` counts ``reason``), so that the count is what its client saw. The chunks queued before
+        this end may complete a stop string, and the response, which reads them in order, then ends with ``stop``
+        (counted by :meth:`_end_at_stop`; before, a failure or fence decided while such a chunk was queued was
+        counted ``error`` / ``abort`` / ``length`` under a client's ``stop``); or the response may fail after it
+        (:meth:`_failed_after_end`: a 500 in the output path, a client too slow), counted ``error`` / ``abort``
+        (before, a stream that ended with a 500 error event was counted ``finished.stop`` when its node's end had
+        come first)."""
+        if p.counted is None and self._pending.get(p.rid) is p:
             p.end_reason = reason
         else:
             self._count_end(p, reason)
 
     _ABANDON_REASON = {"client_disconnect": "abort", "gone_before_dispatch": "abort", "shutdown": "abort", "slow_client": "abort"}
     """``_abandon``'s ``why`` → the finish reason it is counted under (others: ``error``)."""
+
+    def _failed_after_end(self, p: _Pending, reason: str, why: str) -> None:
+        """``p``'s response fails (``why``: ``internal_error``, a 500; ``slow_client``): :meth:`_abandon` it, or, when
+        its output all came (its node's end decided; its response still on, so that end is not counted yet:
+        :meth:`_end_decided`), count it as its client sees it (``error`` / ``abort``), not as its node ended it:
+        nothing is on a node to abort. An end already counted (the router's own ``stop``) stays, counted once."""
+        if not p.done:
+            self._abandon(p, reason, why)
+        elif p.counted is None:
+            p.end_reason = self._ABANDON_REASON.get(why, "error")
 
     def _abandon(self, p: _Pending, reason: str, why: str, *, tell_nodes: bool = True) -> None:
         """Stop counting ``p`` and tell its nodes to drop it (idempotent, never awaits); counted finished
@@ -3565,6 +3574,9 @@ class RouterService(WatchedService):
             self._abandon(p, "client disconnected", "client_disconnect")
             self.log.info("client disconnected; request aborted", rid=rid)
             return Response(status_code=499)
+        except Exception as e:  # a bug making the response: the app answers it as a 500 (``unexpected``)
+            self._failed_after_end(p, f"internal error in the router: {type(e).__name__}", "internal_error")
+            raise
         finally:
             if not watcher.done():
                 watcher.cancel()
@@ -3597,8 +3609,9 @@ class RouterService(WatchedService):
         A client that goes away cancels this generator (Starlette): the request is aborted (finished ``abort``).
         An exception raised on the way (a bug) ends the stream with the API's 500 error event (``internal error in
         the router: <type>``) and ``[DONE]``: logged, counted ``stream_errors_500``, its request dropped on its
-        nodes and finished ``error`` (unless its node's end was counted first; before, the stream was cut with
-        neither, and counted as a client disconnect)."""
+        nodes and finished ``error``, also when its node's end came first (:meth:`_end_decided`; before, it was counted
+        as that end said, ``stop`` / ``length``; and before that the stream was cut with neither, and counted as a
+        client disconnect)."""
         model = self.cfg.model
         oid = api.response_id(p.client_id or p.rid, chat=chat)
         prompt_tokens = rreq.prompt_tokens
@@ -3709,7 +3722,7 @@ class RouterService(WatchedService):
             completed = True
             self.counters["stream_errors_500"] += 1
             self.log.error("unexpected error in a stream; ended with a 500 error event", rid=p.rid, error=repr(e), exc_info=e)
-            self._abandon(p, f"internal error in the router: {type(e).__name__}", "internal_error")
+            self._failed_after_end(p, f"internal error in the router: {type(e).__name__}", "internal_error")
             yield sse(api.error_body(500, f"internal error in the router: {type(e).__name__}"))
             yield _SSE_DONE
         finally:

@@ -185,3 +185,31 @@ async def test_a_node_that_ends_a_request_with_abort_counts_as_error_not_as_a_cl
         assert delta(await finished(env), before) == {"error": 2.0}
         st = await env.stats()
         assert st.counters["finish.error"] == 2 and "finish.abort" not in st.counters, st.counters
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_response_that_fails_after_its_nodes_end_counts_as_the_error_its_client_got(nats_url, tmp_path, monkeypatch, stream):
+    """A bug in the output path after the node's last chunk came (here: making the last chunk's / the body's ``ei``
+    object, which is made only once that end was read): the client gets a 500 (a stream's error event after its 200),
+    and the request is counted ``error``, once. Before, the node's end had been counted first, ``length``, and the
+    500 counted nothing more: the count said served. Nothing is left on a node to abort (aborts unchanged)."""
+    from services.router.service import RouterService
+
+    def broken(p):
+        raise RuntimeError("a bug in the output path")
+
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        before, counters = await finished(env), dict(env.service.counters)
+        monkeypatch.setattr(RouterService, "_ei", staticmethod(broken))
+        r = await env.http.post("/v1/completions", json={"prompt": [5] * 20, "max_tokens": 4, "stream": stream})
+        if stream:
+            assert r.status_code == 200
+            events = sse_events(r.text)
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 500, events[-3:]
+        else:
+            assert r.status_code == 500 and r.json()["error"]["message"] == "internal error in the router: RuntimeError", r.text
+        monkeypatch.undo()
+        assert delta(await finished(env), before) == {"error": 1.0}
+        c = env.service.counters
+        assert c.get("stream_errors_500", 0) - counters.get("stream_errors_500", 0) == (1 if stream else 0)
+        assert c.get("aborts", 0) == counters.get("aborts", 0) and not env.service._pending, dict(c)

@@ -135,6 +135,8 @@ async def test_stalled_streams_are_aborted_at_the_cap_and_a_reader_is_served_who
         assert most <= CAP and svc.buffered_output_tokens == 0, (most, svc.buffered_output_tokens)
         metrics = (await env.http.get("/metrics")).text
         assert "ei_router_slow_client_aborts_total 3.0" in metrics and "ei_router_buffered_output_tokens 0.0" in metrics
-        assert svc.counters["finish.abort"] == 1  # C; A and B were counted served (length) when their node ended them
+        # all three, as their clients saw them (an error event, or a reset): A and B too, which their node had ended
+        # (counted served, length, before: their end was counted at their last chunk, not when their response ended)
+        assert svc.counters["finish.abort"] == 3, dict(svc.counters)
         for _, w in (a, b, c):
             w.close()
