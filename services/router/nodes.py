@@ -137,10 +137,14 @@ class NodeLoad(StructValue):
 
     Read-only once built: :class:`NodeLoadView` keeps one per node record and hands the
     same object to every decision until that record changes, so no caller may assign to
-    it. One is built per state applied (the simulator: ~10,000 per 600 s): a
-    :class:`~shared.values.StructValue` (built by C code, ~1,800 instructions fewer than a Python
-    ``__init__`` of its twelve fields), not frozen (nothing hashes it; a frozen Value sets each field
-    through ``object.__setattr__``, ~3x the cost).
+    it (nothing does: the view changes the :class:`NodeRecord` and drops its cached load,
+    :meth:`NodeLoadView._changed`, never the load). One is built per state applied (the
+    simulator: ~10,000 per 600 s): a :class:`~shared.values.StructValue` (built by C code, ~1,800
+    instructions fewer than a Python ``__init__`` of its twelve fields). Not frozen only because it
+    was a plain ``Value`` (whose frozen form sets each field through ``object.__setattr__``, ~3x the
+    cost) and 8e1ad55 kept its behaviour; a frozen Struct costs no more to build (cachegrind, 200,000
+    twelve-field constructions: ~1,810 instructions each, ~1,860 unfrozen), so read-only is kept by
+    that rule, not enforced.
     """
 
     node: str

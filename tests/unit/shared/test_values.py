@@ -216,6 +216,112 @@ def test_the_walk_finds_the_struct_value_classes():
     assert {"SendRequest", "ReuseRecord"} <= {c.__qualname__ for c in STRUCT_CLASSES if c.__struct_config__.frozen}
 
 
+REQUIRED = object()
+"""In :data:`STRUCT_FIELDS`: a field without a default."""
+
+STRUCT_FIELDS: dict[str, tuple[bool, list[tuple[str, object]]]] = {
+    "evolving_infra.replay.core.SendRequest": (True, [
+        ("req", REQUIRED), ("due_at", REQUIRED), ("new_branch", REQUIRED), ("admission_wait_s", 0.0)]),
+    "services.kvdirectory.branches.PlaceOutcome": (False, [
+        ("branch", REQUIRED), ("version", 0), ("bumped", False), ("rejected", None), ("history_blocks", 0),
+        ("prev_prefill_node", None), ("released_nodes", list)]),
+    "services.kvdirectory.core.PlaceResult": (False, [
+        ("branch_id", REQUIRED), ("node", REQUIRED), ("version", 0), ("bumped", False), ("rejected", None),
+        ("released_nodes", list), ("reuse", None)]),
+    "services.kvdirectory.lookup.LookupResult": (False, [
+        ("path_blocks", REQUIRED), ("nodes", list), ("longest_any", 0), ("sources", list)]),
+    "services.kvdirectory.reuse.ReuseRecord": (True, [
+        ("ideal_blocks", REQUIRED), ("hit_blocks", REQUIRED), ("lost_blocks", REQUIRED), ("cause", REQUIRED),
+        ("node", REQUIRED), ("prev_node", REQUIRED)]),
+    "services.planner.policy.RequestDone": (False, [
+        ("rid", REQUIRED), ("prefill_node", REQUIRED), ("decode_node", REQUIRED), ("prompt_tokens", REQUIRED),
+        ("cached_tokens", REQUIRED), ("output_tokens", REQUIRED), ("arrived_at", REQUIRED), ("ttft_s", REQUIRED),
+        ("e2e_s", REQUIRED)]),
+    "services.router.core.RouteDecision": (False, [
+        ("prefill", REQUIRED), ("decode", REQUIRED), ("placed", REQUIRED), ("work", REQUIRED), ("candidates", ()),
+        ("decode_candidates", ())]),
+    "services.router.metrics.TtftSample": (False, [
+        ("rid", REQUIRED), ("node", REQUIRED), ("predicted_s", REQUIRED), ("measured_s", REQUIRED), ("queue_s", REQUIRED)]),
+    "services.router.nodes.NodeLoad": (False, [
+        ("node", REQUIRED), ("phase", REQUIRED), ("inflight", 0), ("inflight_prefill", 0), ("inflight_decode", 0),
+        ("running", 0), ("waiting", 0), ("decoding", 0), ("gpu_free_blocks", 0), ("gpu_total_blocks", 0),
+        ("last_seen", 0.0), ("state", None)]),
+    "services.router.nodes._Flight": (False, [
+        ("prefill_node", REQUIRED), ("decode_node", REQUIRED), ("first_token", False), ("handed_off", False)]),
+    "services.router.policy.PrefillChoice": (False, [
+        ("node", REQUIRED), ("path", REQUIRED), ("matched_blocks", 0), ("match_rate", 0.0), ("loads", dict),
+        ("matches", dict), ("predicted_ttft_s", None), ("estimates", ()), ("fetch", ())]),
+    "services.router.ttft._Send": (False, [("work", REQUIRED), ("seen", False)]),
+    "services.worker.plan.IterationPlan": (False, [
+        ("start", REQUIRED), ("iterations", REQUIRED), ("iteration_s", REQUIRED), ("end", REQUIRED),
+        ("prefill", REQUIRED), ("decode", REQUIRED), ("prefill_s", REQUIRED), ("decode_s", REQUIRED),
+        ("sum_uncached", REQUIRED), ("sum_qk_pairs", REQUIRED), ("sum_restored", REQUIRED), ("sum_cached", REQUIRED),
+        ("reqs", list), ("admitted", list)]),
+    "services.worker.plan.PrefillChunk": (False, [
+        ("rid", REQUIRED), ("tokens", REQUIRED), ("cached_before", REQUIRED), ("restored", REQUIRED),
+        ("completes", REQUIRED)]),
+    "services.worker.plan.TokensOut": (False, [
+        ("rid", REQUIRED), ("index", REQUIRED), ("count", REQUIRED), ("finished", REQUIRED), ("finish_reason", REQUIRED),
+        ("prompt_tokens", REQUIRED), ("cached_tokens", REQUIRED), ("at", REQUIRED), ("queue_s", None), ("fetch_s", None),
+        ("exposed_fetch_s", None), ("fetched_tokens", 0)]),
+}
+"""Each :class:`StructValue` / :class:`FrozenStructValue` subclass: frozen, and its fields in order as
+``(name, default)``: :data:`REQUIRED` for none, ``list`` / ``dict`` for a new one per instance
+(``default_factory``). Written out, not read from the classes: these are the signatures their hand-written
+``Value`` ``__init__`` had before 8e1ad55, fc7735a and a4ece86 made them Structs (``inspect.signature`` at each
+parent commit; ``FACTORY`` there made the list or dict), so that a field, its order or a default changed since
+fails here; :func:`test_struct_value_class_behaves_as_its_dataclass` builds its reference from the Struct's own
+fields and would follow such a change."""
+
+
+def _declared_fields(cls: type) -> tuple[bool, list[tuple[str, object]]]:
+    """``cls``'s frozenness and fields as :data:`STRUCT_FIELDS` writes them."""
+    out: list[tuple[str, object]] = []
+    for f in msgspec.structs.fields(cls):
+        if f.default_factory is not msgspec.NODEFAULT:
+            out.append((f.name, f.default_factory))
+        else:
+            out.append((f.name, REQUIRED if f.default is msgspec.NODEFAULT else f.default))
+    return bool(cls.__struct_config__.frozen), out
+
+
+def test_struct_value_classes_are_the_listed_ones():
+    """A new Struct value class gets its entry in :data:`STRUCT_FIELDS` (its signature checked there)."""
+    assert sorted(f"{c.__module__}.{c.__qualname__}" for c in STRUCT_CLASSES) == sorted(STRUCT_FIELDS)
+
+
+def _check_fields(cls: type, name: str) -> None:
+    """``cls`` has the frozenness and fields of :data:`STRUCT_FIELDS`'s ``name``; a default's type counts (a 0 made
+    0.0 or False, equal to 0, is a change too). Raises AssertionError otherwise."""
+    frozen, fields = STRUCT_FIELDS[name]
+    got_frozen, got = _declared_fields(cls)
+    assert got_frozen == frozen
+    assert [(n, type(d), d) for n, d in got] == [(n, type(d), d) for n, d in fields]
+
+
+@pytest.mark.parametrize("cls", STRUCT_CLASSES, ids=lambda c: f"{c.__module__}.{c.__qualname__}")
+def test_struct_value_class_keeps_its_fields_and_defaults(cls):
+    _check_fields(cls, f"{cls.__module__}.{cls.__qualname__}")
+
+
+def test_a_changed_default_fails_the_field_check():
+    """The check above fails on a Struct whose default differs from its entry (NodeLoad's ``inflight`` made 1 or
+    0.0, or two fields swapped); the dataclass comparison, whose reference is built from the Struct's own fields, passes
+    such a Struct all the same."""
+    from services.router.nodes import NodeLoad
+
+    key = "services.router.nodes.NodeLoad"
+    _check_fields(NodeLoad, key)
+    spec = [(f.name, object, f.default) for f in msgspec.structs.fields(NodeLoad)]
+    changed = [(n, t, 1 if n == "inflight" else d) for n, t, d in spec]
+    as_float = [(n, t, 0.0 if n == "inflight" else d) for n, t, d in spec]
+    swapped = [spec[0], spec[1], spec[3], spec[2], *spec[4:]]
+    for fields in (changed, as_float, swapped):
+        variant = msgspec.defstruct("NodeLoad", fields, bases=(StructValue,))
+        with pytest.raises(AssertionError):
+            _check_fields(variant, key)
+
+
 def _struct_sample(cls: type, bump: str | None = None) -> dict[str, object]:
     """Keyword arguments for every field of a :class:`StructValue`: its plain default where it has
     one, else a string naming the field; ``bump`` gets another value."""
