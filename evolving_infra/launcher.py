@@ -65,7 +65,7 @@ from evolving_infra.cluster import (
     THREAD_ENV, WILDCARD_HOSTS, ClusterConfigError, ClusterError, ClusterSpec, LocalCluster, ServiceStopped, worker_placement, write_json,
 )
 from evolving_infra.replay.retry import RetryPolicy
-from shared.auth import redact_argv, redact_url, write_private
+from shared.auth import redact_argv, redact_url
 from shared.log import setup_logging
 from shared.profile import ProfileError, available_profiles
 from shared.service import until_stopped
@@ -742,8 +742,9 @@ _SALT_TEXT = re.compile(r"([0-9a-f]{32,128})\n?")
 def _own_file_here(folder: Path) -> tuple[int, int] | None:
     """``(uid, mode bits)`` a file this process makes in ``folder`` with mode 0600 gets there (a new empty file,
     removed at once): not this process's euid on an NFS export with root_squash (root's files are ``nobody``'s),
-    nor mode 600 on a file system that keeps no POSIX mode (a vfat or SMB mount gives every file its mount's mode).
-    None when no file can be made there. Never raises."""
+    nor mode 600 on a file system that keeps no POSIX mode (a vfat or SMB mount gives every file its mount's mode), nor
+    where the ``chmod`` is refused (the mode the file was made with). None when no file can be made there. Never
+    raises."""
     import stat
     import tempfile
 
@@ -752,7 +753,10 @@ def _own_file_here(folder: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     try:
-        os.fchmod(fd, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+        except OSError:
+            pass  # refused (a server that refuses chmod): the mode the file got is what up's salt gets there too
         st = os.fstat(fd)
         return st.st_uid, stat.S_IMODE(st.st_mode)
     except OSError:
@@ -813,19 +817,24 @@ def kept_key_id_salt(path: Path) -> tuple[str | None, str | None]:
         os.close(fd)
 
 
-def write_key_id_salt(path: Path, salt: str, invalid: str | None) -> str | None:
-    """Write ``salt`` to ``path`` (mode 0600: :func:`shared.auth.write_private`), when :func:`kept_key_id_salt` kept
+def write_key_id_salt(path: Path, salt: str, invalid: str | None) -> list[str]:
+    """Write ``salt`` to ``path`` (mode 0600, as :func:`shared.auth.write_private`), when :func:`kept_key_id_salt` kept
     none. A file there that was not valid (``invalid``, its reason) is first moved aside, not written over nor
     through (a symlink): its owner may still map older log lines with it. Aside is ``<path>.invalid``, or, that
     taken by an earlier rejection (kept: it maps still older lines), the first free ``<path>.invalid.N``.
 
+    Where the file's mode cannot be made 0600 (a file system that keeps no POSIX mode, a vfat or SMB mount giving
+    every file its mount's mode; an export whose server refuses the ``chmod``), the salt is written all the same
+    (the key ids need it), and one warning line names the path and its mode: others can read it there.
+
     Returns:
-        The warning line to show when an invalid file was put aside, else None.
+        The warning lines to show (empty when none): an invalid file put aside; a mode that could not be set to 0600.
 
     Raises:
         OSError: the file cannot be moved or written (also when ``.invalid`` to ``.invalid.999`` are all taken).
     """
     import errno
+    import stat
 
     aside = path.with_name(path.name + ".invalid")
     if invalid:
@@ -836,11 +845,25 @@ def write_key_id_salt(path: Path, salt: str, invalid: str | None) -> str | None:
         else:
             raise FileExistsError(errno.EEXIST, f"{path.name}.invalid to .invalid.999 all exist", str(aside))
         os.rename(path, aside)
-    write_private(path, (salt + "\n").encode())
-    if not invalid:
-        return None
-    return (f"warning: {path} {invalid}: not used; a new salt is written there (the old file is {aside.name}): "
-            "key ids in the log lines before this run were made with the old one")
+    said: list[str] = []
+    if invalid:
+        said.append(f"warning: {path} {invalid}: not used; a new salt is written there (the old file is {aside.name}): "
+                    "key ids in the log lines before this run were made with the old one")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        try:
+            os.fchmod(fd, 0o600)
+        except OSError:
+            pass  # refused by the file system: its mode is checked below
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        f.write((salt + "\n").encode())
+    if mode & 0o077:
+        who = "readable by others" if mode & 0o044 else "open to others"
+        said.append(f"warning: {path}: its mode cannot be set to 600 on this file system (it is {mode:o}: no POSIX modes "
+                    f"there, or the server refused the chmod): the salt is {who}, and with it the API key ids in the "
+                    "router logs can be matched to guessed keys; keep --log-dir on a file system with modes, or "
+                    "restrict who can read the folder")
+    return said
 
 
 def key_id_salt_main(argv: list[str]) -> int:
@@ -855,8 +878,8 @@ def key_id_salt_main(argv: list[str]) -> int:
     else:
         salt = secrets.token_hex(16)
         try:
-            if said := write_key_id_salt(path, salt, invalid):
-                print(said, file=sys.stderr)
+            for line in write_key_id_salt(path, salt, invalid):
+                print(line, file=sys.stderr)
         except OSError as e:
             print(f"error: cannot write {path} ({e.strerror or e})", file=sys.stderr)
             return 1
@@ -1246,8 +1269,8 @@ async def _up(args: argparse.Namespace) -> int:
                   "map to keys with it", flush=True)
         else:
             try:
-                if said := write_key_id_salt(salt_path, args.key_id_salt, salt_invalid):
-                    print(said, file=sys.stderr, flush=True)
+                for line in write_key_id_salt(salt_path, args.key_id_salt, salt_invalid):
+                    print(line, file=sys.stderr, flush=True)
             except OSError as e:
                 print(f"warning: cannot write {salt_path} ({e.strerror or e}): the key ids in the "
                       "router logs cannot be matched to keys", file=sys.stderr)

@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
 PREVIOUS = "previous"
@@ -44,8 +44,13 @@ def hold_out(out: Path) -> Iterator[None]:
     exit (the kernel drops the lock of a killed run: its file is taken over by the next). Once held, what a run
     killed during its set-aside left in ``out`` is put back (:func:`recover_set_aside`).
 
+    The lock is only as wide as the file system's ``flock``: one for every host on local disks, NFSv4 and Lustre
+    mounted ``flock``; per host on BeeGFS (client-local flocks by default), Lustre ``localflock`` and NFS
+    ``local_lock=flock``, where runs on two hosts can both hold ``out``; none on Lustre ``noflock``, refused.
+
     Raises:
-        OutFolderError: ``out`` is not a folder, or another process holds the lock (its id named when known).
+        OutFolderError: ``out`` is not a folder, another process holds the lock (its id named when known), or the
+            file system gives no ``flock`` (the lock file this call made removed again).
         OSError: ``out`` or the lock file cannot be made.
     """
     if out.exists() and not out.is_dir():
@@ -53,7 +58,13 @@ def hold_out(out: Path) -> Iterator[None]:
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # made here (then removed again if it cannot be locked), or another run's
+            fd, made = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), True
+        except FileExistsError:
+            try:
+                fd, made = os.open(path, os.O_RDWR | os.O_CLOEXEC), False
+            except FileNotFoundError:  # its run ended meanwhile
+                continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -62,6 +73,14 @@ def hold_out(out: Path) -> Iterator[None]:
             who = f"another run (pid {holder})" if holder.isdigit() else "another run"
             raise OutFolderError(f"{who} is writing to it (it holds {path}): wait for it to end, or choose another "
                                  "--out") from None
+        except OSError as e:  # no flock on this file system (Lustre mounted noflock: ENOSYS), or no lock manager
+            os.close(fd)
+            if made:
+                with suppress(OSError):
+                    os.unlink(path)
+            raise OutFolderError(f"cannot lock {path} ({e.strerror or e}): this file system gives no flock (Lustre "
+                                 "mounted noflock?), and without it two runs into one --out would overwrite each "
+                                 "other's outputs: choose an --out on another file system") from None
         except BaseException:
             os.close(fd)
             raise

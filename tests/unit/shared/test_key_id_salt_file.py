@@ -63,7 +63,7 @@ def test_a_second_rejection_keeps_the_first_rejected_salt(tmp_path):
         assert salt is None and why is not None
         said = write_key_id_salt(path, SALT, why)
         aside = KEY_ID_SALT_FILE + ".invalid" + (f".{n}" if n else "")
-        assert said is not None and f"(the old file is {aside})" in said, said
+        assert len(said) == 1 and f"(the old file is {aside})" in said[0], said
     assert [(tmp_path / (KEY_ID_SALT_FILE + s)).read_text() for s in (".invalid", ".invalid.1", ".invalid.2")] == \
         [o + "\n" for o in olds]
     assert kept_key_id_salt(path) == (SALT, None)
@@ -109,3 +109,37 @@ def test_a_file_system_that_keeps_no_mode_keeps_the_salt(tmp_path, monkeypatch):
     path.chmod(0o777)
     assert kept_key_id_salt(path) == (None, "is open to others (mode 777, not 600 nor 755, the mode a 600 file gets "
                                             "there)")
+
+
+@pytest.mark.parametrize("refuses", [False, True], ids=["mode-ignored", "chmod-refused"])
+def test_a_salt_whose_mode_cannot_be_600_is_written_with_one_warning_naming_it(tmp_path, monkeypatch, capsys, refuses):
+    """A file system without POSIX modes (vfat/SMB: every file gets the mount's mode, here 644), or a server that
+    refuses the chmod (and made the file 644): the salt is still written (the routers' key ids need it) and kept at
+    the next up, but it is readable by others there, which was said nowhere. One warning line names the path and
+    its mode; the ``up``-like path of :func:`key_id_salt_main` prints it, the salt alone on stdout. On an ordinary
+    file system no such line."""
+    from evolving_infra.launcher import key_id_salt_main, write_key_id_salt
+
+    path = tmp_path / KEY_ID_SALT_FILE
+    assert write_key_id_salt(path, SALT, None) == []
+    assert kept_key_id_salt(path) == (SALT, None)
+    path.unlink()
+    real = os.fchmod
+
+    def mount_mode(fd: int, mode: int) -> None:  # the mount's mode whatever is asked, or a refusal after it
+        real(fd, 0o644)
+        if refuses:
+            raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "fchmod", mount_mode)
+    said = write_key_id_salt(path, SALT, None)
+    assert len(said) == 1 and said[0].startswith(f"warning: {path}: its mode cannot be set to 600 on this file system "
+                                                 "(it is 644"), said
+    assert "readable by others" in said[0]
+    assert path.read_text() == SALT + "\n"
+    assert kept_key_id_salt(path) == (SALT, None)  # what a 600 file gets there: kept (the probe), not rejected
+    path.unlink()
+    assert key_id_salt_main([str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert out == path.read_text() and len(out.strip()) == 32
+    assert err.count("warning:") == 1 and f"warning: {path}: its mode cannot be set to 600" in err, err

@@ -245,3 +245,34 @@ def test_report_show_of_a_folder_it_cannot_write_prints_the_summary(tmp_path, ca
     assert "use --no-plots" in got.err and len(got.err.strip().splitlines()) == 1, got.err
     assert _tree(run) == before
     assert main(["report", "show", str(run), "--no-plots"]) == 0  # reading alone: no lock, no error
+
+
+@pytest.mark.parametrize("errno_", ["ENOSYS", "ENOLCK"])
+def test_a_file_system_without_flock_is_refused_in_one_line_leaving_no_lock_file(tmp_path, capsys, monkeypatch, errno_):
+    """Lustre mounted ``noflock`` (flock: ENOSYS) or NFS without its lock manager (ENOLCK): ``simulate`` said
+    ``error: --out OUT: [Errno 38] Function not implemented`` and left ``OUT/.evolving-infra.lock`` (and so ``OUT``)
+    behind. Now one line says the file system gives no flock, and ``OUT`` is as it was (an earlier run's outputs and
+    a lock file of another run's untouched); a folder the run made is taken back."""
+    import errno
+    import fcntl
+
+    out = tmp_path / "o"
+    assert _simulate(out) == 0
+    capsys.readouterr()
+    before = _tree(out)
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(getattr(errno, errno_), os.strerror(getattr(errno, errno_)))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    assert _simulate(out) == 2
+    err = capsys.readouterr().err
+    assert f"error: --out {out}: cannot lock {out / LOCK} ({os.strerror(getattr(errno, errno_))}): this file system " \
+           "gives no flock" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert _tree(out) == before and not (out / LOCK).exists()
+    assert _simulate(tmp_path / "new") == 2
+    assert not (tmp_path / "new").exists()  # made for the run, taken back
+    (out / LOCK).write_text("4242\n")  # another run's file: not removed
+    assert _simulate(out) == 2
+    assert (out / LOCK).read_text() == "4242\n"
