@@ -21,10 +21,11 @@ loses only the streams it held.
 
 ``demo`` does the same, replays real Claude Code sessions through the router
 (closed loop, N concurrent agents), writes ``OUT/report.json`` plus
-``OUT/requests.jsonl`` and prints a summary (each answered request's record is appended to ``OUT/requests.jsonl`` as
-it completes, as ``replay`` does, so a SIGKILLed or OOM-killed demo keeps them; files of a run's output names already
-in ``OUT`` are moved to ``OUT/previous/`` once the cluster is ready, which keeps only the last run's; ``OUT`` is held
-for the whole demo: a second run into it stops before its cluster starts); SIGINT / SIGTERM / SIGHUP stop it as
+``OUT/requests.jsonl`` and prints a summary (each answered request's record is appended to
+``OUT/requests.partial-<id>.jsonl`` as it completes, as ``replay`` does, so a SIGKILLed or OOM-killed demo keeps them
+there; files of a run's output names already in ``OUT`` are moved to ``OUT/previous/`` once the replay has ended,
+just before the report is written (a demo that fails or is killed leaves them in place), which keeps only the last
+run's; ``OUT`` is held for the whole demo: a second run into it stops before its cluster starts); SIGINT / SIGTERM / SIGHUP stop it as
 they stop ``up`` (cluster, nats-server store and state file gone; one line on
 stderr; status 128 + the signal); during the replay they stop it (no new request; those in flight cancelled) and the
 demo writes and prints the report of what was answered, headed ``PARTIAL REPORT: the replay was stopped by SIGINT ...``
@@ -1269,8 +1270,8 @@ async def _up(args: argparse.Namespace) -> int:
                   "map to keys with it", flush=True)
         else:
             try:
-                for line in write_key_id_salt(salt_path, args.key_id_salt, salt_invalid):
-                    print(line, file=sys.stderr, flush=True)
+                for warning in write_key_id_salt(salt_path, args.key_id_salt, salt_invalid):
+                    print(warning, file=sys.stderr, flush=True)
             except OSError as e:
                 print(f"warning: cannot write {salt_path} ({e.strerror or e}): the key ids in the "
                       "router logs cannot be matched to keys", file=sys.stderr)
@@ -1491,10 +1492,11 @@ async def _demo(args: argparse.Namespace) -> int:
 
 async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     from evolving_infra.replay.core import Arrival
-    from evolving_infra.out_folder import OutFolderError, check_previous_run, hold_out, set_aside_note, set_aside_previous_run
+    from evolving_infra.out_folder import (OutFolderError, check_previous_run, drop_partial_records, hold_out, partial_records,
+                                           set_aside_note, set_aside_previous_run)
     from evolving_infra.replay.live import LiveReplayer, RecordAppender
     from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
-    from evolving_infra.report.write import REQUESTS_JSONL, build_report, print_summary, report_line, write_report
+    from evolving_infra.report.write import build_report, print_summary, report_line, write_report
     from evolving_infra.traces.io import NO_REQUESTS, TraceError, read_trace, trace_identity
     from evolving_infra.traces.sample import scale_description, scale_trace_for_model
     from shared.clock import SimClock
@@ -1574,6 +1576,7 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
     if deferred := split_deferred_line(pol, spec.split, given=args.split_given):
         print(f"  {deferred}", flush=True)
     api_key = demo_client_key(args)
+    records_file = partial_records(out, secrets.token_hex(6))  # this run's records as they complete
     wall0 = time.monotonic()
     stop = asyncio.Event()
     signals = _stop_on_signals(stop)
@@ -1594,6 +1597,7 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
         cluster.remove_generated_creds(own_log_dir=own_logs)
         return _demo_interrupted(signals, Path(log_dir))
     state: Path | None = None
+    replayed = False  # the replay ended and its timeline was read: the report follows
     ended: ClusterError | None = None  # the cluster ended during the replay (--no-restart: a service exited)
     retry = RetryPolicy()  # the OpenAI SDK's default, as `replay` without --max-retries; recorded in the meta
     try:
@@ -1615,20 +1619,13 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
 
         cluster.on_restart = restarted
 
-        # each answered request's record appended to OUT/requests.jsonl as it completes, as `replay` does: a demo
-        # SIGKILLed or OOM-killed keeps them (write_report replaces the file, sorted, at the end); an earlier run's
-        # outputs (any file of a run's output names) go to OUT/previous/ first, never overwritten nor read as this run's
-        try:  # checked before the start; a change since (a previous/ made meanwhile, a failed move) stops the demo here
-            moved = set_aside_previous_run(out)
-        except (OutFolderError, OSError) as e:
-            print(f"error: --out {out}: {e}", file=sys.stderr, flush=True)
-            return 1
-        if moved:
-            print(set_aside_note("demo", out, moved), flush=True)
+        # each answered request's record appended to OUT/requests.partial-<id>.jsonl as it completes, as `replay`
+        # does: a demo SIGKILLed or OOM-killed keeps them there, and OUT's outputs stay the earlier run's (set aside
+        # once the replay has ended, just before the report is written; write_report writes requests.jsonl, sorted)
         try:
-            append = RecordAppender(out / REQUESTS_JSONL)
+            append = RecordAppender(records_file)
         except OSError as e:
-            print(f"error: --out {out}: cannot write {REQUESTS_JSONL}: {e}", file=sys.stderr, flush=True)
+            print(f"error: --out {out}: cannot write {records_file.name}: {e}", file=sys.stderr, flush=True)
             return 1
         # a cluster that ends for good stops the replay: nothing serves the rest
         watcher = asyncio.create_task(watch_cluster(cluster, stop))
@@ -1647,12 +1644,15 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
             except ClusterError as e:  # as up's: one line (and a crash's log tail), not a traceback
                 ended = e
         timeline = cluster.timeline()
+        replayed = True
     finally:
         if state is not None:
             state.unlink(missing_ok=True)
         await cluster.stop()
         cluster.remove_generated_creds(own_log_dir=own_logs)
         _default_signals()  # nothing left to stop: Ctrl-C while the report and plots are written interrupts them
+        if not replayed:  # failed before the replay ended: OUT as it was, but for the records answered before
+            drop_partial_records(records_file, only_empty=True)
     if ended is not None and not signals:  # its line first (and a crash's log tail), then the partial report of what the replay got
         _demo_ended_line(ended)
     by_id = {r.id: r for r in requests}
@@ -1691,7 +1691,17 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
         meta["interrupted"] = {"signal": cause.name, "in_flight_cancelled": partial["in_flight_cancelled"] if partial else 0}
     # duration: the replay's own window (wall x speedup), not the span of the answered requests
     report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, timeline=timeline, start=result.start, end=result.end)
+    try:  # only now, before the first output: a demo that failed or was killed leaves the earlier run's in place
+        moved = set_aside_previous_run(out)
+    except (OutFolderError, OSError) as e:  # checked before the start; a previous/ made meanwhile, a failed move
+        kept = f"its records are in {records_file}" if records_file.exists() else "it answered no request"
+        print(f"error: --out {out}: {e}; this run's report was not written ({kept})", file=sys.stderr, flush=True)
+        drop_partial_records(records_file, only_empty=True)
+        return 1
+    if moved:
+        print(set_aside_note("demo", out, moved), flush=True)
     path = write_report(out, report, sorted(result.records, key=lambda r: r.sent_at))
+    drop_partial_records(records_file)  # the same records, in requests.jsonl now
     if partial is not None:
         print(f"PARTIAL REPORT: {partial_line(partial)}", flush=True)
     print_summary(report)
@@ -2061,7 +2071,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0, log_dir="OUT/logs, whose *.log files a new demo replaces; the NATS credentials the demo generates in it are deleted when it stops",
                       warmup="900 s of simulated time in the demo, --engine torch 240 s", fence_after_s=DEMO_FENCE_S)
-    d.add_argument("--out", default="demo-out", type=folder, help="output directory for report.json, requests.jsonl, plots, report.html and logs/ (default demo-out); each answered request's record is appended to requests.jsonl as it completes (a killed demo keeps them). Files of those names already there (an earlier run's, or your own) move to OUT/previous/ once the cluster is ready, never overwritten; OUT/previous/ keeps only the last run's (replaced each run). The demo stops before its cluster starts when OUT/previous holds other files, or while another run is writing to OUT (it holds OUT/.evolving-infra.lock)")
+    d.add_argument("--out", default="demo-out", type=folder, help="output directory for report.json, requests.jsonl, plots, report.html and logs/ (default demo-out); each answered request's record is appended to OUT/requests.partial-ID.jsonl as it completes (a killed demo keeps them there; removed once requests.jsonl is written). Files of those names already there (an earlier run's, or your own) move to OUT/previous/ once the replay has ended, just before the report is written, never overwritten (a demo that fails or is killed leaves them in place); OUT/previous/ keeps only the last run's (replaced each run). The demo stops before its cluster starts when OUT/previous holds other files, or while another run is writing to OUT (it holds OUT/.evolving-infra.lock)")
     d.add_argument("--trace", default=None, help="canonical trace to replay instead of the shipped Claude Code sample (- reads stdin)")
     d.add_argument("--sessions", type=int, default=None, help="sessions (agents) to replay (default 60; --engine torch: 4)")
     d.add_argument("--concurrency", type=int, default=None, help="concurrent agents, closed loop (default 16; --engine torch: 4)")

@@ -1,5 +1,7 @@
 """A command's output folder (``--out OUT``): held by one run at a time (:func:`hold_out`), an earlier run's outputs
-set aside to ``OUT/previous/`` before they would be overwritten (:func:`set_aside_previous_run`).
+set aside to ``OUT/previous/`` once the run has ended, just before its own are written (:func:`set_aside_previous_run`),
+so that a run that fails or is killed leaves them in place; ``replay`` and ``demo``, which append each record as it
+completes, append to a file of the run's own meanwhile (:func:`partial_records`).
 
 Used by ``replay``, ``demo``, ``simulate``, ``fidelity`` and ``report``; kept apart from ``evolving_infra.replay.cli``
 so that ``simulate`` imports none of the live stack (asyncio, httpx) to hold its ``OUT``.
@@ -26,6 +28,30 @@ class OutFolderError(Exception):
     lost: ``OUT`` or ``OUT/previous`` is not a folder, ``OUT/previous`` holds something other than a run's outputs
     (:func:`check_previous_run`), the move to it failed (:func:`set_aside_previous_run`), or another run is
     writing to ``OUT`` (:func:`hold_out`). The message is one line naming the path."""
+
+
+def partial_records(out: Path, run_id: str) -> Path:
+    """``out/requests.partial-<run_id>.jsonl``: the file ``replay`` and ``demo`` append each answered request's record
+    to as it completes (``RecordAppender``), a name of this run's alone, not a run's output name: the outputs in
+    ``out`` stay an earlier run's until this run has ended and sets them aside (:func:`set_aside_previous_run`),
+    and the records of a run that fails or is killed stay in this file, never mixed with another run's. Once the
+    run's ``requests.jsonl`` is written it is removed (:func:`drop_partial_records`)."""
+    return out / f"requests.partial-{run_id}.jsonl"
+
+
+def drop_partial_records(path: Path, *, only_empty: bool = False) -> bool:
+    """Remove a run's :func:`partial_records` file: once its ``requests.jsonl`` is written, or (``only_empty``) when
+    the run failed before any record was appended, so that ``OUT`` is as it was. Returns whether it is gone (False:
+    it holds records and ``only_empty``, or it could not be removed). Raises nothing."""
+    try:
+        if only_empty and path.stat().st_size:
+            return False
+        path.unlink()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
 
 
 def _run_outputs() -> tuple[str, ...]:
@@ -246,9 +272,24 @@ def set_aside_previous_run(out: Path) -> list[str]:
 
 def set_aside_note(command: str, out: Path, moved: list[str]) -> str:
     """The line ``command`` (``replay``, ``demo``, ``simulate``) shows for what :func:`set_aside_previous_run` moved
-    (``moved``, not empty)."""
+    (``moved``, not empty), once its run has ended."""
     return (f"{command}: the outputs in {out} this run would overwrite moved to {out / PREVIOUS}/ ({', '.join(moved)}; "
             "it keeps only the last run's)")
+
+
+def set_aside_into(folder: Path, command: str) -> None:
+    """A run's outputs in ``folder`` set aside to ``folder/previous/`` (:func:`set_aside_previous_run`) just before
+    its own are written there, the note (:func:`set_aside_note`) on stderr: each side of ``fidelity`` and each
+    item of a ``--sweep``, which write one run per sub-folder of ``OUT`` (``command`` names it in the note). Call it
+    holding ``OUT`` (:func:`hold_out`), once the run has ended, and :func:`check_previous_run` on ``folder`` before
+    the run, so that its refusals come first.
+
+    Raises:
+        OutFolderError, OSError: as :func:`set_aside_previous_run`.
+    """
+    moved = set_aside_previous_run(folder)
+    if moved:
+        print(set_aside_note(command, folder, moved), file=sys.stderr, flush=True)
 
 
 def _new_folder(out: Path, tag: str) -> Path:

@@ -1,13 +1,16 @@
 """``evolving-infra replay``: the harness side, against a running cluster's router.
 
 Nothing measured is thrown away: each answered request is appended to
-``OUT/requests.jsonl`` as it completes; SIGINT (Ctrl-C) or SIGTERM stops sending,
+``OUT/requests.partial-<run_id>.jsonl`` as it completes (:func:`~evolving_infra.out_folder.partial_records`: a
+killed replay keeps them there); SIGINT (Ctrl-C) or SIGTERM stops sending,
 cancels the requests in flight and writes ``OUT/report.json`` from what completed
-(``meta.interrupted``); the report and the final records are replaced atomically.
-Every file of a run's output names already in ``OUT`` (an earlier run's, or the user's own ``report.html``) is
-moved to ``OUT/previous/`` at the start, never overwritten; ``previous/`` keeps only the last run's (replaced each
-run), and one holding other files is never replaced: the replay stops first with an error, as it does while
-another run writes to ``OUT`` (:func:`hold_out`). Every report carries this run's ``meta.run_id``.
+(``meta.interrupted``); the report and the final ``requests.jsonl`` are written atomically, then the partial file
+is removed. Every file of a run's output names already in ``OUT`` (an earlier run's, or the user's own
+``report.html``) is moved to ``OUT/previous/`` once the replay has ended, just before its outputs are written, as
+``simulate`` does: a replay that fails or is killed leaves them (and the older ``previous/``) in place.
+``previous/`` keeps only the last run's (replaced each run), and one holding other files is never replaced: the
+replay stops before its first request with an error, as it does while another run writes to ``OUT``
+(:func:`hold_out`). Every report carries this run's ``meta.run_id``.
 
 The branch and agent ids sent to the cluster are the trace's prefixed with
 ``<run_id>:`` (``--branch-prefix``; recorded as ``meta.branch_prefix``): the
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from evolving_infra.out_folder import LOCK, PREVIOUS, OutFolderError, check_previous_run, hold_out, set_aside_note, set_aside_previous_run  # noqa: F401 - re-exported (the tests import them from here)
+from evolving_infra.out_folder import LOCK, PREVIOUS, OutFolderError, check_previous_run, drop_partial_records, hold_out, partial_records, set_aside_note, set_aside_previous_run  # noqa: F401 - re-exported (the tests import them from here)
 from evolving_infra.replay.core import Arrival, ReplayError
 from evolving_infra.stdio_args import STDIO, folder, shown, stdin_file
 from services.router.config import RouterConfig
@@ -142,12 +145,10 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
     out = Path(args.out)
     try:  # before any request is sent: a second run into OUT, or a previous/ of the user's, stops the replay here
         held.enter_context(hold_out(out))
-        moved = set_aside_previous_run(out)
+        check_previous_run(out)  # its refusals now; the set-aside itself once the replay has ended
     except (OutFolderError, OSError) as e:
         print(f"error: --out {out}: {e}", file=sys.stderr)
         return 2
-    if moved:
-        print(set_aside_note("replay", out, moved), file=sys.stderr)
     run_id = uuid.uuid4().hex[:12]
     prefix = f"{run_id}:" if args.branch_prefix is None else args.branch_prefix
     too_long = longest_sent_id(trace.requests, prefix)
@@ -174,16 +175,26 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     from evolving_infra.replay.live import RecordAppender
-    from evolving_infra.report.write import REQUESTS_JSONL
 
-    append = RecordAppender(out / REQUESTS_JSONL)
+    partial = partial_records(out, run_id)  # this run's own file: OUT's outputs stay the earlier run's until the end
+    try:
+        append = RecordAppender(partial)
+    except OSError as e:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        print(f"error: --out {out}: cannot write {partial.name}: {e}", file=sys.stderr)
+        return 2
     wall0 = time.monotonic()
+    ended = False
     try:
         result = await replayer.run(trace.requests, arrival, stop=stop, on_record=append)
+        ended = True
     finally:
         append.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        if not ended:  # failed or aborted (a second signal): OUT as it was, but for the records answered before
+            drop_partial_records(partial, only_empty=True)
     meta = {
         "command": "replay",
         "run_id": run_id,
@@ -229,7 +240,17 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
     ideal = annotate_ideal(result.records, {r.id: r for r in trace.requests}, token_block)
     # duration: the replay's own window (wall x speedup), also when stopped early, not the span of the answered requests
     report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, start=result.start, end=result.end)
-    path = write_report(Path(args.out), report, sorted(result.records, key=lambda r: r.sent_at))
+    try:  # only now, before the first output: a replay that failed or was killed leaves the earlier one's in place
+        moved = set_aside_previous_run(out)
+    except (OutFolderError, OSError) as e:
+        kept = f"its records are in {partial}" if partial.exists() else "it answered no request"
+        print(f"error: --out {out}: {e}; this run's report was not written ({kept})", file=sys.stderr)
+        drop_partial_records(partial, only_empty=True)
+        return 2
+    if moved:
+        print(set_aside_note("replay", out, moved), file=sys.stderr)
+    path = write_report(out, report, sorted(result.records, key=lambda r: r.sent_at))
+    drop_partial_records(partial)  # the same records, in requests.jsonl now
     print_summary(report)
     print(report_line(path))
     if result.interrupted:
@@ -581,5 +602,5 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "refused or reset before the first byte (a router restarting). A stream that started is never "
                    "sent again (it would duplicate output): it fails. Each record's retries and the report's "
                    "requests_retried / retries count them; 0 = never retry (default 2)")
-    p.add_argument("--out", default="replay-out", type=folder, help=f"output directory for report.json, requests.jsonl, plots and report.html (default replay-out); each answered request's record is appended to requests.jsonl as it completes (a killed replay keeps them). Files of those names already there (an earlier run's, or your own) move to OUT/{PREVIOUS}/ before the first request, never overwritten; OUT/{PREVIOUS}/ keeps only the last run's (replaced each run). The replay stops before it starts when OUT/{PREVIOUS} holds other files, or while another run is writing to OUT (it holds OUT/{LOCK})")
+    p.add_argument("--out", default="replay-out", type=folder, help=f"output directory for report.json, requests.jsonl, plots and report.html (default replay-out); each answered request's record is appended to OUT/requests.partial-RUNID.jsonl as it completes (a killed replay keeps them there; removed once requests.jsonl is written). Files of those names already there (an earlier run's, or your own) move to OUT/{PREVIOUS}/ once the replay has ended, just before its outputs are written, never overwritten (a replay that fails or is killed leaves them in place); OUT/{PREVIOUS}/ keeps only the last run's (replaced each run). The replay stops before it starts when OUT/{PREVIOUS} holds other files, or while another run is writing to OUT (it holds OUT/{LOCK})")
     p.set_defaults(func=cmd_replay)

@@ -88,11 +88,12 @@ class ReplayResult:
 
 
 class RecordAppender:
-    """Appends each answered request's record to a run's ``requests.jsonl`` as it completes (``LiveReplayer.run``'s
-    ``on_record``): one JSON line per record, written and flushed to the OS as one ``write`` each, so a run
-    SIGKILLed or OOM-killed keeps every record completed before it (each line whole JSON). The lines are in
-    completion order; the run's final ``write_report`` replaces the file with the same records sorted by
-    ``sent_at``. A line has the fields the replay measured, not those set after it from every record:
+    """Appends each answered request's record to a run's own records file as it completes (``LiveReplayer.run``'s
+    ``on_record``; ``replay`` and ``demo``: ``OUT/requests.partial-<id>.jsonl``,
+    :func:`~evolving_infra.out_folder.partial_records`): one JSON line per record, written and flushed to the OS as
+    one ``write`` each, so a run SIGKILLed or OOM-killed keeps every record completed before it (each line whole
+    JSON). The lines are in completion order; the run's final ``write_report`` writes ``requests.jsonl`` with the
+    same records sorted by ``sent_at``, and the file is removed. A line has the fields the replay measured, not those set after it from every record:
     ``ideal_cached_tokens`` (``annotate_ideal``: the blocks of every request sent before, and one sent earlier may
     complete later) and, in ``demo``'s file, ``lost_reuse_cause`` (``annotate_lost_reuse``, from those) are only
     in the final file (absent from a killed run's lines).
@@ -224,7 +225,7 @@ class LiveReplayer:
                 (not recorded; counted in ``in_flight_at_stop``), as are the branch ends in flight, also once every
                 request was answered (counted in ``branch_ends_cancelled``); the result says ``interrupted``.
             on_record: called with each record as its request completes (e.g. to append it
-                to ``requests.jsonl`` so an interrupted or killed run keeps what it measured).
+                to the run's records file, :class:`RecordAppender`, so an interrupted or killed run keeps what it measured).
         """
         wall0 = time.monotonic()
         start = self.clock.now()

@@ -450,7 +450,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    "compare.json and compare.html's table, no PNGs)")
     o.add_argument("--sweep", nargs="+", metavar="KIND",
                    help="'splits [xPyD,...]' (every split, or the listed ones) or 'policies SET,SET,...'; "
-                   "writes one run per item under OUT/ and OUT/compare/")
+                   "writes one run per item under OUT/ (an earlier sweep's run in OUT/ITEM/ moves to OUT/ITEM/previous/ "
+                   "once the item has run) and OUT/compare/ (replaced)")
     o.add_argument("--sweep-workers", type=int, default=1, help="sweep items run in parallel processes (default 1)")
 
 

@@ -162,13 +162,19 @@ def load_requests(s: FidelitySettings) -> tuple[list[Any], int, str]:
     return reqs, trace.header.block_size, shown(str(path))
 
 
+FIDELITY_SIDES = ("live", "sim", "sim-plain")
+"""The folders in ``fidelity``'s ``--out`` that each hold one run's report (:func:`fidelity`)."""
+
+
 async def run_live(s: FidelitySettings, requests: list[Any], bs: int, out: Path) -> tuple[dict[str, Any], list[Any]]:
-    """Replay ``requests`` through a local live cluster; returns its report and records (also written to ``out``)."""
+    """Replay ``requests`` through a local live cluster; returns its report and records (also written to ``out``; an
+    earlier run's there set aside to ``out/previous/`` first: :func:`~evolving_infra.out_folder.set_aside_into`)."""
     from evolving_infra.cluster import ClusterSpec, LocalCluster
     from evolving_infra.replay.core import Arrival
     from evolving_infra.replay.live import LiveReplayer
     from evolving_infra.report.ideal import annotate_ideal
     from services.router.ingress import local_client_key
+    from evolving_infra.out_folder import set_aside_into
     from evolving_infra.report.write import build_report, write_report
     from shared.clock import SimClock
 
@@ -203,13 +209,16 @@ async def run_live(s: FidelitySettings, requests: list[Any], bs: int, out: Path)
         "replay_wall_s": result.wall_s,
     }
     report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, extra={"wall_s": result.wall_s})
+    set_aside_into(out, "fidelity")  # an earlier fidelity's live/ to live/previous/, now that this one has ended
     write_report(out, report, sorted(result.records, key=lambda r: r.sent_at), plots=False)
     return report, result.records
 
 
 def run_sim(s: FidelitySettings, requests: list[Any], bs: int, out: Path, cp: ControlPlane | None = None) -> dict[str, Any]:
     """The simulator with the live stack's settings, and the measured control plane ``cp`` when
-    given; returns its report (also written to ``out``)."""
+    given; returns its report (also written to ``out``; an earlier run's there set aside to ``out/previous/``
+    first: :func:`~evolving_infra.out_folder.set_aside_into`)."""
+    from evolving_infra.out_folder import set_aside_into
     from evolving_infra.report.write import write_report
     from evolving_infra.sim.config import SimConfig
     from evolving_infra.sim.run import simulate
@@ -231,6 +240,7 @@ def run_sim(s: FidelitySettings, requests: list[Any], bs: int, out: Path, cp: Co
         egress_s=cp.egress_s if cp else 0.0,
     )
     res = simulate(cfg, requests, bs, meta={"command": "fidelity (sim)"})
+    set_aside_into(out, "fidelity")  # an earlier fidelity's outputs there to OUT/sim*/previous/
     write_report(out, res.report, res.records, plots=False)
     return res.report
 
@@ -345,14 +355,18 @@ def add_fidelity_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speedup", type=float, default=d.speedup, help=f"live speed-up (default {d.speedup:g})")
     p.add_argument("--max-pause", type=float, default=d.max_pause_s, help=f"cap every pause, both runs (default {d.max_pause_s:g} s)")
     p.add_argument("--out", default="fidelity-out", type=folder,
-                   help="output directory (default fidelity-out); a second run into it while one writes there stops "
-                   "before it starts (the run holds OUT/.evolving-infra.lock)")
+                   help="output directory (default fidelity-out): OUT/live/, OUT/sim/ and OUT/sim-plain/ (each a run's "
+                   "report.json and requests.jsonl) and OUT/fidelity.json. An earlier run's files in a side's folder move "
+                   "to its previous/ (OUT/live/previous/, ...) once that side has run, just before its own are written, "
+                   "never overwritten; fidelity.json is replaced. A second run into OUT while one writes there stops "
+                   "before it starts (the run holds OUT/.evolving-infra.lock), as does one whose OUT/SIDE/previous "
+                   "holds other files")
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
-    from evolving_infra.out_folder import OutFolderError, hold_new_out
+    from evolving_infra.out_folder import OutFolderError, check_previous_run, hold_new_out
     from shared.log import setup_logging
 
     setup_logging("console", "warning")
@@ -372,6 +386,8 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     with ExitStack() as held:  # OUT held for the whole run, as replay's and demo's: a second run into it stops here
         try:
             hold_new_out(held, out)  # OUT made and held; taken back after the lock's release when left empty
+            for side in FIDELITY_SIDES:  # their refusals now; each side's set-aside once it has run
+                check_previous_run(out / side)
         except (OutFolderError, OSError) as e:
             print(f"error: --out {out}: {e}", file=sys.stderr)
             return 2
@@ -383,10 +399,15 @@ def _fidelity_held(s: FidelitySettings, out: Path) -> int:
     from evolving_infra.cluster import ClusterError
     from evolving_infra.sim.config import SimConfigError
 
+    from evolving_infra.out_folder import OutFolderError
+
     try:
         res = fidelity(s, out)
     except SimConfigError as e:  # a bad --trace (read first: nothing started or written), or simulator setting
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OutFolderError as e:  # a side's set-aside failed (a previous/ made there meanwhile, a failed move)
+        print(f"error: --out {out}: {e}; that side's report was not written", file=sys.stderr)
         return 2
     except ClusterError as e:
         print(f"error: live cluster: {e}", file=sys.stderr)

@@ -173,6 +173,7 @@ def _simulate_item(
 ) -> dict[str, Any]:
     """Run one sweep item and write its report under ``out``; its summary row. ``progress``: the item's
     progress label on stderr (``dynamo (2/4)``); ``redraw`` False in parallel workers sharing a terminal."""
+    from evolving_infra.out_folder import OutFolderError, set_aside_into
     from evolving_infra.report.write import write_report
     from evolving_infra.sim.run import simulate, warmup_outlasted, write_decisions
     from evolving_infra.traces.io import make_folders, remove_folders
@@ -181,6 +182,10 @@ def _simulate_item(
     d = out / safe_dir(label)
     made = make_folders(d)
     try:
+        try:  # an earlier sweep's item there to its previous/, now that this one has run (checked before the sweep)
+            set_aside_into(d, "simulate --sweep")
+        except OutFolderError as e:  # a previous/ made there meanwhile, a failed move: as a bad setting, one line
+            raise SimConfigError(f"--out {d}: {e}; this item's report was not written") from None
         write_report(d, res.report, res.records, plots=plots)
         write_decisions(d, res.stats.planner_decisions)
     except BaseException:  # a report that cannot be written (disk full): its empty folder goes too
@@ -214,8 +219,13 @@ def run_sweep(
     Returns:
         The process exit status (0, or 1 if an item had failed requests).
 
+    An earlier sweep's item in an item's folder is set aside to its ``previous/`` once the item has run, just before
+    its report is written (:func:`~evolving_infra.out_folder.set_aside_into`); ``sweep.json`` and ``compare/`` are
+    replaced.
+
     Raises:
-        SimConfigError: a malformed spec or an item that cannot run (checked before any run).
+        SimConfigError: a malformed spec or an item that cannot run, or an item folder's ``previous/`` holding
+            other files (checked before any run); an item's set-aside that failed.
     """
     from evolving_infra.report.compare import format_table, write_compare
     from evolving_infra.sim.config import resolve
@@ -227,6 +237,13 @@ def run_sweep(
     for note in notes:
         print(f"note: {note}", flush=True)
     sizes = {resolve(c).profile.block_size for _, c in items}  # fails before any run
+    from evolving_infra.out_folder import OutFolderError, check_previous_run
+
+    for label, _c in items:  # an item folder whose previous/ holds the user's files: refused before any run
+        try:
+            check_previous_run(Path(out) / safe_dir(label))
+        except OutFolderError as e:
+            raise SimConfigError(f"--out {Path(out) / safe_dir(label)}: {e}") from None
     if len(sizes) == 1:  # convert the trace's blocks once, not once per item
         from evolving_infra.sim.run import convert_block_size
 

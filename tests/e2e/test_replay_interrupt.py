@@ -1,6 +1,6 @@
 """``evolving-infra replay`` stopped by SIGINT / SIGTERM keeps what it measured (issue 22, part 8):
-requests appended to requests.jsonl as they complete, report.json written on interruption,
-an earlier run's outputs moved aside, never read as this run's.
+requests appended to the run's own ``requests.partial-<run_id>.jsonl`` as they complete, report.json and
+requests.jsonl written on interruption, an earlier run's outputs moved aside then, never read as this run's.
 
 A real cluster (``evolving-infra up``: NATS + every service as its own process) serves the
 shipped Claude Code sample; the replay runs as its own process, as a user runs it (~40 s).
@@ -22,17 +22,22 @@ from tests.conftest import bench_faults
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _replay_until(router_url: str, out: Path, sig: int, after_records: int, started: Path | None = None) -> tuple[int, str]:
-    """Run a replay, send ``sig`` once it has appended ``after_records`` (and ``started`` exists)."""
+def _partial_lines(out: Path) -> int:
+    """Records appended so far to the running replay's ``OUT/requests.partial-<run_id>.jsonl`` (0 when none)."""
+    found = list(out.glob("requests.partial-*.jsonl"))
+    return len(found[0].read_text().splitlines()) if len(found) == 1 else 0
+
+
+def _replay_until(router_url: str, out: Path, sig: int, after_records: int) -> tuple[int, str]:
+    """Run a replay, send ``sig`` once it has appended ``after_records`` to its own records file."""
     from evolving_infra.launcher import demo_trace_path
 
     cmd = [sys.executable, "-m", "evolving_infra.cli", "replay", str(demo_trace_path()), "--router-url", router_url,
            "--speedup", "50", "--concurrency", "6", "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    records = out / "requests.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if (started is None or started.exists()) and records.exists() and len(records.read_text().splitlines()) >= after_records:
+        if _partial_lines(out) >= after_records:
             break
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.2)
@@ -69,9 +74,10 @@ def test_sigint_and_sigterm_write_partial_results_and_set_aside_the_previous_run
         assert first["duration_s"] == pytest.approx(50 * first["meta"]["wall_s"], rel=0.05)
         assert first["throughput_rps"] == pytest.approx(first["requests_completed"] / first["duration_s"])
 
-        rc, text = _replay_until(run.router_url, out, signal.SIGTERM, after_records=2, started=out / "previous" / "report.json")
+        assert not list(out.glob("requests.partial-*"))  # the same records are in requests.jsonl now
+        rc, text = _replay_until(run.router_url, out, signal.SIGTERM, after_records=2)
         assert rc == 143, text
-        assert "moved to" in text and "previous" in text
+        assert "moved to" in text and "previous" in text  # once the replay has ended, before its report
         second = json.loads((out / "report.json").read_text())
         assert second["meta"]["interrupted"]["signal"] == "SIGTERM"
         assert second["meta"]["run_id"] != first["meta"]["run_id"]

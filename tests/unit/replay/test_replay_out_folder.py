@@ -303,3 +303,51 @@ def test_replay_and_demo_help_say_previous_keeps_only_the_last_run():
         text = " ".join(sub.choices[command].format_help().split())
         assert "OUT/previous/" in text and "only the last run's" in text, (command, text)
         assert "another run" in text and "stops" in text and f"OUT/{LOCK}" in text, (command, text)
+
+
+def _files(folder) -> list[tuple[str, str]]:  # type: ignore[no-untyped-def]
+    return sorted((str(p.relative_to(folder)), p.read_text()) for p in folder.rglob("*") if p.is_file())
+
+
+def test_a_replay_that_fails_during_its_run_leaves_out_as_it_was(tmp_path, monkeypatch):
+    """The set-aside now comes once the replay has ended, just before its outputs are written, as ``simulate``'s:
+    before, it came before the first request, so a replay that failed then (here its replayer raises after one
+    record) had moved the earlier run's outputs to ``previous/`` and deleted the older ``previous/``, and left a
+    ``requests.jsonl`` of its own in their place. Now ``OUT`` is as it was, the answered record kept in this run's
+    own ``requests.partial-<run_id>.jsonl``; a run that answered none leaves no such file."""
+    from evolving_infra.replay.live import LiveReplayer
+
+    monkeypatch.setenv("EI_STATE_DIR", str(tmp_path / "state"))
+    out = tmp_path / "g"
+    _earlier_run(out / "previous", "older")
+    _earlier_run(out, "earlier")
+    (out / "holiday.png").write_text("mine\n")
+    before = _files(out)
+    real_run = LiveReplayer.run
+    answered = {"n": 0}
+
+    async def fails(self, requests, arrival, *, stop=None, on_record=None):  # type: ignore[no-untyped-def]
+        if not answered.get("none"):  # its one request answered and appended, then the replayer fails
+            answered["n"] = len((await real_run(self, requests, arrival, stop=stop, on_record=on_record)).records)
+        raise RuntimeError("the replayer failed")
+
+    monkeypatch.setattr(LiveReplayer, "run", fails)
+    with stub_router_thread() as (url, _stub):
+        with pytest.raises(RuntimeError, match="the replayer failed"):
+            _replay(url, out)
+        assert answered["n"] == 1
+        partial = [p for p in out.iterdir() if p.name.startswith("requests.partial-")]
+        assert len(partial) == 1 and partial[0].name.endswith(".jsonl"), sorted(p.name for p in out.iterdir())
+        assert len(partial[0].read_text().splitlines()) == 1
+        assert [f for f in _files(out) if not f[0].startswith("requests.partial-")] == before
+        partial[0].unlink()
+        answered["none"] = True  # fails before any record: no file of its own left either
+        with pytest.raises(RuntimeError, match="the replayer failed"):
+            _replay(url, out)
+        assert _files(out) == before
+        assert not (out / ".evolving-infra.lock").exists()
+        monkeypatch.setattr(LiveReplayer, "run", real_run)
+        assert _replay(url, out) == 0  # a replay that ends: the earlier outputs set aside, its records file gone
+    assert (out / "previous" / "report.json").read_text() == "earlier report.json\n"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("requests.")) == ["requests.jsonl"]
+    assert (out / "holiday.png").read_text() == "mine\n"
