@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from evolving_infra.out_folder import LOCK, PREVIOUS, OutFolderError, check_previous_run, drop_partial_records, hold_out, partial_records, set_aside_note, set_aside_previous_run  # noqa: F401 - re-exported (the tests import them from here)
+from evolving_infra.out_folder import LOCK, PREVIOUS, OutFolderError, check_previous_run, drop_partial_records, hold_new_out, hold_out, partial_records, set_aside_note, set_aside_previous_run  # noqa: F401 - re-exported (the tests import them from here)
 from evolving_infra.replay.core import Arrival, ReplayError
 from evolving_infra.stdio_args import STDIO, folder, shown, stdin_file
 from services.router.config import RouterConfig
@@ -144,7 +144,7 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
         return 2
     out = Path(args.out)
     try:  # before any request is sent: a second run into OUT, or a previous/ of the user's, stops the replay here
-        held.enter_context(hold_out(out))
+        hold_new_out(held, out)  # OUT made and held; taken back after the lock's release when the run left it empty
         check_previous_run(out)  # its refusals now; the set-aside itself once the replay has ended
     except (OutFolderError, OSError) as e:
         print(f"error: --out {out}: {e}", file=sys.stderr)
@@ -602,5 +602,5 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "refused or reset before the first byte (a router restarting). A stream that started is never "
                    "sent again (it would duplicate output): it fails. Each record's retries and the report's "
                    "requests_retried / retries count them; 0 = never retry (default 2)")
-    p.add_argument("--out", default="replay-out", type=folder, help=f"output directory for report.json, requests.jsonl, plots and report.html (default replay-out); each answered request's record is appended to OUT/requests.partial-RUNID.jsonl as it completes (a killed replay keeps them there; removed once requests.jsonl is written). Files of those names already there (an earlier run's, or your own) move to OUT/{PREVIOUS}/ once the replay has ended, just before its outputs are written, never overwritten (a replay that fails or is killed leaves them in place); OUT/{PREVIOUS}/ keeps only the last run's (replaced each run). The replay stops before it starts when OUT/{PREVIOUS} holds other files, or while another run is writing to OUT (it holds OUT/{LOCK})")
+    p.add_argument("--out", default="replay-out", type=folder, help=f"output directory for report.json, requests.jsonl, plots and report.html (default replay-out; removed again when a failed replay left it empty); each answered request's record is appended to OUT/requests.partial-RUNID.jsonl as it completes (a killed replay keeps them there; removed once requests.jsonl is written). Files of those names already there (an earlier run's, or your own) move to OUT/{PREVIOUS}/ once the replay has ended, just before its outputs are written, never overwritten (a replay that fails or is killed leaves them in place); OUT/{PREVIOUS}/ keeps only the last run's (replaced each run). The replay stops before it starts when OUT/{PREVIOUS} holds other files, or while another run is writing to OUT (it holds OUT/{LOCK})")
     p.set_defaults(func=cmd_replay)

@@ -346,6 +346,9 @@ def test_a_replay_that_fails_during_its_run_leaves_out_as_it_was(tmp_path, monke
             _replay(url, out)
         assert _files(out) == before
         assert not (out / ".evolving-infra.lock").exists()
+        with pytest.raises(RuntimeError, match="the replayer failed"):
+            _replay(url, tmp_path / "new" / "out")
+        assert not (tmp_path / "new").exists()  # the folders made for it taken back
         monkeypatch.setattr(LiveReplayer, "run", real_run)
         assert _replay(url, out) == 0  # a replay that ends: the earlier outputs set aside, its records file gone
     assert (out / "previous" / "report.json").read_text() == "earlier report.json\n"
