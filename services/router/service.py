@@ -3788,7 +3788,8 @@ class RouterService(WatchedService):
 
     def _forget(self, p: _Pending) -> None:
         """The HTTP side of ``p`` is over: forget it (remembering a client rid's last attempt); its
-        end not counted yet (a request with stops whose router did not stop it: :meth:`_end_decided`) is counted now."""
+        end not counted yet (decided while its response was still running: :meth:`_end_decided`) is counted now, as
+        its client saw it."""
         if p.end_reason is not None:
             self._count_end(p, p.end_reason)
         if p.unread:  # output its client never took
