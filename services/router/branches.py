@@ -12,6 +12,7 @@ Transitions (one branch id)::
     ended   --observe--> error BranchEnded        (HTTP 409)
     ended   --end------> error BranchAlreadyEnded (HTTP 409)
     unknown --end------> error UnknownBranch      (HTTP 404)
+    unknown --observe with a parent that leads back to it--> error BranchCycle (HTTP 409)
 
 Ended ids are remembered up to ``max_ended`` (oldest forgotten first), so an
 id ended long ago behaves as unknown again.
@@ -69,6 +70,13 @@ class BranchAlreadyEnded(BranchError):
 
 class BranchEnded(BranchError):
     """A request arrived for a branch that was ended."""
+
+    status = 409
+
+
+class BranchCycle(BranchError):
+    """A new branch's ``X-Parent-Branch-Id`` is the branch itself, or a branch whose parents (as this table
+    holds them) lead back to it: a→b→a."""
 
     status = 409
 
@@ -233,6 +241,28 @@ class BranchTable:
             return "ended"
         return "expired" if parent in self._expired else "unknown"
 
+    def parent_cycle(self, branch_id: str, parent: str) -> list[str] | None:
+        """The chain ``[branch_id, parent, ..., branch_id]`` when ``parent`` (as this table holds the parents of its
+        active and expired branches) leads back to ``branch_id``, else None. O(depth), at most 64 steps (ids are the
+        client's: a longer chain is not followed)."""
+        chain = [branch_id, parent]
+        p: str | None = parent
+        while p is not None and len(chain) <= 65:
+            if p == branch_id:
+                return chain
+            b = self._active.get(p) or self._expired.get(p)
+            if b is None:
+                return None
+            p = b.parent
+            if p is not None:
+                chain.append(p)
+        return None
+
+    def hold_span(self, expected_s: float) -> float:
+        """The hold a tool-call hint of ``expected_s`` gets (s): ``expected_s``, or ``max_hold_s`` when it is 0 or
+        more than that (the directory caps it so too: ``services/kvdirectory/branches.py`` ``hold``)."""
+        return expected_s if 0 < expected_s <= self.max_hold_s else self.max_hold_s
+
     def done(self, branch_id: str) -> None:
         """A request :meth:`observe` counted for ``branch_id`` is over (answered, failed or
         abandoned): one fewer in flight. No-op for a branch no longer active (ended, expired)."""
@@ -267,6 +297,8 @@ class BranchTable:
 
         Raises:
             BranchEnded: if the branch was ended.
+            BranchCycle: a new branch whose ``parent`` is itself or leads back to it (:meth:`parent_cycle`): not
+                started, nothing counted (before, a→b→a was served, each branch keeping the other alive).
         """
         self.expire(now)
         b = self._active.get(branch_id)
@@ -284,6 +316,12 @@ class BranchTable:
             self.resumed += 1
             kind, parent, agent_id, running = old.kind, old.parent, old.agent_id, old.in_flight
         elif parent is not None:
+            cycle = self.parent_cycle(branch_id, parent)
+            if cycle is not None:
+                raise BranchCycle(
+                    f"X-Parent-Branch-Id {parent!r} of new branch {branch_id!r} makes a cycle of parents ("
+                    + " -> ".join(repr(c) for c in cycle) + "); name a branch that is not its descendant"
+                )
             state = self.parent_state(parent)
             if state in self.parents_missing:
                 self.parents_missing[state] += 1
@@ -323,8 +361,7 @@ class BranchTable:
             self._active[branch_id] = b
             self.resumed += 1
         self._touch(branch_id, b, now)
-        span = expected_s if 0 < expected_s <= self.max_hold_s else self.max_hold_s
-        b.hold_until = max(b.hold_until, now + span) if outstanding else 0.0
+        b.hold_until = max(b.hold_until, now + self.hold_span(expected_s)) if outstanding else 0.0
         self._evict_over_cap(now, branch_id)
         return BranchToolCall(branch_id=branch_id, outstanding=outstanding, expected_s=expected_s, ts=now if ts is None else ts)
 

@@ -2108,7 +2108,7 @@ class RouterService(WatchedService):
     async def _fence_loop(self) -> None:
         """Fence nodes whose state went silent (not while the bus itself is settling after an
         outage), fail parked requests past ``requeue_wait_s``, drop other routers' requests past
-        ``request_timeout_s``; wake at the core's next deadline (at most every 0.5 s, or ``fence_after_s`` / 2 if
+        ``request_timeout_s``, expire branches silent past ``--branch-ttl-s``; wake at the core's next deadline (at most every 0.5 s, or ``fence_after_s`` / 2 if
         less), or, while the bus is down, stalled or settling, when it settles (at most every 0.5 s: before, a
         fence already due woke it every 0.01 s then).
 
@@ -2140,6 +2140,9 @@ class RouterService(WatchedService):
                 self._note_context()  # a node silent past --forget-node-after-s no longer counts toward the KV cap
             self._expire_parked(time.monotonic())
             self._expire_held(time.monotonic(), settling=self._bus_settling())
+            # branches silent past --branch-ttl-s leave ei_router_branches_active and /v1/cluster now, not at the
+            # next X-Branch-Id request (the only expiry before: the gauge stayed up for as long as traffic stopped)
+            self.branches.expire(self.clock.local_now())
             self._parent_log.flush()  # the parent-missing warnings suppressed in an interval that has ended: one line each
             for rid in self._remote.expired(time.monotonic(), self.cfg.request_timeout_s):
                 self.core.finish(rid, now)  # its owner went away without its end reaching the bus
@@ -2858,7 +2861,9 @@ class RouterService(WatchedService):
         await self.bus.publish(BRANCH_EVENTS, ev)
         self.counters["branch_tool_calls"] += 1
         await self._publish_evicted()  # a resumed branch past the cap
-        return self._json({"branch_id": branch_id, "outstanding": outstanding, "expected_s": expected_s})
+        # the hold the branch got: 0 or past --max-tool-hold-s is that cap, as the directory holds it (1e12 was echoed as asked)
+        held_s = self.branches.hold_span(expected_s) if outstanding else expected_s
+        return self._json({"branch_id": branch_id, "outstanding": outstanding, "expected_s": held_s})
 
     async def _off_loop(self, request: Request, body: bytes, run: Callable[[bytes], _T]) -> _T:
         """:func:`_off_loop_if_big` with the router's gate of huge bodies; a client that closes the connection

@@ -528,6 +528,33 @@ async def test_branch_resumed_after_expiry_and_tool_call_hint(nats_url, tmp_path
         assert st.gauges["branches_resumed"] == 1.0 and st.gauges["branches_expired"] >= 1.0
 
 
+async def test_idle_branches_leave_the_active_gauge_with_no_request_and_a_hold_is_echoed_capped(nats_url, tmp_path):
+    """Traffic stops: the branches silent past --branch-ttl-s leave ei_router_branches_active and /v1/cluster's
+    branches_active at the router's next periodic round (before, expiry ran only at the next X-Branch-Id request:
+    the gauge stayed at 2 for as long as no request came). A tool-call hint's echo is the hold it got: 1e12 s is
+    --max-tool-hold-s (before, 1e12 was echoed though the directory holds 4 h at most)."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, branch_ttl_s=0.5) as env:
+        for bid in ("idle-1", "idle-2"):
+            r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, headers={"X-Branch-Id": bid})
+            assert r.status_code == 200, r.text
+        tc = await env.http.post("/v1/branches/idle-2/tool-call", json={"expected_s": 1e12})
+        assert tc.status_code == 200 and tc.json() == {"branch_id": "idle-2", "outstanding": True, "expected_s": 14400.0}
+        assert (await env.http.post("/v1/branches/idle-2/tool-call", json={"outstanding": False})).json()["expected_s"] == 0.0
+        assert (await env.http.get("/v1/cluster")).json()["branches_active"] == 2
+
+        async def active() -> tuple[str, int]:
+            metrics = (await env.http.get("/metrics")).text
+            line = next(ln for ln in metrics.splitlines() if ln.startswith("ei_router_branches_active "))
+            return line, (await env.http.get("/v1/cluster")).json()["branches_active"]
+
+        for _ in range(40):  # the TTL (0.5 s) plus a hold that ended 0.5 s ago, then a round (<= 0.5 s)
+            if await active() == ("ei_router_branches_active 0.0", 0):
+                break
+            await asyncio.sleep(0.1)
+        assert await active() == ("ei_router_branches_active 0.0", 0)
+        assert (await env.stats()).gauges["branches_expired"] == 2.0
+
+
 async def test_a_wall_clock_step_expires_no_branch_at_the_router(nats_url, tmp_path):
     """The wall clock steps past --branch-ttl-s: the router's branch TTL is a duration of its own,
     read on the monotonic clock as the directory's is, so the branch's next request is no resume

@@ -6,7 +6,7 @@ import pytest
 
 from shared.messages import BranchEnd, BranchStart, BranchToolCall
 
-from services.router.branches import BranchAlreadyEnded, BranchEnded, BranchTable, UnknownBranch
+from services.router.branches import BranchAlreadyEnded, BranchCycle, BranchEnded, BranchTable, UnknownBranch
 
 
 def _evicted(t: BranchTable) -> list[str]:
@@ -230,3 +230,31 @@ def test_a_new_branch_whose_parent_is_unknown_or_ended_is_counted_once_and_queue
     t.observe("h", 101.0, kind="fork", parent="f")  # an expired parent is known (resumable)
     assert t.parents_missing == {"unknown": 1, "ended": 1} and t.take_parents_missing() == []
     assert t.parent_state("s") == "active"
+
+
+def test_a_new_branch_whose_parents_lead_back_to_it_is_refused_with_a_409():
+    """a (parent b, unknown yet) then b (parent a): a→b→a. Before, it was served silently, each branch keeping the
+    other alive; now the new branch is refused (409, naming the cycle) and not started; itself as its parent too.
+    A parent chain that ends (unknown, or no parent) is served."""
+    t = BranchTable(ttl_s=10.0)
+    t.observe("a", 0.0, kind="fork", parent="b")
+    with pytest.raises(BranchCycle, match=r"cycle of parents \('b' -> 'a' -> 'b'\)") as e:
+        t.observe("b", 1.0, kind="subagent", parent="a")
+    assert e.value.status == 409 and not t.is_active("b")
+    with pytest.raises(BranchCycle, match=r"\('s' -> 's'\)"):
+        t.observe("s", 1.0, kind="fork", parent="s")
+    t.observe("c", 1.0, kind="fork", parent="a")  # c → a → b (unknown): no cycle
+    with pytest.raises(BranchCycle):
+        t.observe("b", 2.0, kind="fork", parent="c")  # b → c → a → b
+    t.expire(100.0)  # expired parents are still followed (they are resumable)
+    with pytest.raises(BranchCycle):
+        t.observe("b", 101.0, kind="fork", parent="c")
+    assert t.observe("b", 102.0) is not None  # a main branch b: no parent, served
+    assert t.parents_missing == {"unknown": 1, "ended": 0}  # a's parent b; the refused ones counted nothing
+
+
+def test_the_hold_span_is_the_hold_a_tool_call_gets():
+    """What the tool-call endpoint echoes: the hold the branch got, capped at max_hold_s as the directory caps it
+    (1e12 was echoed back as asked)."""
+    t = BranchTable(max_hold_s=100.0)
+    assert [t.hold_span(x) for x in (30.0, 100.0, 1e12, 0.0)] == [30.0, 100.0, 100.0, 100.0]
