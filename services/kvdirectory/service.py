@@ -29,6 +29,7 @@ from shared.bus import Bus, BusError
 from shared.cancel import raise_if_cancel_lost
 from shared.clock import SimClock, sleep_until
 from shared.metrics import HANDLER_BUCKETS_S, FuncCollector, make_registry
+from shared.ratelog import RateLimitedLog
 from shared.service import BackgroundTasks, WatchedService
 from shared.subjects import (
     BRANCH_EVENTS,
@@ -111,6 +112,9 @@ class DirectoryService(WatchedService):
         )
         self.log = structlog.get_logger("kvdirectory").bind(instance=bus.instance)
         self._resyncs: dict[str, asyncio.Task[None]] = {}
+        self._compaction_log = RateLimitedLog(self.log, first=5, interval_s=10.0)
+        """The ``branch compacted`` info lines (:meth:`_on_placed`): the first 5 of each 10 s, then one count line
+        (a harness that sends side requests on its branch ids bumps at the agents' rate); flushed by the flush loop."""
         self._bg = BackgroundTasks(self.log, self.counters)
         """The loops (flush, liveness, beacon: one that ends fails the directory, exit 1) and the
         per-node resyncs (one that fails is logged and counted, ``resync.errors``)."""
@@ -233,9 +237,12 @@ class DirectoryService(WatchedService):
             if verdict in ("ended", "unknown"):
                 self.log.warning("tool-call hint for no active branch", branch=ev.branch_id, verdict=verdict)
         elif isinstance(ev, m.BranchStart):
+            parent = self._parent_missing(ev.parent_branch_id)
             verdict = self.core.branch_start(ev.branch_id, now, kind=ev.kind, parent=ev.parent_branch_id, agent=ev.agent_id)
             if verdict in ("duplicate", "ended"):
                 self.log.warning("branch start refused", branch=ev.branch_id, verdict=verdict)
+            elif parent is not None and verdict in ("started", "merged"):  # a resume's parent was counted at its start
+                self.counters[f"branch.parent_missing.{parent}"] += 1
         elif ev.expired:  # a router's table cap evicted it: expired, as by the TTL (resumable)
             verdict = self.core.branch_evict(ev.branch_id, ev.rid)
             if verdict != "evicted":
@@ -246,6 +253,20 @@ class DirectoryService(WatchedService):
                 self.log.warning("branch end for no active branch", branch=ev.branch_id, verdict=verdict)
         await self._maybe_flush()
 
+    def _parent_missing(self, parent: str | None) -> str | None:
+        """Why a new branch's parent is not an active branch here: ``unknown`` (never started here, or forgotten),
+        ``ended`` or ``expired`` (its counts released: a fork's first request gets no prefix from it); None when
+        it is active or there is none. Read before the start (``branch.parent_missing.<reason>``, Prometheus
+        ``ei_kvdirectory_branch_parents_missing_total{reason}``). O(1)."""
+        if parent is None:
+            return None
+        t = self.core.branches
+        if parent in t.branches:
+            return None
+        if parent in t.ended:
+            return "ended"
+        return "expired" if parent in t.expired else "unknown"
+
     async def _on_placed(self, msg: m.RoutePlaced, subject: str) -> None:
         if self._new_over_limit(msg.node, "placed"):
             return
@@ -253,6 +274,18 @@ class DirectoryService(WatchedService):
         self._drop_reclaimed()
         if res.rejected:
             self.log.warning("placement refused", branch=msg.branch_id, node=msg.node, rid=msg.rid, reason=res.rejected)
+        elif res.bumped:
+            # a compaction (Alg. E.1), or a request on the branch's id that did not extend its conversation (a side
+            # request: a title, a summary, a classifier): either way the branch's blocks past the common prefix are
+            # released, and its next request finds only that prefix cached (counted: branch.version_bumps,
+            # ei_kvdirectory_branch_compactions_total). Info, at most 5 lines a 10 s (then a count)
+            self._compaction_log.event(
+                "branch compacted", "branch compacted: its new prompt does not extend its previous one; blocks past "
+                "the common prefix released", level="info", branch=msg.branch_id, old_version=res.version - 1,
+                new_version=res.version, node=msg.node, rid=msg.rid,
+                hint="expected after a compaction; otherwise a request on this X-Branch-Id did not extend its "
+                "conversation (send side requests with no X-Branch-Id or their own)",
+            )  # fmt: skip
         await self._maybe_flush()
 
     async def _on_split(self, msg: m.SplitApplied, subject: str) -> None:
@@ -597,6 +630,7 @@ class DirectoryService(WatchedService):
             try:
                 self._expire_count_snaps(time.monotonic())
                 self._expire_count_sync_marks(time.monotonic())
+                self._compaction_log.flush()
                 now = self.clock.local_now()
                 deadline = self.core.next_deadline()
                 if deadline is not None and deadline <= now:
