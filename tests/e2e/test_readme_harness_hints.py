@@ -6,15 +6,22 @@ compactions that does not exist (a compaction is the same branch id with rewritt
 bumps the branch's version, DESIGN.md Alg. E.1). The section's ``bash`` block is taken from README.md itself,
 so a command edited into something that fails fails here; only the router's URL is replaced (the test's
 cluster listens on a free port). The tiny profile's 4-token blocks make the section's short prompts hold full
-blocks, so the compaction has a block path to rewrite.
+blocks, so the compaction has a block path to rewrite; 4,096 GPU KV tokens a node hold the SDK example's prompts.
+
+The section's ``python`` block (the OpenAI SDK: hint headers in ``extra_headers``, the tool-call hint, a side
+request sent without the branch id, a sub-agent and its ``/end``) is run as written too, by an interpreter that has
+``openai``: ``EI_OPENAI_PYTHON`` (a scratch venv's python: the project's venv does not carry the SDK), else this
+one; skipped when neither imports it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -35,10 +42,14 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 DOC_URL = "http://127.0.0.1:8000"
 
 
+def section() -> str:
+    """README.md's "Agent harness hints" section."""
+    return README.read_text().split("## Agent harness hints", 1)[1].split("\n## ", 1)[0]
+
+
 def section_commands() -> list[tuple[str, str]]:
     """(comment, command) of each command of the section's bash block, continuation lines joined."""
-    text = README.read_text()
-    sec = text.split("## Agent harness hints", 1)[1].split("\n## ", 1)[0]
+    sec = section()
     block = re.search(r"```bash\n(.*?)```", sec, re.S)
     assert block, "README.md's Agent harness hints section has no bash block"
     out: list[tuple[str, str]] = []
@@ -53,7 +64,7 @@ def section_commands() -> list[tuple[str, str]]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster(tmp_path_factory):
-    spec = ClusterSpec(nodes=2, split="1P1D", profile="tiny", speedup=5.0, port=0, block_size=4,
+    spec = ClusterSpec(nodes=2, split="1P1D", profile="tiny", speedup=5.0, port=0, block_size=4, metrics=True, gpu_kv_tokens=4096,
                        log_dir=str(tmp_path_factory.mktemp("logs")), ready_timeout_s=60.0)  # fmt: skip
     async with LocalCluster(spec) as c:
         yield c
@@ -119,5 +130,44 @@ async def test_the_readme_harness_commands_work_as_written_and_do_what_it_says(c
             assert (await http.post("/v1/branches/never-seen/tool-call")).status_code == 404
             metrics = (await http.get("/metrics")).text
         assert 'ei_router_branch_parents_missing_total{state="unknown"} 0.0' in metrics  # the section's parents are known
+        # the compaction where the section says a harness author sees it: the directory's /metrics, no NATS client
+        async with httpx.AsyncClient(timeout=10) as http:
+            dmetrics = (await http.get(cluster.metrics_urls["kvdirectory"])).text
+        assert "ei_kvdirectory_branch_compactions_total 1.0" in dmetrics, dmetrics
+        assert "ei_kvdirectory_branches_active 2.0" in dmetrics  # task-42 and task-42-retry (the sub-agent ended)
+        assert 'ei_kvdirectory_branch_parents_missing_total{reason="unknown"} 0.0' in dmetrics
     finally:
         await bus.close()
+
+
+def openai_python() -> str | None:
+    """An interpreter that imports ``openai``: ``EI_OPENAI_PYTHON``, else this one; None when neither does."""
+    for python in (os.environ.get("EI_OPENAI_PYTHON"), sys.executable):
+        if python and subprocess.run([python, "-c", "import openai"], capture_output=True).returncode == 0:
+            return python
+    return None
+
+
+async def test_the_readme_openai_sdk_example_runs_as_written_and_prints_what_it_says(cluster, tmp_path):
+    python = openai_python()
+    if python is None:
+        pytest.skip("no interpreter with the openai package (set EI_OPENAI_PYTHON to one)")
+    sec = section()
+    block = re.search(r"```python\n(.*?)```", sec, re.S)
+    assert block, "README.md's Agent harness hints section has no python block"
+    code = block.group(1)
+    assert DOC_URL + "/v1" in code
+    script = tmp_path / "sdk_example.py"
+    script.write_text(code.replace(DOC_URL, cluster.router_url))
+    run = await asyncio.to_thread(subprocess.run, [python, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "{'branch_id': 'task-43', 'outstanding': True, 'expected_s': 120.0}", lines  # as the section quotes
+    assert lines[2] == "{'branch_id': 'task-43-explore', 'ended': True}", lines
+    tokens = re.fullmatch(r"prompt tokens (\d+) cached (\d+)", lines[1])
+    assert tokens, lines
+    prompt, cached = int(tokens[1]), int(tokens[2])
+    assert cached >= prompt // 2, lines  # the side request went without the branch id: the branch kept its prefix
+    for quoted in lines:  # every line printed is the one the section quotes (the tokens are the default profile's)
+        if not quoted.startswith("prompt tokens"):
+            assert f"`{quoted}`" in sec, quoted
