@@ -326,7 +326,7 @@ def _simulate_held(args: argparse.Namespace, cfg: SimConfig, requests: Any, bs: 
             print(f"error: {out}: cannot write: {e}", file=sys.stderr)
             return 2
     try:
-        res = simulate(cfg, requests, bs, meta=prov, setup_wall_s=setup, progress=True)
+        res = simulate(cfg, requests, bs, meta=prov, setup_wall_s=setup, progress=True, leave_for_exit=True)
     except (SimConfigError, ComponentMissing, ReplayError) as e:  # a component's bad option (--planner-opt ...) names itself
         print(f"error: {e}", file=sys.stderr)
         return 2
