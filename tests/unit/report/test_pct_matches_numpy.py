@@ -1,0 +1,68 @@
+"""``report.metrics._pct`` is ``float(np.percentile(values, q))`` bit for bit, without ``np.percentile``'s
+import of ``numpy.ma``."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from evolving_infra.report.metrics import _pct
+
+QS = (0, 1, 5, 10, 25, 33.3, 50, 66.7, 75, 90, 95, 99, 99.9, 100)
+
+
+def _numpy(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def _samples(rng: random.Random) -> list[list[float]]:
+    out: list[list[float]] = [[0.0], [1.5], [0.0, 0.0], [2.0, 1.0], [1e-300, 1e300], [5e-324, 0.0, 5e-324]]
+    for _ in range(2000):
+        n = rng.choice((1, 2, 3, 4, 5, 7, 10, 19, 20, 21, 100, 101, 999, 4000))
+        kind = rng.randrange(6)
+        if kind == 0:  # latencies: log-spread positive seconds
+            v = [10 ** rng.uniform(-6, 3) for _ in range(n)]
+        elif kind == 1:  # many exact ties and zeros (queue times)
+            v = [rng.choice((0.0, 0.0, 0.0, 0.125, 1.0 / 3, 7.5)) for _ in range(n)]
+        elif kind == 2:  # values a run computes: differences of sums of simulated times
+            v = [abs(sum(rng.uniform(0, 2) for _ in range(3)) - rng.uniform(0, 3)) for _ in range(n)]
+        elif kind == 3:  # integers (token counts) as floats
+            v = [float(rng.randrange(0, 50_000)) for _ in range(n)]
+        elif kind == 4:  # wide magnitudes
+            v = [rng.uniform(0, 1) * 10 ** rng.randrange(-300, 300) for _ in range(n)]
+        else:  # negatives, -0.0, infinities and NaN: numpy's own path
+            v = [rng.choice((-1.0, -0.0, 0.0, 2.5, float("inf"), -float("inf"), float("nan"), rng.uniform(-5, 5)))
+                 for _ in range(n)]
+        out.append(v)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's own, on inf - inf
+def test_pct_is_numpys_percentile_bit_for_bit_over_many_inputs() -> None:
+    rng = random.Random(20261206)
+    checked = 0
+    for values in _samples(rng):
+        for q in (*QS, rng.uniform(0, 100)):
+            want, got = _numpy(values, q), _pct(values, q)
+            assert repr(got) == repr(want), (values[:10], len(values), q, got, want)  # repr tells -0.0 and nan apart
+            checked += 1
+    assert checked > 25_000
+    assert _pct([], 50) is None
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("values", [[0.0, -0.0, 0.0], [-0.0], [1.0, float("nan")], [-2.0, 1.0]])
+def test_pct_takes_numpys_path_for_nan_and_sign_bits(values) -> None:
+    for q in QS:
+        assert repr(_pct(values, q)) == repr(_numpy(values, q))
+
+
+def test_a_report_leaves_numpy_ma_unimported() -> None:
+    code = ("import sys; from evolving_infra.report.metrics import _pct; _pct([3.0, 1.0, 2.0], 95); "
+            "print('numpy.ma' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
