@@ -1492,8 +1492,8 @@ async def _demo(args: argparse.Namespace) -> int:
 
 async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     from evolving_infra.replay.core import Arrival
-    from evolving_infra.out_folder import (OutFolderError, check_previous_run, drop_partial_records, hold_out, partial_records,
-                                           set_aside_note, set_aside_previous_run)
+    from evolving_infra.out_folder import (OutFolderError, check_previous_run, drop_partial_records, hold_out,
+                                           note_leftover_partial_records, partial_records, set_aside_or_elsewhere)
     from evolving_infra.replay.live import LiveReplayer, RecordAppender
     from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
     from evolving_infra.report.write import build_report, print_summary, report_line, write_report
@@ -1561,6 +1561,7 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
             out.rmdir()
         print(f"error: --out {out}: {e}", file=sys.stderr)
         return 2
+    note_leftover_partial_records(out, "demo")
     if not args.log_dir:  # OUT/logs belongs to this run, as OUT/report.json does: an earlier demo's lines go
         clear_run_logs(log_dir)
     pol: LivePolicy = args.live_policy
@@ -1576,7 +1577,10 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
     if deferred := split_deferred_line(pol, spec.split, given=args.split_given):
         print(f"  {deferred}", flush=True)
     api_key = demo_client_key(args)
-    records_file = partial_records(out, secrets.token_hex(6))  # this run's records as they complete
+    run_id = secrets.token_hex(6)  # the report's meta.run_id; names this run's records file (and OUT/run-<id>/)
+    records_file = partial_records(out, run_id)  # this run's records as they complete
+    print(f"  run {run_id}: each answered request's record is appended to {records_file} until the report is written",
+          flush=True)
     wall0 = time.monotonic()
     stop = asyncio.Event()
     signals = _stop_on_signals(stop)
@@ -1665,6 +1669,7 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
         notes.append(f"sessions capped to the first {cap} requests of each branch (replayed trace: {Path(trace_name).name})")
     meta = {
         "command": "demo",
+        "run_id": run_id,
         "argv": redact_argv(sys.argv[1:]),  # the report folder is for sharing: no --nats-url password
         "trace": trace_name,
         **trace_identity(trace.header, trace.requests),  # the file's requests, before --sessions: report compare's input
@@ -1691,16 +1696,15 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
         meta["interrupted"] = {"signal": cause.name, "in_flight_cancelled": partial["in_flight_cancelled"] if partial else 0}
     # duration: the replay's own window (wall x speedup), not the span of the answered requests
     report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, timeline=timeline, start=result.start, end=result.end)
-    try:  # only now, before the first output: a demo that failed or was killed leaves the earlier run's in place
-        moved = set_aside_previous_run(out)
-    except (OutFolderError, OSError) as e:  # checked before the start; a previous/ made meanwhile, a failed move
+    try:  # only now, before the first output: a demo that failed or was killed leaves the earlier run's in place;
+        # refused now (previous/ held or the user's files put there meanwhile): this run's outputs to OUT/run-<run_id>/
+        dest = set_aside_or_elsewhere(out, "demo", run_id, file=sys.stdout)
+    except OutFolderError as e:  # neither the set-aside nor OUT/run-<run_id>/ (OUT not writable any more)
         kept = f"its records are in {records_file}" if records_file.exists() else "it answered no request"
         print(f"error: --out {out}: {e}; this run's report was not written ({kept})", file=sys.stderr, flush=True)
         drop_partial_records(records_file, only_empty=True)
         return 1
-    if moved:
-        print(set_aside_note("demo", out, moved), flush=True)
-    path = write_report(out, report, sorted(result.records, key=lambda r: r.sent_at))
+    path = write_report(dest, report, sorted(result.records, key=lambda r: r.sent_at))
     drop_partial_records(records_file)  # the same records, in requests.jsonl now
     if partial is not None:
         print(f"PARTIAL REPORT: {partial_line(partial)}", flush=True)

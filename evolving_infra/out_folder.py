@@ -9,13 +9,17 @@ so that ``simulate`` imports none of the live stack (asyncio, httpx) to hold its
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
 import sys
+import time
+import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
+from typing import TextIO
 
 PREVIOUS = "previous"
 LOCK = ".evolving-infra.lock"
@@ -30,6 +34,13 @@ class OutFolderError(Exception):
     writing to ``OUT`` (:func:`hold_out`). The message is one line naming the path."""
 
 
+class NoFlockError(OutFolderError):
+    """The file system of ``OUT`` gives no ``flock`` (Lustre mounted ``noflock``: ENOSYS; NFS without its lock
+    manager: ENOLCK), so :func:`hold_out` cannot hold it: one line naming the lock file, the error and its likely
+    cause, worded for any folder (an ``--out``, ``report show``'s ``RUN_DIR``); ``report show`` catches it to show the
+    summary without writing, as for a read-only folder."""
+
+
 def partial_records(out: Path, run_id: str) -> Path:
     """``out/requests.partial-<run_id>.jsonl``: the file ``replay`` and ``demo`` append each answered request's record
     to as it completes (``RecordAppender``), a name of this run's alone, not a run's output name: the outputs in
@@ -37,6 +48,22 @@ def partial_records(out: Path, run_id: str) -> Path:
     and the records of a run that fails or is killed stay in this file, never mixed with another run's. Once the
     run's ``requests.jsonl`` is written it is removed (:func:`drop_partial_records`)."""
     return out / f"requests.partial-{run_id}.jsonl"
+
+
+def note_leftover_partial_records(out: Path, command: str) -> list[Path]:
+    """One ``note:`` line on stderr naming the :func:`partial_records` files already in ``out`` when a run takes it
+    (call it holding :func:`hold_out`: no other run is writing one then, so each is the records of a ``replay`` or
+    ``demo`` killed before its report), which nothing else reads or removes. Returns them (sorted; empty: no line).
+    Raises nothing (an unreadable ``out``: none found)."""
+    try:
+        found = sorted(p for p in out.glob("requests.partial-*.jsonl") if p.is_file())
+    except OSError:
+        return []
+    if found:
+        shown_names = ", ".join(p.name for p in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        print(f"note: {command}: --out {out} holds the records of {len(found)} earlier run(s) killed before their "
+              f"report ({shown_names}: one JSON record a line, as requests.jsonl); left in place", file=sys.stderr)
+    return found
 
 
 def drop_partial_records(path: Path, *, only_empty: bool = False) -> bool:
@@ -75,8 +102,8 @@ def hold_out(out: Path) -> Iterator[None]:
     ``local_lock=flock``, where runs on two hosts can both hold ``out``; none on Lustre ``noflock``, refused.
 
     Raises:
-        OutFolderError: ``out`` is not a folder, another process holds the lock (its id named when known), or the
-            file system gives no ``flock`` (the lock file this call made removed again).
+        OutFolderError: ``out`` is not a folder, or another process holds the lock (its id named when known).
+        NoFlockError: the file system gives no ``flock`` (the lock file this call made removed again).
         OSError: ``out`` or the lock file cannot be made.
     """
     if out.exists() and not out.is_dir():
@@ -104,9 +131,11 @@ def hold_out(out: Path) -> Iterator[None]:
             if made:
                 with suppress(OSError):
                     os.unlink(path)
-            raise OutFolderError(f"cannot lock {path} ({e.strerror or e}): this file system gives no flock (Lustre "
-                                 "mounted noflock?), and without it two runs into one --out would overwrite each "
-                                 "other's outputs: choose an --out on another file system") from None
+            why = {errno.ENOLCK: "NFS without its lock manager?", errno.ENOSYS: "Lustre mounted noflock?"}
+            raise NoFlockError(f"cannot lock {path} ({e.strerror or e}): this file system gives no flock"
+                               + (f" ({why[e.errno]})" if e.errno in why else "")
+                               + ", and without it two runs into one folder would overwrite each other's outputs: "
+                               "use a folder on another file system") from None
         except BaseException:
             os.close(fd)
             raise
@@ -277,12 +306,65 @@ def set_aside_note(command: str, out: Path, moved: list[str]) -> str:
             "it keeps only the last run's)")
 
 
+SET_ASIDE_WAIT_S = 5.0
+"""How long :func:`set_aside_or_elsewhere` waits for a ``report show`` of ``OUT/previous`` (which holds its lock
+while it redraws: seconds) before this run's outputs go to a folder of their own instead."""
+
+
+def set_aside_or_elsewhere(out: Path, command: str, run_id: str | None = None, *, wait_s: float = SET_ASIDE_WAIT_S,
+                           file: TextIO | None = None) -> Path:
+    """Where a run that has ended writes its outputs: ``out``, its earlier run's set aside first
+    (:func:`set_aside_previous_run`, the :func:`set_aside_note` on ``file``), or, when that set-aside is refused now
+    (a ``report show`` of ``out/previous`` still holding its lock after ``wait_s`` seconds, the user's files put in
+    ``out/previous`` during the run, a failed move), a new folder ``out/run-<run_id>/`` (one ``warning:`` line on
+    stderr naming it and why), so that a finished run's outputs are never dropped. Call it holding ``out``
+    (:func:`hold_out`), once the run has ended.
+
+    Args:
+        out: the run's ``--out``.
+        command: the command's name in the lines printed (``replay``, ``demo``, ``simulate``).
+        run_id: names the fallback folder (the report's ``meta.run_id``); a new 12-hex id when None.
+        wait_s: seconds to wait, retrying every 0.2 s, while another process holds ``out/previous``'s lock.
+        file: the stream of the set-aside's note (stderr when None; ``demo`` prints it on stdout).
+
+    Returns:
+        The folder to write the run's outputs to: ``out`` or ``out/run-<run_id>``.
+
+    Raises:
+        OutFolderError: the set-aside was refused and ``out/run-<run_id>`` cannot be made either (its message
+            names both).
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            moved = set_aside_previous_run(out)
+        except (OutFolderError, OSError) as e:
+            if time.monotonic() < deadline and _lock_holder(out / PREVIOUS) is not None:
+                time.sleep(0.2)
+                continue
+            refused = e
+            break
+        if moved:
+            print(set_aside_note(command, out, moved), file=file or sys.stderr, flush=True)
+        return out
+    fresh = out / f"run-{run_id or uuid.uuid4().hex[:12]}"
+    try:
+        fresh.mkdir()
+    except OSError as e:
+        raise OutFolderError(f"{refused}; and {fresh} cannot be made for this run's outputs instead "
+                             f"({e.strerror or e})") from None
+    print(f"warning: --out {out}: {refused}; this run's outputs are written to {fresh}/ instead", file=sys.stderr,
+          flush=True)
+    return fresh
+
+
 def set_aside_into(folder: Path, command: str) -> None:
     """A run's outputs in ``folder`` set aside to ``folder/previous/`` (:func:`set_aside_previous_run`) just before
     its own are written there, the note (:func:`set_aside_note`) on stderr: each side of ``fidelity`` and each
     item of a ``--sweep``, which write one run per sub-folder of ``OUT`` (``command`` names it in the note). Call it
-    holding ``OUT`` (:func:`hold_out`), once the run has ended, and :func:`check_previous_run` on ``folder`` before
-    the run, so that its refusals come first.
+    holding ``OUT`` (:func:`hold_out`), once the run has ended, and :func:`recover_set_aside` then
+    :func:`check_previous_run` on ``folder`` before the run, so that what a killed run left there is put back and
+    the refusals come first (``hold_out`` recovers ``OUT`` itself only).
 
     Raises:
         OutFolderError, OSError: as :func:`set_aside_previous_run`.
@@ -350,7 +432,7 @@ def recover_set_aside(out: Path) -> list[str]:
     what it did in one line on stderr (``note:``, or ``warning:`` for what is left in place: never silently).
 
     Returns:
-        The lines printed (empty when nothing was left).
+        The lines printed (empty when nothing was left, or ``out`` does not exist).
     """
     said: list[str] = []
 
@@ -360,6 +442,8 @@ def recover_set_aside(out: Path) -> list[str]:
 
     try:
         matched = [(m, p) for p in out.iterdir() if (m := _LEFTOVER.fullmatch(p.name))]
+    except FileNotFoundError:  # no such folder (a sweep item or fidelity side not yet run): nothing left there
+        return said
     except OSError as e:
         say(f"cannot look for what a run killed while setting its outputs aside left ({e.strerror or e}); "
             "nothing recovered", kept=True)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from evolving_infra.out_folder import LOCK, PREVIOUS, OutFolderError, check_previous_run, drop_partial_records, hold_new_out, hold_out, partial_records, set_aside_note, set_aside_previous_run  # noqa: F401 - re-exported (the tests import them from here)
+from evolving_infra.out_folder import LOCK, PREVIOUS, OutFolderError, check_previous_run, drop_partial_records, hold_new_out, hold_out, note_leftover_partial_records, partial_records, set_aside_note, set_aside_or_elsewhere, set_aside_previous_run  # noqa: F401 - re-exported (the tests import them from here)
 from evolving_infra.replay.core import Arrival, ReplayError
 from evolving_infra.stdio_args import STDIO, folder, shown, stdin_file
 from services.router.config import RouterConfig
@@ -149,6 +149,7 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
     except (OutFolderError, OSError) as e:
         print(f"error: --out {out}: {e}", file=sys.stderr)
         return 2
+    note_leftover_partial_records(out, "replay")
     run_id = uuid.uuid4().hex[:12]
     prefix = f"{run_id}:" if args.branch_prefix is None else args.branch_prefix
     too_long = longest_sent_id(trace.requests, prefix)
@@ -167,8 +168,12 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
     def on_signal(sig: signal.Signals) -> None:
         signals.append(sig.name)
         if len(signals) == 1:
-            print(f"\nreplay: {sig.name}: stopping; writing what completed to {out} (again to abort at once)", file=sys.stderr)
-            stop.set()
+            stop.set()  # first: a print to a closed stderr (a dead tee, `2>&1 | head`) raises, and the stop was lost
+            try:
+                print(f"\nreplay: {sig.name}: stopping; writing what completed to {out} (again to abort at once)",
+                      file=sys.stderr)
+            except OSError:  # its reader is gone: what follows for stderr (the progress bar's close) to /dev/null,
+                _stderr_to_devnull()  # so that the report of what completed is still written
         else:
             raise SystemExit(128 + sig.value)
 
@@ -184,6 +189,8 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
             loop.remove_signal_handler(sig)
         print(f"error: --out {out}: cannot write {partial.name}: {e}", file=sys.stderr)
         return 2
+    print(f"replay: run {run_id}: each answered request's record is appended to {partial} until the report is written",
+          file=sys.stderr)
     wall0 = time.monotonic()
     ended = False
     try:
@@ -240,16 +247,15 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
     ideal = annotate_ideal(result.records, {r.id: r for r in trace.requests}, token_block)
     # duration: the replay's own window (wall x speedup), also when stopped early, not the span of the answered requests
     report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, start=result.start, end=result.end)
-    try:  # only now, before the first output: a replay that failed or was killed leaves the earlier one's in place
-        moved = set_aside_previous_run(out)
-    except (OutFolderError, OSError) as e:
+    try:  # only now, before the first output: a replay that failed or was killed leaves the earlier one's in place;
+        # refused now (previous/ held or the user's files put there meanwhile): this run's outputs to OUT/run-<run_id>/
+        dest = set_aside_or_elsewhere(out, "replay", run_id)
+    except OutFolderError as e:
         kept = f"its records are in {partial}" if partial.exists() else "it answered no request"
         print(f"error: --out {out}: {e}; this run's report was not written ({kept})", file=sys.stderr)
         drop_partial_records(partial, only_empty=True)
         return 2
-    if moved:
-        print(set_aside_note("replay", out, moved), file=sys.stderr)
-    path = write_report(out, report, sorted(result.records, key=lambda r: r.sent_at))
+    path = write_report(dest, report, sorted(result.records, key=lambda r: r.sent_at))
     drop_partial_records(partial)  # the same records, in requests.jsonl now
     print_summary(report)
     print(report_line(path))
@@ -257,6 +263,22 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
         sig_name = signals[0] if signals else "SIGINT"
         return 128 + getattr(signal, sig_name).value
     return 0 if report["requests_failed"] == 0 else 1
+
+
+def _stderr_to_devnull() -> None:
+    """Point file descriptor 2 at ``/dev/null`` (the pipe stderr wrote to has no reader any more: a dead ``tee``,
+    ``2>&1 | head``), so that later writes to ``sys.stderr`` (and the objects holding it, as the progress bar does)
+    succeed instead of raising BrokenPipeError mid-way through the report. Raises nothing."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        os.dup2(null, 2)
+    except OSError:
+        pass
+    finally:
+        os.close(null)
 
 
 async def router_unreachable(router_url: str, timeout_s: float = 5.0) -> str | None:

@@ -17,10 +17,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     ``--recompute``) it holds ``RUN_DIR`` as a run writing there does (:func:`~evolving_infra.out_folder.hold_out`):
     while a run writes to it, it stops with that run's line and exit 2. A folder this user cannot write (its lock
     cannot be made: not writable, a read-only file system) still gets its summary (recomputed, not stored, with
-    ``--recompute``), then one line saying nothing was written and to use ``--no-plots``: exit 2."""
+    ``--recompute``), then one line saying nothing was written and to use ``--no-plots``: exit 2; so does one on a
+    file system without ``flock`` (:class:`~evolving_infra.out_folder.NoFlockError`)."""
     import errno
 
-    from evolving_infra.out_folder import OutFolderError, hold_out
+    from evolving_infra.out_folder import NoFlockError, OutFolderError, hold_out
 
     run_dir = Path(args.run_dir)
     writes = args.recompute or not args.no_plots
@@ -35,7 +36,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 print(f"error: {run_dir}: {e}", file=sys.stderr)
                 return 2
-            return _show(args, run_dir, read_only=f"{e.strerror or e}: {e.filename or run_dir}")
+            return _show(args, run_dir, read_only=f"read-only folder ({e.strerror or e}: {e.filename or run_dir})")
+        except NoFlockError as e:  # as a read-only folder: the summary, and what was not written
+            return _show(args, run_dir, read_only=f"cannot be held ({e})")
         except OutFolderError as e:
             print(f"error: {run_dir}: {e}", file=sys.stderr)
             return 2
@@ -43,7 +46,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace, run_dir: Path, read_only: str | None = None) -> int:
-    """:func:`cmd_show`'s work; returns the exit code. ``read_only``: why ``run_dir`` cannot be written (then the
+    """:func:`cmd_show`'s work; returns the exit code. ``read_only``: why ``run_dir`` cannot be written, a phrase (then the
     summary alone, and exit 2: what was asked to be written was not)."""
     try:
         report, records = load_run(run_dir)
@@ -58,7 +61,7 @@ def _show(args: argparse.Namespace, run_dir: Path, read_only: str | None = None)
     if read_only is not None:
         unwritten = " and ".join(w for w, asked in (("the recomputed report.json", args.recompute),
                                                       ("the plots and report.html", not args.no_plots)) if asked)
-        print(f"error: {run_dir}: read-only folder ({read_only}): {unwritten} not written; use --no-plots (the summary "
+        print(f"error: {run_dir}: {read_only}: {unwritten} not written; use --no-plots (the summary "
               "above is all it can show)", file=sys.stderr)
         return 2
     if not args.no_plots:

@@ -330,15 +330,13 @@ def _simulate_held(args: argparse.Namespace, cfg: SimConfig, requests: Any, bs: 
     except (SimConfigError, ComponentMissing, ReplayError) as e:  # a component's bad option (--planner-opt ...) names itself
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from evolving_infra.out_folder import OutFolderError, set_aside_note, set_aside_previous_run
+    from evolving_infra.out_folder import OutFolderError, set_aside_or_elsewhere
 
-    try:  # only now, before the first output: a run that failed or was interrupted leaves the earlier one's in place
-        moved = set_aside_previous_run(out)
-    except (OutFolderError, OSError) as e:
+    try:  # only now, before the first output: a run that failed or was interrupted leaves the earlier one's in place;
+        out = set_aside_or_elsewhere(out, "simulate")  # refused now: the outputs to OUT/run-<id>/ (named on stderr)
+    except OutFolderError as e:
         print(f"error: --out {out}: {e}; this run's report was not written", file=sys.stderr)
         return 2
-    if moved:
-        print(set_aside_note("simulate", out, moved), file=sys.stderr)
     try:  # OUT was made before the run (hold_out); taken back by the caller when left empty
         path = write_report(out, res.report, res.records, plots=not args.no_plots)
         write_decisions(out, res.stats.planner_decisions)

@@ -295,7 +295,13 @@ def fidelity(s: FidelitySettings, out: Path) -> dict[str, Any]:
     live, records = asyncio.run(run_live(s, requests, bs, out / "live"))
     cp = control_plane(records)
     sim = run_sim(s, requests, bs, out / "sim", cp)
-    plain = run_sim(s, requests, bs, out / "sim-plain") if cp is not None else sim
+    if cp is not None:
+        plain = run_sim(s, requests, bs, out / "sim-plain")
+    else:  # no control plane measured: sim is the plain run; an earlier fidelity's sim-plain/ must not look current
+        from evolving_infra.out_folder import set_aside_into
+
+        plain = sim
+        set_aside_into(out / "sim-plain", "fidelity")
     keys = (*FIDELITY_KEYS, "requests_completed", "requests_failed", "kv_hit_rate", "wall_s")
     result = {
         "settings": asdict(s),
@@ -366,7 +372,7 @@ def add_fidelity_args(p: argparse.ArgumentParser) -> None:
 def cmd_fidelity(args: argparse.Namespace) -> int:
     from contextlib import ExitStack
 
-    from evolving_infra.out_folder import OutFolderError, check_previous_run, hold_new_out
+    from evolving_infra.out_folder import OutFolderError, check_previous_run, hold_new_out, recover_set_aside
     from shared.log import setup_logging
 
     setup_logging("console", "warning")
@@ -387,6 +393,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
         try:
             hold_new_out(held, out)  # OUT made and held; taken back after the lock's release when left empty
             for side in FIDELITY_SIDES:  # their refusals now; each side's set-aside once it has run
+                recover_set_aside(out / side)  # what a fidelity killed during that side's set-aside left (OUT held)
                 check_previous_run(out / side)
         except (OutFolderError, OSError) as e:
             print(f"error: --out {out}: {e}", file=sys.stderr)

@@ -220,8 +220,9 @@ def run_sweep(
         The process exit status (0, or 1 if an item had failed requests).
 
     An earlier sweep's item in an item's folder is set aside to its ``previous/`` once the item has run, just before
-    its report is written (:func:`~evolving_infra.out_folder.set_aside_into`); ``sweep.json`` and ``compare/`` are
-    replaced.
+    its report is written (:func:`~evolving_infra.out_folder.set_aside_into`); what a sweep killed during such a
+    set-aside left in an item's folder is put back first (:func:`~evolving_infra.out_folder.recover_set_aside`: call
+    it holding ``out``); ``sweep.json`` and ``compare/`` are replaced.
 
     Raises:
         SimConfigError: a malformed spec or an item that cannot run, or an item folder's ``previous/`` holding
@@ -237,10 +238,11 @@ def run_sweep(
     for note in notes:
         print(f"note: {note}", flush=True)
     sizes = {resolve(c).profile.block_size for _, c in items}  # fails before any run
-    from evolving_infra.out_folder import OutFolderError, check_previous_run
+    from evolving_infra.out_folder import OutFolderError, check_previous_run, recover_set_aside
 
     for label, _c in items:  # an item folder whose previous/ holds the user's files: refused before any run
         try:
+            recover_set_aside(Path(out) / safe_dir(label))  # what a sweep killed during its set-aside left (OUT held)
             check_previous_run(Path(out) / safe_dir(label))
         except OutFolderError as e:
             raise SimConfigError(f"--out {Path(out) / safe_dir(label)}: {e}") from None

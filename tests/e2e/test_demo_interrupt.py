@@ -84,6 +84,8 @@ def test_ctrl_c_during_the_replay_writes_the_partial_report_stops_the_cluster_an
     # those were still in flight at the stop is a race; the unit tests count exact cases)
     ends_sent = sum(next(r for r in trace.requests if r.id == row["id"]).ends_branch for row in rows)
     meta = report["meta"]
+    assert f"run {meta['run_id']}: each answered request's record is appended to " in out, out[-2000:]  # its id
+    assert not list(out_dir.glob("requests.partial-*")), sorted(p.name for p in out_dir.iterdir())
     assert 0 <= meta["branch_ends_cancelled"] <= ends_sent - meta["branch_end_failures"], (meta, ends_sent)
     assert (partial["requests_total"], partial["requests_answered"]) == (total, len(rows)), (partial, total, len(rows))
     assert partial["requests_answered"] + partial["in_flight_cancelled"] + partial["requests_not_sent"] == total, partial

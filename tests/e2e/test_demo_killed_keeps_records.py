@@ -103,6 +103,7 @@ def test_a_sigkilled_demo_leaves_the_answered_requests_records_each_a_whole_json
     assert sorted(p.name for p in (out_dir / "previous").iterdir()) == ["report.json", "ttft_cdf.png"]
     assert (out_dir / "holiday.png").read_text() == "mine\n"
     assert "moved to" not in text, text[-3000:]
+    assert f"is appended to {records()} until the report is written" in text, text[-3000:]  # named at the start
 
 
 @pytest.mark.parametrize("theirs", ["folder", "file"])
