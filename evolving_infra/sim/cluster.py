@@ -824,9 +824,10 @@ class ClusterSim:
             if placed.phase != "decode" or not self.skip_decode_kv:  # decode: only where decode KV is seen
                 # no KV event since the lookup above: the directory's lost-reuse record reuses it
                 # (the router passes the request's own list on: identity answers without a scan)
+                # (place_unread: place, its result not built, as nothing here reads it)
                 same = found is not None and (placed.block_hashes is rr.block_hashes or placed.block_hashes == rr.block_hashes)
-                self.directory.place(placed.branch_id, placed.node, placed.phase, placed.block_hashes, t,
-                                     lookup=found if same else None)
+                self.directory.place_unread(placed.branch_id, placed.node, placed.phase, placed.block_hashes, t,
+                                            found if same else None)
         self._flush_counts()
         f.prefill = pnode.name
         f.decided_at = t
@@ -1028,7 +1029,7 @@ class ClusterSim:
         self._flush_kv(d, t)
         if not self.skip_decode_kv:  # decode placements only where the directory sees decode KV
             for placed in bound.placed:
-                self.directory.place(placed.branch_id, placed.node, placed.phase, placed.block_hashes, t)
+                self.directory.place_unread(placed.branch_id, placed.node, placed.phase, placed.block_hashes, t)
             self._flush_counts()
 
     def _on_wake(self, n: _Node, t: float) -> None:

@@ -51,7 +51,7 @@ from shared.values import FACTORY, StructValue, Value
 from .branches import Branch, BranchTable
 from .index import GPU, HOST, TIER_INDEX, TIERS, BlockIndex, tier_bit
 from .lookup import LookupResult, build_lookup
-from .reuse import ReuseRecord, attribute_lost_reuse, lost_reuse_shares
+from .reuse import Cause, ReuseRecord, attribute_lost_reuse, lost_reuse_shares
 
 ApplyStatus = Literal["applied", "stale", "gap", "buffered", "recovered", "resynced", "rejected"]
 
@@ -714,15 +714,32 @@ class KvDirectory:
             return res
         res.released_nodes = [self.names[m] for m in out.released_nodes]
         if phase in ("prefill", "both") and path:
-            res.reuse = self._reuse(n, path, out.history_blocks, out.prev_prefill_node, lookup)
+            res.reuse = ReuseRecord(*self._reuse(n, path, out.history_blocks, out.prev_prefill_node, lookup))
         return res
 
-    def _reuse(self, n: int, path: list[int], history: int, prev: int | None, lookup: LookupResult | None = None) -> ReuseRecord:
+    def place_unread(
+        self, branch_id: str, node: str, phase: str, block_hashes: Sequence[int], now: float, lookup: LookupResult | None = None
+    ) -> None:
+        """:meth:`place` (``rid`` None) for an in-process caller that reads no result (the simulator,
+        ``ClusterSim._dispatch``): the same branch table, counts, outbox and counters (the lost-reuse
+        ones included), with no :class:`PlaceResult`, released-node names or :class:`ReuseRecord`
+        built (``tests/unit/kvdirectory/test_held_counts.py``). ``lookup`` as in :meth:`place`."""
+        n = self._slot(node)
+        path = list(block_hashes)
+        out = self.branches.place(branch_id, n, phase, path, now, None)
+        if not out.rejected and path and (phase == "prefill" or phase == "both"):
+            self._reuse(n, path, out.history_blocks, out.prev_prefill_node, lookup)
+
+    def _reuse(
+        self, n: int, path: list[int], history: int, prev: int | None, lookup: LookupResult | None = None
+    ) -> tuple[int, int, int, Cause, str, str | None]:
+        """Count the lost reuse of node n's prefill placement of ``path`` (``reuse.*`` counters);
+        returns its :class:`ReuseRecord`'s fields, in field order."""
         lk = lookup if lookup is not None else self.lookup(path)
-        local = lk.node(self.names[n]).local_blocks
         longest = lk.longest_any
         ideal = longest if longest > history else history  # max(history, longest): no builtin call
-        hit = longest if self.reuse_hit_scope == "cluster" else local
+        # (the node's own prefix is read only when it is the hit: a walk of the lookup's nodes)
+        hit = longest if self.reuse_hit_scope == "cluster" else lk.node(self.names[n]).local_blocks
         prev_name = self.names[prev] if prev is not None else None
         lost, cause = attribute_lost_reuse(ideal, hit, self.names[n], prev_name)
         c = self.counters
@@ -730,7 +747,7 @@ class KvDirectory:
         c["reuse.hit_tokens"] += (ideal if ideal < hit else hit) * self.block_size
         if lost:
             c["reuse.lost_tokens." + cause] += lost * self.block_size
-        return ReuseRecord(ideal, hit, lost, cause, self.names[n], prev_name)
+        return ideal, hit, lost, cause, self.names[n], prev_name
 
     def node_phase_changed(self, node: str, old: str | None, new: str, now: float) -> int:
         """A node now serves ``new``: D→P resets its counts, P→D keeps them. Returns branches released."""

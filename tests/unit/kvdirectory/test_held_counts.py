@@ -136,6 +136,13 @@ class _World:
         self.entries = 0
         self.moved = 0
 
+    def place(self, bid: str, n: str, phase: str, path: list[int], t: float) -> None:
+        """``RoutePlaced``: through ``place_unread`` when ``direct`` (the simulator's call, no result built)."""
+        if self.direct:
+            assert self.d.place_unread(bid, n, phase, path, t) is None
+        else:
+            self.d.place(bid, n, phase, path, t)
+
     def flush(self, t: float) -> list[list[object]]:
         out = []
         for n in NODES:
@@ -266,10 +273,10 @@ def test_chained_bisection_changes_nothing(seed: int, event: str, chain_min: int
 @pytest.mark.parametrize("event", ["", "clear", "resync", "cap"])
 @pytest.mark.parametrize("seed", range(2))
 def test_the_simulators_direct_calls_change_nothing(seed: int, event: str):
-    """``apply_kv_events`` and ``take_count_lists`` (issue 23: the simulator hands the directory a
-    node's events and the engines their counts without building batch, result or message
-    objects): the differential run above, through them and through ``apply_kv_batch`` /
-    ``take_count_updates`` (both worlds ``held_counts_only`` and ``chained``, as the simulator
+    """``apply_kv_events``, ``take_count_lists`` and ``place_unread`` (issue 23: the simulator hands the
+    directory a node's events and placements and the engines their counts without building batch,
+    result or message objects): the differential run above, through them and through ``apply_kv_batch`` /
+    ``take_count_updates`` / ``place`` (both worlds ``held_counts_only`` and ``chained``, as the simulator
     runs): the directory's whole state (counters, index, counts, message numbers, event
     streams) and the workers' pools and KV events are equal after every step, through clears,
     resync snapshots and a capped index."""
@@ -469,7 +476,7 @@ def _differential(
             n = rng.choice(NODES)
             phase = rng.choice(["prefill", "decode", "both"])
             for w in worlds:
-                w.d.place(bid, n, phase, new, t)
+                w.place(bid, n, phase, new, t)
                 w.drain()
         elif op < 0.75:
             n = rng.choice(NODES)
