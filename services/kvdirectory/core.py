@@ -723,9 +723,11 @@ class KvDirectory:
         """:meth:`place` (``rid`` None) for an in-process caller that reads no result (the simulator,
         ``ClusterSim._dispatch``): the same branch table, counts, outbox and counters (the lost-reuse
         ones included), with no :class:`PlaceResult`, released-node names or :class:`ReuseRecord`
-        built (``tests/unit/kvdirectory/test_held_counts.py``). ``lookup`` as in :meth:`place`."""
+        built (``tests/unit/kvdirectory/test_held_counts.py``). ``lookup`` as in :meth:`place`.
+        A list ``block_hashes`` becomes the branch's path as it is, not copied (the simulator's
+        request lists are never changed once sent): the caller must not change it afterwards."""
         n = self._slot(node)
-        path = list(block_hashes)
+        path = block_hashes if type(block_hashes) is list else list(block_hashes)
         out = self.branches.place(branch_id, n, phase, path, now, None)
         if not out.rejected and path and (phase == "prefill" or phase == "both"):
             self._reuse(n, path, out.history_blocks, out.prev_prefill_node, lookup)
