@@ -718,7 +718,8 @@ class BlockIndex:
                 something monotone along chains, :meth:`BranchTable.on_removed`.)
 
         Returns:
-            The hashes that were present and are now removed.
+            The hashes that were present and are now removed: a list ``hashes`` itself when all
+            were (not a copy; the directory's presence hook only reads it).
 
         Cost: O(runs touched) plus C-level work per block when the hashes list runs of
         blocks (deepest first, as engines evict, or parent first).
@@ -782,7 +783,7 @@ class BlockIndex:
                 p = s.parent
                 touched.append(self._set_comp(s, pc & (-1 if p is None else 0 if p is UNKNOWN else -where[p][0])))
         if removed is None:
-            removed = hashes[:]  # every block was removed (a copy: the list may be the caller's)
+            removed = hashes  # every block was removed: the list itself (not a copy: the caller reads it)
         if unknown:
             self.counters["removed.unknown_blocks"] += unknown
         self.copies[node][tier] -= len(removed)

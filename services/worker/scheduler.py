@@ -335,7 +335,7 @@ class EngineScheduler:
             rid,  # rid
             work.prompt_tokens,  # prompt_tokens
             work.max_tokens,  # max_tokens
-            list(work.block_hashes),  # path
+            bh if type(bh := work.block_hashes) is list else list(bh),  # path: the work's list, never changed (not a copy)
             WAITING,  # state
             now,  # arrived_at
             footprint,  # footprint
