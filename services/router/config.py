@@ -319,9 +319,10 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     ] = 14400.0
 
     def __post_init__(self) -> None:
-        from services.router.toolcalls import check_parser
+        if self.tool_call_parser:  # imported only then: simulate builds a RouterConfig per run and never parses calls
+            from services.router.toolcalls import check_parser
 
-        check_parser(self.tool_call_parser)
+            check_parser(self.tool_call_parser)
         if self.enable_auto_tool_choice and not self.tool_call_parser:  # vLLM refuses it at start too
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (known: hermes)")
         if self.allow_credentials and "*" in self.allowed_origins:

@@ -93,3 +93,13 @@ def test_simulate_builds_its_parser_and_imports_with_the_gc_paused_and_restores_
             "print(gc.isenabled())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[-1] == "True"
+
+
+def test_a_router_config_without_a_tool_call_parser_does_not_import_the_parser_module() -> None:
+    # simulate builds a RouterConfig per run and never parses tool calls: toolcalls pulls in secrets -> hmac ->
+    # _hashlib (4-10 ms of each run); a parser named is still checked at once
+    code = ("import sys; from services.router.config import RouterConfig; RouterConfig()\n"
+            "print('services.router.toolcalls' in sys.modules)\n"
+            "try:\n    RouterConfig(tool_call_parser='nope')\nexcept ValueError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["False", "--tool-call-parser 'nope' is not known; known: hermes"]
