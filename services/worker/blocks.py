@@ -60,7 +60,13 @@ consecutive requests of a branch share almost all of them, so the pools store
   set untouched; a page enters it only when the set is read after the page
   entered the queue (a run queued since the last read is flagged ``lazy``), so
   a page that leaves the queue before that (an L1 restore, an eviction) costs
-  the set nothing, and one set insert and one delete otherwise.
+  the set nothing, and one set insert and one delete otherwise. Once count
+  messages come with their chains (the simulator's in-process directory), the
+  pool keeps neither set: a queued page's count is its group, an L1 page's is
+  kept in its L1 run as counted offset intervals (``_GpuRun.counted``, carried
+  through L1's splits, merges, evictions and restores), set chain by chain
+  along L1's runs, and an eviction queues a run's pieces by them: O(runs
+  changed) per message and per unpin, not O(pages).
 * Holds (both pools) are kept whole: a held path prefix under its last hash,
   counted per page only around a broken hold (``RunHostPool.prefixes``).
 
@@ -254,10 +260,74 @@ class _BlockView:
 # --------------------------------------------------------------------------- #
 
 
+_NONE: tuple[tuple[int, int], ...] = ()
+"""No counted interval (:attr:`_GpuRun.counted`): one shared empty tuple, replaced, never changed."""
+
+
+def _ivl_cut(iv: Sequence[tuple[int, int]], k: int) -> tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]]:
+    """Counted intervals ``iv`` of a run cut after its first ``k`` pages: those of the shallow
+    part and those of the deep part (offsets from its own first page). O(intervals)."""
+    up: list[tuple[int, int]] = []
+    down: list[tuple[int, int]] = []
+    for a, b in iv:
+        if b <= k:
+            up.append((a, b))
+        elif a >= k:
+            down.append((a - k, b - k))
+        else:
+            up.append((a, k))
+            down.append((0, b - k))
+    return up or _NONE, down or _NONE
+
+
+def _ivl_join(up: Sequence[tuple[int, int]], n: int, down: Sequence[tuple[int, int]]) -> Sequence[tuple[int, int]]:
+    """Counted intervals of a run of ``n`` pages (``up``) with a run (``down``) appended below it,
+    touching intervals joined. O(intervals)."""
+    if not down:
+        return up
+    out = list(up)
+    for a, b in down:
+        a += n
+        b += n
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _ivl_set(iv: Sequence[tuple[int, int]], s: int, e: int, on: bool) -> Sequence[tuple[int, int]]:
+    """Counted intervals ``iv`` with the offsets ``[s, e)`` counted (``on``) or not, as a new
+    sequence (``iv`` is not changed): sorted, disjoint, touching ones joined. O(intervals)."""
+    if not iv:
+        return ((s, e),) if on else _NONE
+    out: list[tuple[int, int]] = []
+    for a, b in iv:
+        if b <= s or a >= e:
+            out.append((a, b))
+        else:
+            if a < s:
+                out.append((a, s))
+            if b > e:
+                out.append((e, b))
+    if on:
+        out.append((s, e))
+        out.sort()
+        joined: list[tuple[int, int]] = []
+        for a, b in out:
+            if joined and joined[-1][1] >= a:
+                if b > joined[-1][1]:
+                    joined[-1] = (joined[-1][0], b)
+            else:
+                joined.append((a, b))
+        out = joined
+    return out or _NONE
+
+
 class _GpuRun:
     """A radix-tree node of L1: consecutive resident pages, one ``ref`` for all of them."""
 
-    __slots__ = ("keys", "depth", "parent", "children", "ref", "prev", "next")
+    __slots__ = ("keys", "depth", "parent", "children", "ref", "prev", "next", "counted")
 
     def __init__(self, keys: list[int], depth: int, parent: _GpuRun | None, ref: int) -> None:
         self.keys = keys
@@ -272,6 +342,11 @@ class _GpuRun:
         self.prev: Any = None
         self.next: Any = None
         """Eviction-queue links (queued ⇔ ``ref == 0``)."""
+        self.counted: Sequence[tuple[int, int]] = _NONE
+        """The run's pages whose last branch count is > 0, as sorted disjoint ``[start, end)``
+        offset intervals, touching ones joined (usually none or the whole run); kept only once the
+        node's :class:`BranchRunHostPool` takes count messages with chains (else always empty).
+        Carried through splits, merges and evictions (:attr:`GpuBlockPool.evicted_runs`)."""
 
 
 class _RunQueueView:
@@ -342,9 +417,10 @@ class GpuBlockPool:
         """Hashed (resident) blocks."""
         self.reserved = 0
         """Slots owned by requests that hold no hashed page (yet)."""
-        self.evicted_runs: list[tuple[list[int], int, int | None]] = []
+        self.evicted_runs: list[tuple[list[int], int, int | None, Sequence[tuple[int, int]]]] = []
         """Runs evicted by the last :meth:`reserve`, in eviction order: ``(hashes parent first,
-        depth of the first, its parent)``; each run's pages left deepest first."""
+        depth of the first, its parent, its counted intervals)`` (:attr:`_GpuRun.counted`); each
+        run's pages left deepest first."""
 
     # -- sizes (O(1)) ----------------------------------------------------- #
 
@@ -407,6 +483,8 @@ class GpuBlockPool:
         keys = r.keys
         up = _GpuRun(keys[:k], r.depth, r.parent, r.ref)
         up.children = {keys[k]: r}
+        if r.counted:
+            up.counted, r.counted = _ivl_cut(r.counted, k)
         self.ends[keys[k - 1]] = up
         if r.parent is None:
             self.roots[keys[0]] = up
@@ -440,6 +518,8 @@ class GpuBlockPool:
         ends = self.ends
         del ends[r.keys[-1]]
         ends[c.keys[-1]] = r
+        if c.counted:
+            r.counted = _ivl_join(r.counted, len(r.keys), c.counted)
         r.keys.extend(c.keys)
         r.children = c.children
         if c.children:
@@ -568,7 +648,7 @@ class GpuBlockPool:
             return None
         need = n - self.free
         evicted: list[int] = []
-        out: list[tuple[list[int], int, int | None]] = []
+        out: list[tuple[list[int], int, int | None, Sequence[tuple[int, int]]]] = []
         self.evicted_runs = out
         if need > 0:
             q = self.queue
@@ -592,7 +672,7 @@ class GpuBlockPool:
                         if not ch:
                             p.children = None
                     evicted.extend(reversed(keys))
-                    out.append((keys, r.depth, p.keys[-1] if p is not None else None))
+                    out.append((keys, r.depth, p.keys[-1] if p is not None else None, r.counted))
                     need -= size
                     q.blocks -= size
                     self.hashed -= size
@@ -603,7 +683,10 @@ class GpuBlockPool:
                     del keys[cut:]
                     ends[keys[-1]] = r
                     evicted.extend(reversed(piece))
-                    out.append((piece, r.depth + cut, keys[-1]))
+                    iv: Sequence[tuple[int, int]] = _NONE
+                    if r.counted:
+                        r.counted, iv = _ivl_cut(r.counted, cut)
+                    out.append((piece, r.depth + cut, keys[-1], iv))
                     q.blocks -= need
                     self.hashed -= need
                     need = 0
@@ -771,6 +854,11 @@ class GpuBlockPool:
                 raise KvInvariantError(f"L1 run {r.keys[0]} not indexed by its last hash {r.keys[-1]}")
             if (r.ref == 0) != (r.prev is not None):
                 raise KvInvariantError(f"L1 run {r.keys[0]}: ref {r.ref} but queued={r.prev is not None}")
+            end = -1
+            for a, b in r.counted:
+                if not end < a < b <= len(r.keys):
+                    raise KvInvariantError(f"L1 run {r.keys[0]}: counted intervals {list(r.counted)} (size {len(r.keys)})")
+                end = b
             queued += len(r.keys) if r.ref == 0 else 0
         if total != self.hashed:
             raise KvInvariantError(f"L1 counts {self.hashed} hashed blocks, runs hold {total}")
@@ -1237,6 +1325,8 @@ class RunHostPool:
             r = first.get(path[pos]) if first else None
             if r is not None:
                 c = _common(r.keys, path, pos, hi)
+                if r.group:
+                    self._restored(path, pos, pos + c, hi)
                 self._take_shallow(r, c)
                 self.pinned += c
                 if start >= 0:
@@ -1267,10 +1357,14 @@ class RunHostPool:
             self._written(run, s)
             self.events.append(_stored(run, path[s - 1] if s else None, "host", bs))
 
-    def unpin_runs(self, runs: Sequence[tuple[list[int], int, int | None]]) -> None:
+    def _restored(self, path: Sequence[int], lo: int, e: int, hi: int) -> None:
+        """The queued pages ``path[lo:e]`` of a counted group (> 0) are restored to L1 (its pages
+        ``path[:hi]`` resident): a subclass that keeps counts in L1's runs records them."""
+
+    def unpin_runs(self, runs: Sequence[tuple[list[int], int, int | None, Sequence[tuple[int, int]]]]) -> None:
         """The runs L1 evicted (``GpuBlockPool.evicted_runs``, each deepest first) become
         evictable here, in that order. O(runs)."""
-        for keys, depth, parent in runs:
+        for keys, depth, parent, _ in runs:
             self.pinned -= len(keys)
             self._push(keys, depth, parent)
 
@@ -1480,6 +1574,26 @@ def _agree(keys: list[int], off: int, seq: Sequence[int], i: int, n: int) -> int
     return size
 
 
+def _along(keys: list[int], off: int, chain: Sequence[int], i: int, n: int) -> int:
+    """Length of the common prefix of ``keys[off:]`` and ``chain[i:n]``, given ``keys[off] ==
+    chain[i]``, where both are consecutive pages of one sequence with chained ids (a page's id
+    names its ancestors, so once they differ they differ to the end): a binary search, O(log
+    length) compares."""
+    lo = 1
+    hi = len(keys) - off
+    if n - i < hi:
+        hi = n - i
+    if keys[off + hi - 1] == chain[i + hi - 1]:
+        return hi
+    while hi - lo > 1:  # keys[off + lo - 1] agrees, keys[off + hi - 1] does not
+        mid = (lo + hi) // 2
+        if keys[off + mid - 1] == chain[i + mid - 1]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def _stretches(flags: list[bool]) -> Iterator[tuple[int, int, bool]]:
     """``(i, j, flag)`` for each maximal stretch ``flags[i:j]`` of one value, in order; one
     C-level ``list.index`` per stretch."""
@@ -1526,7 +1640,8 @@ class BranchRunHostPool(RunHostPool):
     :attr:`counted`. :attr:`queued` tells the queued pages of a count message apart, and each
     stretch of them (consecutive entries that are consecutive pages of one run) is found as a
     run by its first hash (:meth:`_run_of`), so a count message is applied stretch by stretch,
-    not block by block.
+    not block by block. From the first count message with chains on, neither set is kept: the
+    L1 pages' counts are their runs' counted intervals (:attr:`_counted`).
     """
 
     def __init__(
@@ -1554,9 +1669,13 @@ class BranchRunHostPool(RunHostPool):
         """Pages of the runs in :attr:`_lazy` when each was queued: the list is flushed once
         they pass twice L2's capacity (:meth:`_index`), as the runs that left the queue keep
         their keys until then."""
-        self._counted: set[int] = set()
+        self._counted: set[int] | None = set()
         """:attr:`counted`, less the discards still owed to :attr:`_fresh` (read it through
-        :attr:`counted` or after :meth:`_settle`)."""
+        :attr:`counted` or after :meth:`_settle`). None once count messages come with chains
+        (:meth:`_to_intervals`): then an L1 page's count is kept in its run's counted intervals
+        (:attr:`_GpuRun.counted`, set per chain and carried by L1's splits, merges and evictions:
+        O(runs changed) per message and per unpin, not O(pages)), a queued page's is its group,
+        and a page in neither tier has none (it is never read: a page entering L2 counts 0)."""
         self._fresh: list[list[int]] = []
         """Runs written through since the last count message or L1 eviction, whose pages still
         owe their discard from :attr:`_counted` (a page stored counts 0). The directory
@@ -1632,15 +1751,38 @@ class BranchRunHostPool(RunHostPool):
         return queued
 
     def _added(self, run: list[int], depth: int) -> None:
-        self._counted.difference_update(run)  # fetched pages: none is in a run of :attr:`_fresh` (pinned)
-        if self._queued is None:
+        counted = self._counted
+        if counted is None:  # counts in L1's runs and in groups: a page entering L2 counts 0 there
             self._store_depth(run, depth)
+        else:
+            counted.difference_update(run)  # fetched pages: none is in a run of :attr:`_fresh` (pinned)
 
     def _written(self, run: list[int], depth: int) -> None:
-        fresh = run[:]  # a copy: the event's list is the consumers' too
-        self._fresh.append(fresh)
-        if self._queued is None:
-            self._store_depth(fresh, depth)
+        if self._counted is None:  # the new L1 pages start with no counted interval (GpuBlockPool.fill)
+            self._store_depth(run, depth)
+        else:
+            self._fresh.append(run[:])  # a copy: the event's list is the consumers' too
+
+    def _restored(self, path: Sequence[int], lo: int, e: int, hi: int) -> None:
+        """:meth:`RunHostPool._restored`: once counts are kept in L1's runs, the pages ``path[lo:e]``
+        are counted there (their run of L1 holds ``path[hi - 1]`` last, as :meth:`GpuBlockPool.fill`
+        just made it; else the path's runs are walked from the root). O(runs holding them)."""
+        if self._counted is not None:  # the set keeps them (a queued page of group 1 is in it)
+            return
+        gpu = self.gpu
+        r = gpu.ends.get(path[hi - 1])
+        if r is None or r.depth + len(r.keys) != hi:
+            runs, _ = gpu._cover(path, hi)
+            r = runs[-1]
+        while r is not None and r.depth + len(r.keys) > lo:
+            d = r.depth
+            a = lo - d if lo > d else 0
+            b = e - d
+            if b > len(r.keys):
+                b = len(r.keys)
+            if a < b:
+                r.counted = _ivl_set(r.counted, a, b, True)
+            r = r.parent
 
     def _store_depth(self, run: list[int], depth: int) -> None:
         """Keep the path position and length of a run just stored, by its first hash, for the
@@ -1661,9 +1803,18 @@ class BranchRunHostPool(RunHostPool):
         test). A page entering L2 leaves this set (a page stored counts 0 until the directory
         re-sends), so only L2 pages' entries are ever read; the others are dropped when they
         outnumber L2's pages (:meth:`_count`). The set itself, once the discards owed to
-        :attr:`_fresh` are made (O(their pages))."""
+        :attr:`_fresh` are made (O(their pages)). Once counts are kept in L1's runs (count
+        messages with chains): a new set of the counted L1 pages and the queued pages of group 1
+        (L2 pages only), O(L2 pages); changing it changes nothing."""
+        counted = self._counted
+        if counted is None:
+            out = {h for r in self.queues[1] for h in r.keys}
+            for r in self.gpu.ends.values():
+                for a, b in r.counted:
+                    out.update(r.keys[a:b])
+            return out
         self._settle()
-        return self._counted
+        return counted
 
     def _settle(self, message: Sequence[int] | None = None) -> bool:
         """Make the discards owed to the runs of :attr:`_fresh` and empty it, except for a run
@@ -1675,6 +1826,7 @@ class BranchRunHostPool(RunHostPool):
             return False
         hit = False
         counted = self._counted
+        assert counted is not None  # runs are owed discards only while the set is kept
         for run in fresh:
             if message is not None and len(run) == len(message) and run == message:
                 hit = True
@@ -1753,6 +1905,7 @@ class BranchRunHostPool(RunHostPool):
         more than twice L2's pages (+ 1024; L2's pages are the pinned ones and the queued ones),
         it is cut to L2's pages (:meth:`_members`: O(its size + L2's), amortised O(1) per entry)."""
         counted = self._counted
+        assert counted is not None  # (a pool keeping counts in L1's runs: :meth:`_count_l1`)
         if all(counts):  # counts are >= 0 (shared.validate refuses a negative one)
             counted.update(hashes)
         else:
@@ -1871,14 +2024,35 @@ class BranchRunHostPool(RunHostPool):
 
     # -- mutations -------------------------------------------------------- #
 
-    def unpin_runs(self, runs: Sequence[tuple[list[int], int, int | None]]) -> None:
+    def unpin_runs(self, runs: Sequence[tuple[list[int], int, int | None, Sequence[tuple[int, int]]]]) -> None:
         """The runs L1 evicted (``GpuBlockPool.evicted_runs``, each deepest first) become
         evictable here, in that order, each page in the group of its count: a run is pushed
-        whole, or in pieces where the counts cross 0. O(runs + pieces), membership in C."""
+        whole, or in pieces where the counts cross 0. O(runs + pieces), membership in C; once
+        counts are kept in L1's runs, the pieces are the run's counted intervals and the gaps
+        between them (no page looked up)."""
+        counted = self._counted
+        if counted is None:
+            for keys, depth, parent, iv in runs:
+                size = len(keys)
+                self.pinned -= size
+                if not iv:
+                    self._push(keys, depth, parent, 0)
+                    continue
+                if iv[0][0] == 0 and iv[0][1] == size:
+                    self._push(keys, depth, parent, 1)
+                    continue
+                pos = size  # pieces deepest first: each interval, after the gap below it
+                for a, b in reversed(iv):
+                    if b < pos:
+                        self._push(keys[b:pos], depth + b, keys[b - 1], 0)
+                    self._push(keys[a:b], depth + a, keys[a - 1] if a else parent, 1)
+                    pos = a
+                if pos:
+                    self._push(keys[:pos], depth, parent, 0)
+            return
         if self._fresh:
             self._settle()
-        counted = self._counted
-        for keys, depth, parent in runs:
+        for keys, depth, parent, _ in runs:
             self.pinned -= len(keys)
             if not counted or counted.isdisjoint(keys):
                 self._push(keys, depth, parent, 0)
@@ -1903,7 +2077,11 @@ class BranchRunHostPool(RunHostPool):
         """
         hashes = [h for r in self.queues[1] for h in r.keys]
         moved = self.update_counts(hashes, [0] * len(hashes)) if hashes else 0
-        self.counted.clear()
+        if self._counted is None:
+            for r in self.gpu.ends.values():
+                r.counted = _NONE
+        else:
+            self.counted.clear()
         return moved
 
     def update_counts(self, hashes: Sequence[int], counts: Sequence[int], chains: Sequence[tuple[int | None, int]] | None = None) -> int:
@@ -1930,10 +2108,12 @@ class BranchRunHostPool(RunHostPool):
         run (:meth:`_chain_moves`: its first entry by the run it starts or a scan of the runs by
         depth, each later one as a run start, since a queued page whose parent is the entry before it
         continues that entry's run), so the pool keeps no queued-page set from the first such message
-        on (:attr:`queued` is built when read). The moves are those of the message without ``chains``
-        when the chains are right (as the directory's are: a wrong depth of a chain's first entry
-        inside a run is not seen); a message whose chains name a queued page twice, or give an entry
-        that starts a run another depth, goes the per-entry way.
+        on (:attr:`queued` is built when read), and no counted-page set either: the counts of the L1
+        pages go to their runs' counted intervals (:meth:`_to_intervals`, :meth:`_count_l1`), also for
+        a later message without chains. The moves and counts are those of the message without
+        ``chains`` when the chains are right (as the directory's are, with chained ids: a wrong depth
+        of a chain's first entry inside a run is not seen); a message whose chains name a queued page
+        twice, or give an entry that starts a run another depth, goes the per-entry way.
 
         Raises:
             ValueError: if ``hashes`` and ``counts`` differ in length, or ``chains`` do not cover
@@ -1946,6 +2126,21 @@ class BranchRunHostPool(RunHostPool):
             raise ValueError(f"chains cover {sum(k for _, k in chains)} entries of {n}")
         if not n:
             return 0
+        if chains is not None and self._counted is not None:
+            self._to_intervals()
+        if self._counted is None:  # counts in L1's runs and in groups
+            if type(hashes) is not list:
+                hashes = list(hashes)
+            m, chains = self._count_l1(hashes, counts, chains)
+            if m == n:  # every entry is an L1 page: pinned here, queued nowhere
+                return 0
+            if chains is not None:
+                found = self._chain_moves(hashes, counts, chains, m)
+                if found is not None:
+                    return self._apply_moves(hashes, found)
+            # the per-entry way, with the set of the message's queued entries
+            named = set(islice(hashes, m, None) if m else hashes)
+            return self._entry_moves(hashes, counts, n, m, named.intersection(chain.from_iterable([r.keys for q in self.queues for r in q])))
         pinned = self._settle(hashes) if self._fresh else False  # a run just written through: every page named is pinned
         self._count(hashes, counts)
         if pinned:
@@ -1959,20 +2154,205 @@ class BranchRunHostPool(RunHostPool):
         m = self._l1_prefix(hashes, n) if hashes[0] in self.gpu.roots else 0
         if m == n or (hashes[-1] in self.gpu.ends and self._l1_suffix(hashes, m, n)):
             return 0
-        if chains is not None:
-            if self._queued is not None:  # no queued-page set from now on
-                for r in self._lazy:
-                    r.lazy = False
-                self._lazy.clear()
-                self._lazy_pages = 0
-                self._queued = None
-            found = self._chain_moves(hashes, counts, chains, m)
-            if found is not None:
-                return self._apply_moves(hashes, found)
-        if self._queued is None:  # the per-entry way, with the set of the message's queued entries
-            named = set(islice(hashes, m, None) if m else hashes)
-            return self._entry_moves(hashes, counts, n, m, named.intersection(chain.from_iterable([r.keys for q in self.queues for r in q])))
         return self._entry_moves(hashes, counts, n, m, self.queued)
+
+    def _to_intervals(self) -> None:
+        """Keep counts in L1's runs from now on (the first count message with chains): each L1
+        run's counted pages become its counted intervals (O(L1 pages) once), and the pool drops its
+        counted-page set and its queued-page set (a chain's queued pages are found run by run)."""
+        self._settle()
+        counted = self._counted
+        assert counted is not None
+        for r in self.gpu.ends.values():
+            keys = r.keys
+            if counted.isdisjoint(keys):
+                continue
+            r.counted = [(i, j) for i, j, g in _stretches(list(map(counted.__contains__, keys))) if g]
+        self._counted = None
+        for x in self._lazy:
+            x.lazy = False
+        self._lazy.clear()
+        self._lazy_pages = 0
+        self._queued = None
+
+    def _count_l1(
+        self, hashes: list[int], counts: Sequence[int], chains: Sequence[tuple[int | None, int]] | None
+    ) -> tuple[int, Sequence[tuple[int | None, int]] | None]:
+        """Set the counted intervals of the L1 pages a count message names (message order: a page
+        named twice ends with its last count). Chain by chain (:meth:`_chain_l1`, O(runs) Python
+        steps each): a chain's L1 pages are a prefix of it (L1 holds every ancestor of its pages,
+        and a chain's entries are consecutive pages of one sequence); a message without chains, or
+        whose chains do not fit L1, page by page (:meth:`_count_l1_entries`, O(L1 pages) in C).
+        A chain of unknown position (a cut's tail of a store's chain) is placed where L1 holds it
+        (:meth:`_l1_depth`). Returns how many leading entries are L1 pages (so queued nowhere;
+        ``len(hashes)``: all), and ``chains`` with the positions so placed (a new list if any)."""
+        if chains is not None:
+            on = all(counts)  # the usual message: every count > 0 (a truth test per count, as in _count)
+            m = 0
+            lead = True
+            i = 0
+            stored = self._stored
+            placed: list[tuple[int | None, int]] | None = None
+            for c, (d0, size) in enumerate(chains):
+                end = i + size
+                if d0 is None and hashes[i] not in stored:  # a cut's tail of a store's chain: placed by L1
+                    d0 = self._l1_depth(hashes, i, end)
+                    if d0 is not None:
+                        if placed is None:
+                            placed = list(chains)
+                        placed[c] = (d0, size)
+                j = self._chain_l1(hashes, counts, i, end, d0, on)
+                if j < 0:
+                    break
+                if lead:
+                    m += j
+                    lead = j == size
+                i = end
+            else:
+                return m, chains if placed is None else placed
+        self._count_l1_entries(hashes, counts)
+        return 0, chains
+
+    def _chain_l1(self, hashes: list[int], counts: Sequence[int], i: int, end: int, d0: int | None, on: bool) -> int:
+        """:meth:`_count_l1` of one chain ``hashes[i:end]`` (path position ``d0`` of its first
+        entry; None: a store's re-sent head, at the store's position if the pool knows it). The
+        chain's ids are chained (the directory's: a page's id names its place, so a page ends its
+        chain's stretch of an L1 run when it is the run's page at that depth): its L1 prefix is
+        found from L1's roots (``d0 == 0``); else, when its last entry ends an L1 run
+        (:attr:`GpuBlockPool.ends`), up from there to the chain's first entry, depths checked, and
+        down that run's children; else by a scan of L1's runs (O(runs), ~30 per node at 64-token
+        blocks) for the run holding the first entry at its depth, and down from there. Each run's
+        stretch is one interval update (:meth:`_mark`); ``on``: every count of the message is > 0.
+        Returns the chain's L1 pages (a prefix), or -1 if it does not fit L1 (an entry at another
+        depth) or its position is unknown."""
+        gpu = self.gpu
+        if d0 is None:
+            rec = self._stored.get(hashes[i])
+            if rec is not None:
+                d0 = rec[0]
+        if d0 == 0:
+            return self._l1_down(hashes, counts, i, end, gpu.roots, on) - i
+        ends = gpu.ends
+        r = ends.get(hashes[end - 1])
+        if r is None and d0 is not None:  # the run holding the first entry at its depth, if any
+            h = hashes[i]
+            for r in ends.values():
+                o = d0 - r.depth
+                if 0 <= o < len(r.keys) and r.keys[o] == h:
+                    keys = r.keys
+                    k = _along(keys, o, hashes, i, end)
+                    self._mark(r, o, k, counts, i, on)
+                    below = r.children
+                    if o + k == len(keys) and below and i + k < end:
+                        return self._l1_down(hashes, counts, i + k, end, below, on) - i
+                    return k
+            return 0  # not in L1: nor is any later entry (its descendants)
+        if r is None:  # at an unknown position (:meth:`_l1_depth` found none)
+            return -1
+        # the last entry ends L1 run r: every entry is a page above it, depth by depth
+        di = r.depth + len(r.keys) - (end - i)  # the depth of hashes[i]
+        if di < 0 or (d0 is not None and di != d0):
+            return -1
+        top: _GpuRun | None = r
+        while top is not None:
+            d = top.depth
+            keys = top.keys
+            if d <= di:
+                o = di - d
+                if keys[o] != hashes[i]:
+                    return -1
+                self._mark(top, o, len(keys) - o, counts, i, on)
+                break
+            if keys[0] != hashes[i + d - di]:
+                return -1
+            self._mark(top, 0, len(keys), counts, i + d - di, on)
+            top = top.parent
+        if top is None:
+            return -1
+        return end - i
+
+    def _l1_depth(self, hashes: list[int], i: int, end: int) -> int | None:
+        """The path position of the first entry of chain ``hashes[i:end]`` found in L1: from the
+        first entry that ends an L1 run (probed in C), else from the run holding the first entry
+        (a scan of L1's runs, O(L1 pages) in C); None if neither is there. For a chain of unknown
+        position (a cut's tail of a store's chain, position None): in a 600-s evolving run at
+        64-token blocks, 10 such tails of 4,096 entries lay inside one L1 run, and found no place
+        they cost a walk of every L1 and queued page each (:meth:`_count_l1_entries`, the
+        per-entry way)."""
+        ends = self.gpu.ends
+        x = next(compress(count(i), map(ends.__contains__, islice(hashes, i, end))), end)
+        if x < end:
+            r = ends[hashes[x]]
+            return r.depth + len(r.keys) - 1 - (x - i)
+        h = hashes[i]
+        for r in ends.values():
+            keys = r.keys
+            if h in keys:
+                return r.depth + keys.index(h)
+        return None
+
+    def _l1_down(self, hashes: list[int], counts: Sequence[int], pos: int, end: int, children: dict[int, _GpuRun], on: bool) -> int:
+        """Count the L1 pages ``hashes[pos:q]`` of a chain that go on from ``children`` (L1's roots,
+        or the children of the run holding the page before ``hashes[pos]``) down L1's runs, each
+        run's stretch one interval update; returns ``q``. A run is the chain's whole when its last
+        page is the chain's page there (chained ids), else the chain leaves it where
+        :func:`_along` finds. O(runs on the way) Python steps."""
+        while pos < end:
+            r = children.get(hashes[pos])
+            if r is None:
+                return pos
+            keys = r.keys
+            k = len(keys)
+            if pos + k <= end and hashes[pos + k - 1] == keys[-1]:
+                self._mark(r, 0, k, counts, pos, on)
+                pos += k
+                below = r.children
+                if below is None:
+                    return pos
+                children = below
+                continue
+            k = _along(keys, 0, hashes, pos, end)
+            self._mark(r, 0, k, counts, pos, on)
+            return pos + k
+        return pos
+
+    @staticmethod
+    def _mark(r: _GpuRun, o: int, k: int, counts: Sequence[int], p: int, on: bool) -> None:
+        """Set the counted intervals of L1 run ``r``'s pages ``[o, o + k)`` from ``counts[p:p + k]``
+        (> 0: counted; ``on``: all of them are). O(intervals + stretches of one sign)."""
+        iv = r.counted
+        if on:
+            if len(iv) == 1 and iv[0][0] <= o and o + k <= iv[0][1]:
+                return
+            r.counted = _ivl_set(iv, o, o + k, True)
+            return
+        seg = counts[p : p + k]
+        if all(seg):
+            r.counted = _ivl_set(iv, o, o + k, True)
+        elif seg.count(0) == k:
+            if iv:
+                r.counted = _ivl_set(iv, o, o + k, False)
+        else:
+            for a, b, g in _stretches(list(map(bool, seg))):
+                iv = _ivl_set(iv, o + a, o + b, g)
+            r.counted = iv
+
+    def _count_l1_entries(self, hashes: list[int], counts: Sequence[int]) -> None:
+        """:meth:`_count_l1` page by page: each named page's last count (a dict of the message,
+        O(entries)), the L1 runs holding a named page found by an ``isdisjoint`` probe of each run
+        (O(L1 pages) probes in C, nothing built per page), then those runs' counted intervals
+        rebuilt (O(their pages))."""
+        last = dict(zip(hashes, counts))
+        named = last.keys()
+        for r in self.gpu.ends.values():
+            keys = r.keys
+            if named.isdisjoint(keys):
+                continue
+            flags = [False] * len(keys)
+            for a, b in r.counted:
+                flags[a:b] = [True] * (b - a)
+            flags = [f if c is None else c > 0 for f, c in zip(flags, map(last.get, keys))]
+            r.counted = [(a, b) for a, b, g in _stretches(flags) if g] or _NONE
 
     def _entry_moves(self, hashes: list[int], counts: Sequence[int], n: int, m: int, queued: set[int]) -> int:
         """:meth:`update_counts` past the L1 prefix ``hashes[:m]``: the queued entries found one by
@@ -2281,6 +2661,10 @@ class BranchRunHostPool(RunHostPool):
             KvInvariantError: naming the first one that fails.
         """
         super().check_structure()
+        if self._counted is not None:
+            for r in self.gpu.ends.values():
+                if r.counted:
+                    raise KvInvariantError(f"L1 run {r.keys[0]} has counted intervals, but the pool keeps a counted set")
         counted = self.counted
         queued = self.queued
         n = 0
