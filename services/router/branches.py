@@ -12,10 +12,14 @@ Transitions (one branch id)::
     ended   --observe--> error BranchEnded        (HTTP 409)
     ended   --end------> error BranchAlreadyEnded (HTTP 409)
     unknown --end------> error UnknownBranch      (HTTP 404)
-    unknown --observe with a parent that leads back to it--> error BranchCycle (HTTP 409)
+    unknown --observe with a parent that leads back to it--> error BranchCycle (HTTP 400, param X-Parent-Branch-Id)
+
+A branch that is its own parent never reaches the table: the shell's header parser answers it 400
+(``api.branch_headers``).
 
 Ended ids are remembered up to ``max_ended`` (oldest forgotten first), so an
-id ended long ago behaves as unknown again.
+id ended long ago behaves as unknown again (reused with one of its old, still held children as
+its parent, it is a cycle: ``BranchCycle``).
 
 Expiry (issue 21), as the KV directory does it (``services/kvdirectory/branches.py``):
 an active branch without a request for ``ttl_s`` is forgotten — a request of a
@@ -51,9 +55,11 @@ from shared.messages import BranchEnd, BranchKind, BranchStart, BranchToolCall, 
 
 
 class BranchError(Exception):
-    """A branch operation the client got wrong; ``status`` is the HTTP status to answer."""
+    """A branch operation the client got wrong; ``status`` is the HTTP status to answer, ``param`` the header a
+    generation request's error names."""
 
     status = 400
+    param = "X-Branch-Id"
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -75,10 +81,12 @@ class BranchEnded(BranchError):
 
 
 class BranchCycle(BranchError):
-    """A new branch's ``X-Parent-Branch-Id`` is the branch itself, or a branch whose parents (as this table
-    holds them) lead back to it: a→b→a."""
+    """A new branch's ``X-Parent-Branch-Id`` is a branch whose parents (as this table holds them) lead back to it:
+    a→b→a. A 400 naming ``X-Parent-Branch-Id``, as a self-parent is (the header parser): the request is wrong as
+    sent, and a 409 is retried by the OpenAI SDKs (3 tries, with backoff) for the same answer."""
 
-    status = 409
+    status = 400
+    param = "X-Parent-Branch-Id"
 
 
 @dataclass(slots=True)
@@ -242,20 +250,20 @@ class BranchTable:
         return "expired" if parent in self._expired else "unknown"
 
     def parent_cycle(self, branch_id: str, parent: str) -> list[str] | None:
-        """The chain ``[branch_id, parent, ..., branch_id]`` when ``parent`` (as this table holds the parents of its
-        active and expired branches) leads back to ``branch_id``, else None. O(depth), at most 64 steps (ids are the
+        """The chain ``[branch_id, parent, ..., branch_id]`` when ``parent``'s parents (as this table holds the
+        parents of its active and expired branches) lead back to ``branch_id``, else None. ``parent`` is not
+        ``branch_id`` (the shell's header parser refuses a self-parent). O(depth), at most 64 steps (ids are the
         client's: a longer chain is not followed)."""
         chain = [branch_id, parent]
-        p: str | None = parent
-        while p is not None and len(chain) <= 65:
-            if p == branch_id:
-                return chain
+        p = parent
+        while len(chain) < 65:
             b = self._active.get(p) or self._expired.get(p)
-            if b is None:
+            if b is None or b.parent is None:
                 return None
             p = b.parent
-            if p is not None:
-                chain.append(p)
+            chain.append(p)
+            if p == branch_id:
+                return chain
         return None
 
     def hold_span(self, expected_s: float) -> float:
@@ -297,8 +305,9 @@ class BranchTable:
 
         Raises:
             BranchEnded: if the branch was ended.
-            BranchCycle: a new branch whose ``parent`` is itself or leads back to it (:meth:`parent_cycle`): not
-                started, nothing counted (before, a→b→a was served, each branch keeping the other alive).
+            BranchCycle: a new branch whose ``parent`` leads back to it (:meth:`parent_cycle`): not started, nothing
+                counted (before, a→b→a was served, each branch keeping the other alive). ``parent`` is not
+                ``branch_id`` (the shell's header parser refuses a self-parent with a 400).
         """
         self.expire(now)
         b = self._active.get(branch_id)

@@ -3379,8 +3379,8 @@ class RouterService(WatchedService):
                 self._log_parents_missing()
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
-        except BranchError as e:
-            return self._error(e.status, e.reason, "X-Branch-Id")
+        except BranchError as e:  # an ended branch names X-Branch-Id (409); a cycle X-Parent-Branch-Id (400)
+            return self._error(e.status, e.reason, e.param)
         branch_held = hdrs.branch_id  # observe counted a request in flight on it: done() once it is over
         # the body is read: receive() now returns only at a disconnect. A client gone while its body was parsed and
         # tokenized (or during the lookup, or the wait for a node) is not dispatched (http.gone_before_dispatch)

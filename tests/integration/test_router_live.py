@@ -379,6 +379,15 @@ async def test_branch_headers_events_and_end_endpoint(nats_url, tmp_path):
         assert ctrl.status_code == 400 and "control character" in ctrl.json()["error"]["message"]
         again = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers={"X-Branch-Id": "agent7/branch:1"})
         assert again.status_code == 409 and "was ended" in again.json()["error"]["message"]
+        assert again.json()["error"]["param"] == "X-Branch-Id"
+        # a→b→a (sub1's parent is agent7/main): a 400 naming the parent header, as a self-parent is; a 409 the OpenAI
+        # SDKs retry (3 tries, with backoff) for the same answer
+        for bid, parent, frag in (("agent7/main", "sub1", "cycle of parents ('agent7/main' -> 'sub1' -> 'agent7/main')"),
+                                  ("s", "s", "its own parent")):
+            cyc = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1},
+                                      headers={"X-Branch-Id": bid, "X-Parent-Branch-Id": parent, "X-Branch-Kind": "fork"})
+            err = cyc.json()["error"]
+            assert (cyc.status_code, err["param"]) == (400, "X-Parent-Branch-Id") and frag in err["message"], cyc.text
 
         for headers, frag in [
             ({"X-Branch-Id": "b", "X-Branch-Kind": "child"}, "X-Branch-Kind"),
@@ -390,7 +399,7 @@ async def test_branch_headers_events_and_end_endpoint(nats_url, tmp_path):
             assert r.status_code == 400 and frag in r.json()["error"]["message"], (headers, r.text)
         st = await env.stats()
         assert st.counters["branches_started"] == 2 and st.counters["branches_ended"] == 1
-        assert st.counters["http_status.400"] == 5 and st.counters["http_status.409"] == 2 and st.counters["http_status.404"] == 1
+        assert st.counters["http_status.400"] == 7 and st.counters["http_status.409"] == 2 and st.counters["http_status.404"] == 1
 
 
 async def test_non_ascii_branch_and_agent_ids_are_utf8_in_headers_and_paths(nats_url, tmp_path):
