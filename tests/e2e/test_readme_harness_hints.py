@@ -17,6 +17,7 @@ one; skipped when neither imports it.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -85,6 +86,15 @@ async def counter_reaches(bus: Bus, key: str, value: int) -> dict[str, int]:
     raise AssertionError(f"directory counter {key} never reached {value}: {got}")
 
 
+async def compactions(cluster: LocalCluster) -> float:
+    """``ei_kvdirectory_branch_compactions_total`` on the directory's /metrics."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(cluster.metrics_urls["kvdirectory"])).text
+    got = re.search(r"^ei_kvdirectory_branch_compactions_total (\S+)$", text, re.M)
+    assert got, text
+    return float(got[1])
+
+
 async def test_the_readme_harness_commands_work_as_written_and_do_what_it_says(cluster):
     cmds = section_commands()
     kinds = [c for c, _ in cmds]
@@ -108,6 +118,9 @@ async def test_the_readme_harness_commands_work_as_written_and_do_what_it_says(c
             body, _, code = run.stdout.rpartition("\n")
             assert run.returncode == 0 and code == "200", (comment, cmd, run.stdout, run.stderr)
             assert '"error"' not in body, (comment, body)
+            if comment.startswith("# a compaction"):  # its conversation, for the side request's check below
+                compacted = json.loads(re.search(r"-d '(.*)'", cmd)[1])["messages"]  # type: ignore[index]
+                compacted.append({"role": "assistant", "content": json.loads(body)["choices"][0]["message"]["content"]})
         got = await counter_reaches(bus, "branch.version_bumps", 1)  # the compaction: same id, rewritten messages
         assert got["branch.version_bumps"] == 1 and got.get("branch.started") == 3, got
         await counter_reaches(bus, "branch.ended", 1)
@@ -136,6 +149,19 @@ async def test_the_readme_harness_commands_work_as_written_and_do_what_it_says(c
         assert "ei_kvdirectory_branch_compactions_total 1.0" in dmetrics, dmetrics
         assert "ei_kvdirectory_branches_active 2.0" in dmetrics  # task-42 and task-42-retry (the sub-agent ended)
         assert 'ei_kvdirectory_branch_parents_missing_total{reason="unknown"} 0.0' in dmetrics
+        # the python block's side request (a title) goes without the branch id, so the branch's next request extends
+        # its conversation: no compaction (with X-Branch-Id: task-42 on the side request, two)
+        async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as http:
+            side = await http.post("/v1/chat/completions", json={"max_tokens": 8, "messages": [
+                {"role": "user", "content": "Write a 5-word title for: fix parser.py"}]})  # fmt: skip
+            assert side.status_code == 200, side.text
+            compacted.append({"role": "user", "content": "Tool result: test_empty_header passes"})
+            r = await http.post("/v1/chat/completions", headers={"X-Branch-Id": "task-42", "X-Agent-Id": "coder-1"},
+                                json={"messages": compacted, "max_tokens": 4})  # fmt: skip
+            assert r.status_code == 200, r.text
+            assert (await http.post("/v1/branches/task-42-retry/end")).status_code == 200  # a mark after the placements
+        await counter_reaches(bus, "branch.ended", 2)
+        assert await compactions(cluster) == 1.0
     finally:
         await bus.close()
 
@@ -159,15 +185,25 @@ async def test_the_readme_openai_sdk_example_runs_as_written_and_prints_what_it_
     assert DOC_URL + "/v1" in code
     script = tmp_path / "sdk_example.py"
     script.write_text(code.replace(DOC_URL, cluster.router_url))
-    run = await asyncio.to_thread(subprocess.run, [python, str(script)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
+    bus = await Bus.connect(cluster.nats_url, Subjects("p0"), service="test", instance="readme-sdk", auth=cluster.client_auth("admin"))
+    try:
+        ended = (await directory_counters(bus)).get("branch.ended", 0)
+        before = await compactions(cluster)
+        run = await asyncio.to_thread(subprocess.run, [python, str(script)], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        await counter_reaches(bus, "branch.ended", ended + 1)  # the script's last event: its placements came before
+    finally:
+        await bus.close()
+    # the side request went without the branch id: task-43's conversation was extended, never compacted (with
+    # task-43's headers on the side request, the side request and the request after it compact it)
+    assert await compactions(cluster) == before
     lines = run.stdout.splitlines()
     assert lines[0] == "{'branch_id': 'task-43', 'outstanding': True, 'expected_s': 120.0}", lines  # as the section quotes
     assert lines[2] == "{'branch_id': 'task-43-explore', 'ended': True}", lines
     tokens = re.fullmatch(r"prompt tokens (\d+) cached (\d+)", lines[1])
     assert tokens, lines
     prompt, cached = int(tokens[1]), int(tokens[2])
-    assert cached >= prompt // 2, lines  # the side request went without the branch id: the branch kept its prefix
+    assert cached >= prompt // 2, lines  # the branch's prefix was reused
     for quoted in lines:  # every line printed is the one the section quotes (the tokens are the default profile's)
         if not quoted.startswith("prompt tokens"):
             assert f"`{quoted}`" in sec, quoted
