@@ -23,8 +23,10 @@ its parent, it is a cycle: ``BranchCycle``).
 
 Expiry (issue 21), as the KV directory does it (``services/kvdirectory/branches.py``):
 an active branch without a request for ``ttl_s`` is forgotten — a request of a
-fork or sub-agent counts as activity of its parents, and a "tool call
-outstanding" hint (:meth:`BranchTable.tool_call`) keeps it until the hint's end.
+fork or sub-agent counts as activity of its parents, a "tool call
+outstanding" hint (:meth:`BranchTable.tool_call`) keeps it until the hint's end, and
+a request in flight (streamed or parked longer than the TTL) keeps it and its parents
+until a TTL after the request ends (:meth:`BranchTable.done`).
 A request of an expired branch is a **resume**: accepted, counted
 (``resumed``), and a new ``BranchStart`` (the remembered kind, parent, agent)
 is published so that the directory counts the branch again::
@@ -99,7 +101,7 @@ class _Branch:
     requests: int = 0
     last_seen: float = 0.0
     in_flight: int = 0
-    """Requests observed and not yet :meth:`BranchTable.done`: a branch with one is never evicted."""
+    """Requests observed and not yet :meth:`BranchTable.done`: a branch with one is never evicted nor expired."""
     hold_until: float = 0.0
     placed: list[RoutePlaced] = field(default_factory=list)
     """``RoutePlaced`` of the branch's latest request (prefill, then decode): what a restarted
@@ -167,13 +169,18 @@ class BranchTable:
 
     def expire(self, now: float) -> list[str]:
         """Forget branches without a request for ``ttl_s``; a branch whose tool-call hold has not
-        ended ``ttl_s`` ago is kept and re-checked a TTL later (never expired before hold end + TTL).
-        Returns their ids. O(expired)."""
+        ended ``ttl_s`` ago is kept and re-checked a TTL later (never expired before hold end + TTL);
+        one with a request in flight is kept with its parents, as the ``max_active`` cap keeps it, and
+        re-checked a TTL later (:meth:`done` starts its silence at the request's end).
+        Returns their ids. O(expired + kept)."""
         gone = []
         while self._active:
             bid, b = next(iter(self._active.items()))
             if b.last_seen + self.ttl_s > now:
                 break
+            if b.in_flight:  # a request streamed or parked past the TTL: its agent waits for it, as do its parents
+                self._touch(bid, b, now)
+                continue
             if b.hold_until + self.ttl_s > now:  # held, or its hold ended less than a TTL ago
                 b.last_seen = now
                 self._active.move_to_end(bid)
@@ -271,12 +278,18 @@ class BranchTable:
         more than that (the directory caps it so too: ``services/kvdirectory/branches.py`` ``hold``)."""
         return expected_s if 0 < expected_s <= self.max_hold_s else self.max_hold_s
 
-    def done(self, branch_id: str) -> None:
+    def done(self, branch_id: str, now: float | None = None) -> None:
         """A request :meth:`observe` counted for ``branch_id`` is over (answered, failed or
-        abandoned): one fewer in flight. No-op for a branch no longer active (ended, expired)."""
-        b = self._active.get(branch_id) or self._expired.get(branch_id)  # the TTL may expire a branch with one running
-        if b is not None and b.in_flight > 0:
-            b.in_flight -= 1
+        abandoned) at ``now`` (the TTL's clock; None: not noted): one fewer in flight, and the branch
+        (with its parents) silent from ``now`` on, as after a request (a response streamed longer than
+        the TTL does not expire it at its end). No-op for a branch no longer active (ended; neither the
+        TTL nor the cap expires one with a request in flight)."""
+        b = self._active.get(branch_id)
+        if b is None or b.in_flight <= 0:
+            return
+        b.in_flight -= 1
+        if now is not None:
+            self._touch(branch_id, b, now)
 
     def observe(
         self,
@@ -320,10 +333,9 @@ class BranchTable:
         if branch_id in self._ended:
             raise BranchEnded(f"branch {branch_id!r} was ended; start a new branch id")
         old = self._expired.pop(branch_id, None)
-        running = 0
         if old is not None:  # a resume after a pause longer than the TTL: accepted, announced again
             self.resumed += 1
-            kind, parent, agent_id, running = old.kind, old.parent, old.agent_id, old.in_flight
+            kind, parent, agent_id = old.kind, old.parent, old.agent_id
         elif parent is not None:
             cycle = self.parent_cycle(branch_id, parent)
             if cycle is not None:
@@ -335,7 +347,7 @@ class BranchTable:
             if state in self.parents_missing:
                 self.parents_missing[state] += 1
                 self._parents_missing.append((branch_id, parent, state))
-        b = _Branch(kind, parent, agent_id, now if ts is None else ts, 1, now, running + 1)  # started_at: a BranchStart.ts again (republish)
+        b = _Branch(kind, parent, agent_id, now if ts is None else ts, 1, now, 1)  # started_at: a BranchStart.ts again (republish)
         self._active[branch_id] = b
         self._touch(branch_id, b, now)
         self._evict_over_cap(now, branch_id)

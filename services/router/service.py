@@ -3459,7 +3459,7 @@ class RouterService(WatchedService):
             watching = True
         finally:
             if branch_held is not None:
-                self.branches.done(branch_held)
+                self.branches.done(branch_held, self.clock.local_now())
             if not watching:
                 watcher.cancel()
         try:
@@ -3803,7 +3803,8 @@ class RouterService(WatchedService):
         if self._pending.get(p.rid) is p:
             del self._pending[p.rid]
             if p.rreq is not None and p.rreq.branch_id is not None:
-                self.branches.done(p.rreq.branch_id)  # its branch may be evicted again (--max-active-branches)
+                # its branch may be evicted again (--max-active-branches), and is silent from now on (the TTL)
+                self.branches.done(p.rreq.branch_id, self.clock.local_now())
             if p.rid in self._parked:  # its client went (or it timed out) while parked
                 self._publish_parked_end(p, "request ended while its work was parked")
             self._unpark(p.rid)

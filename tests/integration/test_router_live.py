@@ -497,7 +497,12 @@ async def test_minted_branch_ids_are_capped_keeping_the_one_in_flight(nats_url, 
         assert (await held).status_code == 200
         r = await env.http.post("/v1/completions", json={"prompt": [4], "max_tokens": 1}, headers={"X-Branch-Id": "u0"})
         assert r.status_code == 200, r.text  # an evicted id: a resume, not a 409
-        await _wait_for(lambda: sum(isinstance(e, m.BranchEnd) for e in env.cluster.branch_events) == 6, what="eviction of held")
+        # u5 goes, not held: held's request ended after u5's (BranchTable.done notes its end as activity)
+        await _wait_for(lambda: sum(isinstance(e, m.BranchEnd) for e in env.cluster.branch_events) == 6, what="eviction of u5")
+        assert env.cluster.branch_events[-1].branch_id == "u5"
+        r = await env.http.post("/v1/completions", json={"prompt": [5], "max_tokens": 1}, headers={"X-Branch-Id": "u6"})
+        assert r.status_code == 200, r.text
+        await _wait_for(lambda: sum(isinstance(e, m.BranchEnd) for e in env.cluster.branch_events) == 7, what="eviction of held")
         assert env.cluster.branch_events[-1] == m.BranchEnd(branch_id="held", ts=env.cluster.branch_events[-1].ts, expired=True, src="router", rid=w.rid)
         st = await env.stats()
         assert st.gauges["branches_active"] == 2.0 and st.gauges["branches_resumed"] == 1.0
@@ -562,6 +567,36 @@ async def test_idle_branches_leave_the_active_gauge_with_no_request_and_a_hold_i
             await asyncio.sleep(0.1)
         assert await active() == ("ei_router_branches_active 0.0", 0)
         assert (await env.stats()).gauges["branches_expired"] == 2.0
+
+
+async def test_a_branch_whose_request_runs_past_the_ttl_is_kept_until_a_ttl_after_it_ends(nats_url, tmp_path):
+    """A request answered after --branch-ttl-s (a long stream, or parked): before, the router's periodic round
+    expired its branch while it ran (the active gauge dropped, its placement was forgotten, its next request was a
+    resume). Now the branch stays active while its request runs and expires a TTL after the answer."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, branch_ttl_s=0.5) as env:
+        env.cluster.answering.discard("c0")
+        held = asyncio.create_task(
+            env.http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, headers={"X-Branch-Id": "long"})
+        )
+        await _wait_for(lambda: len(env.cluster.works) == 1, what="the request dispatched")
+        w = env.cluster.works[0]
+        await asyncio.sleep(1.5)  # three TTLs, each with rounds of the fence loop (<= 0.5 s apart)
+        st = await env.stats()
+        assert (st.gauges["branches_active"], st.gauges["branches_expired"]) == (1.0, 0.0)
+        await env.bus.publish(
+            REQ_OUT, m.TokenChunk(rid=w.rid, node="c0", index=0, token_ids=[5], prompt_tokens=2, finished=True,
+                                  finish_reason="length", attempt=w.attempt), rid=w.rid, node="c0",
+        )  # fmt: skip
+        assert (await held).status_code == 200
+        st = await env.stats()
+        assert (st.gauges["branches_active"], st.gauges["branches_expired"]) == (1.0, 0.0)  # silent from its answer
+        for _ in range(30):
+            if (await env.stats()).gauges["branches_expired"] == 1.0:
+                break
+            await asyncio.sleep(0.1)
+        st = await env.stats()
+        assert (st.gauges["branches_active"], st.gauges["branches_expired"]) == (0.0, 1.0)
+        assert not any(isinstance(e, m.BranchEnd) for e in env.cluster.branch_events)  # the TTL publishes nothing
 
 
 async def test_a_wall_clock_step_expires_no_branch_at_the_router(nats_url, tmp_path):

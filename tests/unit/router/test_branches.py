@@ -55,8 +55,11 @@ def test_idle_branches_expire_and_a_later_request_is_a_resume():
     expired branch is accepted (a resume, counted) and re-announced with its remembered kind."""
     t = BranchTable(ttl_s=100.0)
     t.observe("main", 0.0, agent_id="a")
+    t.done("main")
     t.observe("sub", 10.0, kind="subagent", parent="main", agent_id="a")
     t.observe("sub", 90.0)  # the sub-agent's activity keeps its waiting parent alive
+    t.done("sub")
+    t.done("sub")
     assert t.expire(150.0) == [] and t.is_active("main")
     assert sorted(t.expire(190.0)) == ["main", "sub"] and t.active_count == 0 and t.expired == 2
     s = t.observe("sub", 5000.0, kind="main")  # back after a long pause: accepted, not 409
@@ -67,13 +70,36 @@ def test_idle_branches_expire_and_a_later_request_is_a_resume():
         t.observe("main", 5002.0)
 
 
+def test_a_branch_with_a_request_in_flight_never_expires_and_its_silence_starts_when_the_request_ends():
+    """A request streamed (or parked) longer than the TTL: before, the fence loop's expire dropped its branch (its
+    placement, the active gauge; its next request a resume) while it ran. Now it and its waiting parent are kept, as
+    the --max-active-branches cap keeps it; once done, the branch expires a TTL after the request ended."""
+    t = BranchTable(ttl_s=100.0)
+    t.observe("main", 0.0)
+    t.done("main", 1.0)
+    t.observe("sub", 2.0, kind="subagent", parent="main")  # streams for 1,000 s
+    t.observe("idle", 2.0)
+    t.done("idle", 3.0)
+    assert t.expire(150.0) == ["idle"] and t.is_active("sub") and t.is_active("main")
+    assert t.expire(1000.0) == [] and t.is_active("sub") and t.is_active("main")
+    t.done("sub", 1002.0)
+    assert t.expire(1101.0) == [] and t.is_active("sub")
+    assert sorted(t.expire(1102.0)) == ["main", "sub"] and t.in_flight_count == 0
+    t.observe("sub", 1200.0)  # a resume, with one request in flight again
+    assert t.resumed == 1 and t.in_flight_count == 1
+    t.done("sub")  # no now: the silence still counts from the request's start
+    assert t.expire(1300.0) == ["sub"]
+
+
 def test_a_tool_call_hint_keeps_the_branch_until_it_returns():
     t = BranchTable(ttl_s=100.0, max_hold_s=1000.0)
     t.observe("b", 0.0)
+    t.done("b")  # the model's answer asked for a tool
     ev = t.tool_call("b", 50.0, expected_s=400.0)
     assert ev == BranchToolCall(branch_id="b", outstanding=True, expected_s=400.0, ts=50.0)
     assert t.expire(300.0) == [] and t.is_active("b")
     assert t.observe("b", 460.0) is None  # the tool returned: the hold ends, the TTL runs again
+    t.done("b")
     assert t.expire(561.0) == ["b"]
     with pytest.raises(UnknownBranch):
         t.tool_call("nope", 600.0)
@@ -224,6 +250,8 @@ def test_a_new_branch_whose_parent_is_unknown_or_ended_is_counted_once_and_queue
     assert t.parents_missing == {"unknown": 1, "ended": 1}
     assert t.take_parents_missing() == [("s", "ghost", "unknown"), ("g", "m", "ended")]
     assert t.take_parents_missing() == []
+    for b in ("f", "s", "s", "g"):
+        t.done(b)
     t.expire(100.0)  # every branch expires
     assert t.parent_state("f") == "expired" and t.parent_state("m") == "ended" and t.parent_state("zz") == "unknown"
     t.observe("s", 101.0)  # a resume of the orphan: not counted again
@@ -246,7 +274,9 @@ def test_a_new_branch_whose_parents_lead_back_to_it_is_refused_with_a_400_naming
     t.observe("c", 1.0, kind="fork", parent="a")  # c → a → b (unknown): no cycle
     with pytest.raises(BranchCycle):
         t.observe("b", 2.0, kind="fork", parent="c")  # b → c → a → b
-    t.expire(100.0)  # expired parents are still followed (they are resumable)
+    t.done("a")
+    t.done("c")
+    assert sorted(t.expire(100.0)) == ["a", "c"]  # expired parents are still followed (they are resumable)
     with pytest.raises(BranchCycle):
         t.observe("b", 101.0, kind="fork", parent="c")
     assert t.observe("b", 102.0) is not None  # a main branch b: no parent, served
