@@ -238,11 +238,15 @@ class DirectoryService(WatchedService):
                 self.log.warning("tool-call hint for no active branch", branch=ev.branch_id, verdict=verdict)
         elif isinstance(ev, m.BranchStart):
             parent = self._parent_missing(ev.parent_branch_id)
+            pre = self.core.branches.branches.get(ev.branch_id)
+            # a placement that came first made it implicitly: a new branch (no parent yet), or a resume re-created with
+            # its remembered parent (BranchTable._resume), whose parent was counted at its first start
+            resumed_first = pre is not None and pre.implicit and pre.parent is not None
             verdict = self.core.branch_start(ev.branch_id, now, kind=ev.kind, parent=ev.parent_branch_id, agent=ev.agent_id)
             if verdict in ("duplicate", "ended"):
                 self.log.warning("branch start refused", branch=ev.branch_id, verdict=verdict)
-            elif parent is not None and verdict in ("started", "merged"):  # a resume's parent was counted at its start
-                self.counters[f"branch.parent_missing.{parent}"] += 1
+            elif parent is not None and (verdict == "started" or (verdict == "merged" and not resumed_first)):
+                self.counters[f"branch.parent_missing.{parent}"] += 1  # a resume's parent was counted at its start
         elif ev.expired:  # a router's table cap evicted it: expired, as by the TTL (resumable)
             verdict = self.core.branch_evict(ev.branch_id, ev.rid)
             if verdict != "evicted":

@@ -87,3 +87,20 @@ async def test_a_new_branch_whose_parent_is_not_active_is_counted_by_reason():
         1.0, 1.0, 1.0,
     ]  # fmt: skip
     assert got[("ei_kvdirectory_branches_active", ())] == 1.0  # f3
+
+
+async def test_a_missing_parent_is_counted_once_when_a_resume_s_placement_comes_before_its_start():
+    """A branch whose parent is missing, expired, then resumed by a placement that reaches the directory before the
+    router's BranchStart (verdict ``merged``): before, its parent was counted again at that start. A branch that is
+    new, placed before its first start (``merged`` too), is counted once as well."""
+    d, _bus = directory()
+    ev = d._on_branch
+    await ev(m.BranchStart(branch_id="f", kind="fork", parent_branch_id="ghost"), "branch.events")
+    d.core.expire(d.core.branches.ttl_s + 1.0e9)
+    await d._on_placed(placed("f", [1, 2], "r1"), "route.placed")  # the resume's placement, before its BranchStart
+    await ev(m.BranchStart(branch_id="f", kind="fork", parent_branch_id="ghost"), "branch.events")
+    await d._on_placed(placed("g", [3, 4], "r2"), "route.placed")  # a new branch placed before its first start
+    await ev(m.BranchStart(branch_id="g", kind="subagent", parent_branch_id="ghost"), "branch.events")
+    got = samples(d)
+    assert got[("ei_kvdirectory_branch_parents_missing_total", (("reason", "unknown"),))] == 2.0  # f once, g once
+    assert d.core.all_counters().get("branch.resumed") == 1
