@@ -5,7 +5,8 @@ can send 10^5 of them a second. :class:`RateLimitedLog` writes the first
 ``first`` events of each key (e.g. a subject template) in every interval of
 ``interval_s`` wall seconds with their details, counts the rest, and writes one
 ``suppressed`` summary line per key when the interval ends (on the next event
-or :meth:`flush`, which ``Bus`` calls from its heartbeat loop). The counts
+or :meth:`flush`, which ``Bus`` calls from its heartbeat loop), at the level of
+the events it counts (an info event's flood is no warning). The counts
 themselves are kept by the caller (``Bus.counters``); this only bounds lines.
 """
 
@@ -23,13 +24,16 @@ class _Window:
     logged: int = 0
     suppressed: int = 0
     last_event: str = ""
+    level: str = "warning"
+    """The level of the last event suppressed: the summary's."""
 
 
 class RateLimitedLog:
     """Per-key rate limit on log lines (thread-unsafe; one event loop).
 
     Args:
-        log: a structlog logger (anything with ``warning``/``exception``-style methods).
+        log: a structlog logger (anything with ``warning``/``exception``-style methods; the levels the
+            events name, for their lines and their summaries).
         first: events logged in full per key and interval (≥ 0).
         interval_s: wall seconds of one interval (> 0).
         clock: seconds, monotonic (tests pass their own).
@@ -51,7 +55,8 @@ class RateLimitedLog:
         self.suppressed_total = 0
 
     def event(self, key: str, event: str, *, level: str = "warning", **fields: Any) -> bool:
-        """Log ``event`` under ``key`` unless this interval's quota is used; returns True if written."""
+        """Log ``event`` under ``key`` at ``level`` (a method of ``log``) unless this interval's quota is used;
+        returns True if written. The interval's summary line has the level of its last suppressed event."""
         now = self.clock()
         w = self._windows.get(key)
         if w is None:
@@ -67,14 +72,14 @@ class RateLimitedLog:
             getattr(self.log, level)(event, key=key, **fields)
             return True
         w.suppressed += 1
-        w.last_event = event
+        w.last_event, w.level = event, level
         self.suppressed_total += 1
         return False
 
     def _summarize(self, key: str, w: _Window, now: float) -> None:
         if w.suppressed:
             self.lines += 1
-            self.log.warning(
+            getattr(self.log, w.level)(
                 "log lines suppressed", key=key, suppressed=w.suppressed, last_event=w.last_event, interval_s=round(now - w.start, 3)
             )
 

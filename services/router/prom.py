@@ -66,9 +66,12 @@ name                                                type       meaning
 ``ei_router_branches_expired_total``                counter    branches expired silent past ``--branch-ttl-s`` (resumable)
 ``ei_router_branches_evicted_total``                counter    branches expired early by the ``--max-active-branches`` cap
 ``ei_router_branches_resumed_total``                counter    requests of an expired branch accepted as its resume
-``ei_router_branch_parents_missing_total{state}``   counter    new branches whose ``X-Parent-Branch-Id`` this router
+``ei_router_branch_parents_missing_total{reason}``  counter    new branches whose ``X-Parent-Branch-Id`` this router
                                                                does not know (``unknown``: maybe another router's)
-                                                               or has ended (``ended``); served, warned (rate-limited)
+                                                               or has ended (``ended``); served, warned (rate-limited);
+                                                               the label the directory's family has (it also counts
+                                                               ``expired``: a parent whose counts it released, which
+                                                               this router still holds as resumable)
 ``ei_router_drain_refused_total``                   counter    generation requests refused (503, ``retry-after``) while
                                                                the router drained after a SIGTERM
 ``ei_router_gone_before_dispatch_total``            counter    requests whose client closed the connection before they
@@ -254,10 +257,10 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
     )
     yield counter_family(
         "ei_router_branch_parents_missing",
-        "New X-Branch-Id branches (fork or sub-agent) whose X-Parent-Branch-Id this router does not know (state "
-        "unknown: never seen here or forgotten; it may be another router's) or has ended (state ended); each served; "
-        "the log warns of the first 5 of a state per 10 s, then counts the rest",
-        {(state,): float(n) for state, n in branches.parents_missing.items()}, ["state"],
+        "New X-Branch-Id branches (fork or sub-agent) whose X-Parent-Branch-Id this router does not know (reason "
+        "unknown: never seen here or forgotten; it may be another router's) or has ended (reason ended); each served; "
+        "the log warns of the first 5 of a reason per 10 s, then counts the rest",
+        {(state,): float(n) for state, n in branches.parents_missing.items()}, ["reason"],
     )
     yield counter_family(
         "ei_router_drain_refused",

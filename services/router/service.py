@@ -3312,7 +3312,7 @@ class RouterService(WatchedService):
 
     def _log_parents_missing(self) -> None:
         """A warning per new branch whose ``X-Parent-Branch-Id`` this router does not know or has ended
-        (``BranchTable.take_parents_missing``; counted, exactly, in ``ei_router_branch_parents_missing_total{state}``):
+        (``BranchTable.take_parents_missing``; counted, exactly, in ``ei_router_branch_parents_missing_total{reason}``):
         the request is served (the parent may be another router's, or this router restarted), but a harness that
         sends a wrong parent id or ends the parent first loses the fork's sharing hint silently otherwise. The lines
         are rate-limited per state (:attr:`_parent_log`: the first 5 of each 10 s, then one ``log lines suppressed``

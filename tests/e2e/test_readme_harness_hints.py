@@ -142,7 +142,7 @@ async def test_the_readme_harness_commands_work_as_written_and_do_what_it_says(c
             assert (await http.post("/v1/branches/task-42-explore/end")).status_code == 409
             assert (await http.post("/v1/branches/never-seen/tool-call")).status_code == 404
             metrics = (await http.get("/metrics")).text
-        assert 'ei_router_branch_parents_missing_total{state="unknown"} 0.0' in metrics  # the section's parents are known
+        assert 'ei_router_branch_parents_missing_total{reason="unknown"} 0.0' in metrics  # the section's parents are known
         # the compaction where the section says a harness author sees it: the directory's /metrics, no NATS client
         async with httpx.AsyncClient(timeout=10) as http:
             dmetrics = (await http.get(cluster.metrics_urls["kvdirectory"])).text

@@ -337,7 +337,7 @@ async def test_a_bus_failure_on_another_path_logs_the_rid_and_the_id_as_sent(nat
 async def test_an_unknown_or_ended_parent_is_served_counted_and_warned_once_and_accepted_lines_carry_the_hints(nats_url, tmp_path, logs):
     """A fork whose ``X-Parent-Branch-Id`` the router never saw, or had ended, was accepted silently: a harness
     sending a wrong parent id lost the sharing hint unnoticed. It is still served (the parent may be another
-    router's) but counted (``ei_router_branch_parents_missing_total{state}``) and warned once per branch. The
+    router's) but counted (``ei_router_branch_parents_missing_total{reason}``) and warned once per branch. The
     ``request accepted`` line carried ``branch`` only: now also ``kind``, ``parent`` and ``agent`` when sent."""
     async with router_env(nats_url, tmp_path, {"c0": "both"}, log_requests=True, log_level="info") as env:
         async def post(rid: str, **h: str) -> None:
@@ -358,8 +358,8 @@ async def test_an_unknown_or_ended_parent_is_served_counted_and_warned_once_and_
     assert [(e["event"], e["log_level"], e["branch"], e["parent"]) for e in warned] == [
         ("branch parent unknown", "warning", "sub-1", "nobody"), ("branch parent ended", "warning", "fork-2", "main-1"),
     ]
-    assert 'ei_router_branch_parents_missing_total{state="unknown"} 1.0' in metrics
-    assert 'ei_router_branch_parents_missing_total{state="ended"} 1.0' in metrics
+    assert 'ei_router_branch_parents_missing_total{reason="unknown"} 1.0' in metrics
+    assert 'ei_router_branch_parents_missing_total{reason="ended"} 1.0' in metrics
     acc = {e["rid"]: e for e in _events(logs, "request accepted")}
     hints = {rid: {k: e[k] for k in ("branch", "kind", "parent", "agent") if k in e} for rid, e in acc.items()}
     assert hints == {
@@ -400,8 +400,8 @@ async def test_parent_missing_warnings_are_rate_limited_per_state_and_the_counts
     assert [e["branch"] for e in _events(logs, "branch parent ended")] == ["late-0"]
     (summary,) = _events(logs, "log lines suppressed")
     assert (summary["key"], summary["suppressed"], summary["log_level"]) == ("branch parent unknown", 3, "warning"), summary
-    assert 'ei_router_branch_parents_missing_total{state="unknown"} 8.0' in metrics
-    assert 'ei_router_branch_parents_missing_total{state="ended"} 1.0' in metrics
+    assert 'ei_router_branch_parents_missing_total{reason="unknown"} 8.0' in metrics
+    assert 'ei_router_branch_parents_missing_total{reason="ended"} 1.0' in metrics
 
 
 async def test_request_lines_name_the_client_address_and_the_keys_id_and_every_401_is_counted(nats_url, tmp_path, logs):

@@ -79,11 +79,11 @@ def test_branch_table_and_client_gone_counts_are_exported():
     assert m[("ei_router_branches_evicted_total", ())] == 1.0
     assert m[("ei_router_branches_expired_total", ())] == 2.0
     assert m[("ei_router_branches_resumed_total", ())] == 1.0
-    assert m[("ei_router_branch_parents_missing_total", (("state", "unknown"),))] == 0.0
+    assert m[("ei_router_branch_parents_missing_total", (("reason", "unknown"),))] == 0.0
     t.observe("f", 102.0, kind="fork", parent="ghost")
     m = scrape(RouterCore(make_policy("cache-aware"), block_size=4, fence_after=3.0), 0.0, counters, t)
-    assert m[("ei_router_branch_parents_missing_total", (("state", "unknown"),))] == 1.0
-    assert m[("ei_router_branch_parents_missing_total", (("state", "ended"),))] == 0.0
+    assert m[("ei_router_branch_parents_missing_total", (("reason", "unknown"),))] == 1.0
+    assert m[("ei_router_branch_parents_missing_total", (("reason", "ended"),))] == 0.0
     assert m[("ei_router_drain_refused_total", ())] == 4.0
     assert m[("ei_router_gone_before_dispatch_total", ())] == 2.0
     assert m[("ei_router_gate_disconnects_total", ())] == 1.0

@@ -262,6 +262,28 @@ def test_rate_limited_log_writes_first_n_then_one_summary_per_interval():
     assert len(log.lines) == 6
 
 
+def test_a_rate_limited_event_s_summary_line_has_the_event_s_level():
+    """The kvdirectory's info line per compaction: its ``log lines suppressed`` summary was a warning (a flood of
+    expected events read as a problem); it now has the level of the events it counts, a warning by default."""
+    now = [0.0]
+    lines: list[tuple[str, str]] = []
+
+    class Log:
+        def info(self, event: str, **kw: object) -> None:
+            lines.append(("info", event))
+
+        def warning(self, event: str, **kw: object) -> None:
+            lines.append(("warning", event))
+
+    rl = RateLimitedLog(Log(), first=1, interval_s=10.0, clock=lambda: now[0])
+    for _ in range(3):
+        rl.event("compaction", "branch compacted", level="info")
+        rl.event("drop", "malformed message dropped")
+    now[0] = 10.5
+    rl.flush()
+    assert sorted(lines[-2:]) == [("info", "log lines suppressed"), ("warning", "log lines suppressed")], lines
+
+
 def test_a_pool_location_instance_is_bounded():
     ok = m.PoolLocation(node="a", session="127.0.0.1:1", instance="0123456789abcdef")
     assert check(ok, {"node": "a"}) is None
