@@ -278,6 +278,13 @@ class BranchTable:
         more than that (the directory caps it so too: ``services/kvdirectory/branches.py`` ``hold``)."""
         return expected_s if 0 < expected_s <= self.max_hold_s else self.max_hold_s
 
+    def hold_left(self, branch_id: str, now: float) -> float:
+        """Seconds the tool-call hold of ``branch_id`` still runs after ``now`` (0.0: none, released, or not
+        active), rounded to the µs: what the tool-call endpoint echoes (a later, shorter hint does not cut an
+        earlier one short, as at the directory). O(1)."""
+        b = self._active.get(branch_id)
+        return 0.0 if b is None else round(max(0.0, b.hold_until - now), 6)
+
     def done(self, branch_id: str, now: float | None = None) -> None:
         """A request :meth:`observe` counted for ``branch_id`` is over (answered, failed or
         abandoned) at ``now`` (the TTL's clock; None: not noted): one fewer in flight, and the branch

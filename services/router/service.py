@@ -2851,9 +2851,11 @@ class RouterService(WatchedService):
             api.path_branch_id(branch_id, request.scope.get("raw_path"), self.cfg.max_id_len)
             body = await self._read_body(request)
             outstanding, expected_s = api.parse_tool_call(body)
-            ev = self.branches.tool_call(
-                branch_id, self.clock.local_now(), outstanding=outstanding, expected_s=expected_s, ts=self.clock.now()
-            )  # the TTL and holds on the monotonic clock, as the directory's; the message's ts wall-based
+            now = self.clock.local_now()  # the TTL and holds on the monotonic clock, as the directory's
+            ev = self.branches.tool_call(branch_id, now, outstanding=outstanding, expected_s=expected_s, ts=self.clock.now())
+            # the hold the branch holds, as the directory does: 0 or past --max-tool-hold-s is that cap (1e12 was echoed
+            # as asked), a shorter hint after a longer one leaves the longer one running, a release holds 0 (N was echoed)
+            held_s = self.branches.hold_left(branch_id, now)
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
         except BranchError as e:
@@ -2861,8 +2863,6 @@ class RouterService(WatchedService):
         await self.bus.publish(BRANCH_EVENTS, ev)
         self.counters["branch_tool_calls"] += 1
         await self._publish_evicted()  # a resumed branch past the cap
-        # the hold the branch got: 0 or past --max-tool-hold-s is that cap, as the directory holds it (1e12 was echoed as asked)
-        held_s = self.branches.hold_span(expected_s) if outstanding else expected_s
         return self._json({"branch_id": branch_id, "outstanding": outstanding, "expected_s": held_s})
 
     async def _off_loop(self, request: Request, body: bytes, run: Callable[[bytes], _T]) -> _T:

@@ -545,15 +545,19 @@ async def test_branch_resumed_after_expiry_and_tool_call_hint(nats_url, tmp_path
 async def test_idle_branches_leave_the_active_gauge_with_no_request_and_a_hold_is_echoed_capped(nats_url, tmp_path):
     """Traffic stops: the branches silent past --branch-ttl-s leave ei_router_branches_active and /v1/cluster's
     branches_active at the router's next periodic round (before, expiry ran only at the next X-Branch-Id request:
-    the gauge stayed at 2 for as long as no request came). A tool-call hint's echo is the hold it got: 1e12 s is
-    --max-tool-hold-s (before, 1e12 was echoed though the directory holds 4 h at most)."""
+    the gauge stayed at 2 for as long as no request came). A tool-call hint's echo is the hold the branch holds: 1e12 s is
+    --max-tool-hold-s (before, 1e12 was echoed though the directory holds 4 h at most), a shorter hint leaves the
+    longer hold running and a release holds 0 (before, each echoed its own expected_s)."""
     async with router_env(nats_url, tmp_path, {"c0": "both"}, branch_ttl_s=0.5) as env:
         for bid in ("idle-1", "idle-2"):
             r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}, headers={"X-Branch-Id": bid})
             assert r.status_code == 200, r.text
         tc = await env.http.post("/v1/branches/idle-2/tool-call", json={"expected_s": 1e12})
         assert tc.status_code == 200 and tc.json() == {"branch_id": "idle-2", "outstanding": True, "expected_s": 14400.0}
-        assert (await env.http.post("/v1/branches/idle-2/tool-call", json={"outstanding": False})).json()["expected_s"] == 0.0
+        short = await env.http.post("/v1/branches/idle-2/tool-call", json={"expected_s": 10})  # the longer one runs on
+        assert 14399.0 < short.json()["expected_s"] <= 14400.0, short.text
+        off = await env.http.post("/v1/branches/idle-2/tool-call", json={"outstanding": False, "expected_s": 30})
+        assert off.json()["expected_s"] == 0.0, off.text  # released: it holds 0 (30 was echoed)
         assert (await env.http.get("/v1/cluster")).json()["branches_active"] == 2
 
         async def active() -> tuple[str, int]:

@@ -283,6 +283,21 @@ def test_a_new_branch_whose_parents_lead_back_to_it_is_refused_with_a_400_naming
     assert t.parents_missing == {"unknown": 1, "ended": 0}  # a's parent b; the refused ones counted nothing
 
 
+def test_hold_left_is_the_hold_the_branch_holds():
+    """What the tool-call endpoint echoes: a release holds 0 (``{"outstanding": false, "expected_s": 30}`` echoed 30),
+    and a shorter hint after a longer one leaves the longer one running (its new, shorter span was echoed)."""
+    t = BranchTable(max_hold_s=14400.0)
+    t.observe("b", 1000.0)
+    t.tool_call("b", 1000.0, expected_s=1e12)
+    assert t.hold_left("b", 1000.0) == 14400.0
+    t.tool_call("b", 1000.5, expected_s=100.0)
+    assert t.hold_left("b", 1000.5) == 14399.5
+    t.tool_call("b", 1001.0, outstanding=False, expected_s=30.0)
+    assert t.hold_left("b", 1001.0) == 0.0 and t.hold_left("nope", 1001.0) == 0.0
+    t.tool_call("b", 1002.0, expected_s=120.0)
+    assert t.hold_left("b", 1002.0) == 120.0 and t.hold_left("b", 1200.0) == 0.0
+
+
 def test_the_hold_span_is_the_hold_a_tool_call_gets():
     """What the tool-call endpoint echoes: the hold the branch got, capped at max_hold_s as the directory caps it
     (1e12 was echoed back as asked)."""
