@@ -92,8 +92,15 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     every value is bit-for-bit numpy's. Values with a NaN or a sign bit (a negative value, -0.0), whose
     order a sort and a partition may not share, go to numpy itself. Not calling it spares a run
     ``numpy.ma``, which ``np.percentile`` imports on its first call (``np.unique`` → ``np.ma.is_masked``:
-    ~10 ms of a ``simulate`` run's report) and ~20 µs of its dispatch per call.
+    ~10 ms of a ``simulate --no-plots`` run's report; with plots matplotlib imports it anyway) and ~20 µs of
+    its dispatch per call.
+
+    Raises:
+        ValueError: ``q`` outside [0, 100] (numpy's message), or NaN.
     """
+    q = float(q)
+    if not 0 <= q <= 100:
+        raise ValueError("Percentiles must be in the range [0, 100]")
     n = len(values)
     if not n:
         return None

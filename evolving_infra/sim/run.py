@@ -500,8 +500,9 @@ def simulate(
 
     ``leave_for_exit``: for a caller that ends the process soon after (``evolving-infra simulate``, whose
     ``atexit`` ``gc.freeze`` leaves the run's cyclic garbage to the OS): the partitions run in this
-    process are left as cyclic garbage when they return, not freed object by object (~15 ms of a
-    600-s run at 512-token blocks); the next full collection frees them (an in-process caller's
+    process's last partition is left as cyclic garbage when it returns, not freed object by object (~15 ms
+    of a 600-s run at 512-token blocks; earlier partitions run in this process are freed as before, so
+    peak memory stays that of the largest); the next full collection frees it (an in-process caller's
     memory is not lost, only held until then).
 
     Raises:
@@ -571,7 +572,9 @@ def _simulate(
     results: list[tuple[list[RequestRecord], RunTimeline, SimStats, list[str], dict[str, str]]] = [None] * k  # type: ignore[list-item]
     if k == 1 or cfg.workers == 1:
         for i in range(k):
-            r = _simulate_partition(run, i, workload, keep, shares[i], leave=leave)
+            # only the last is left: an earlier one left as garbage would be out of reach of every collection
+            # of the next partition's loop (quiet_gc freezes), so memory would grow as the sum of the partitions
+            r = _simulate_partition(run, i, workload, keep, shares[i], leave=leave and i == k - 1)
             results[i] = (r.records, r.timeline, r.stats, r.nodes, dict(r.initial_phases))
     else:
         from evolving_infra.sim.pool import fork_pool  # (signal, process pools: a one-process run does without)

@@ -61,7 +61,22 @@ def test_pct_takes_numpys_path_for_nan_and_sign_bits(values) -> None:
         assert repr(_pct(values, q)) == repr(_numpy(values, q))
 
 
-def test_a_report_leaves_numpy_ma_unimported() -> None:
+def test_pct_refuses_a_percentile_outside_0_100_as_numpy_does() -> None:
+    import numpy as np
+    import pytest
+
+    from evolving_infra.report.metrics import _pct
+
+    for q in (-1, 101, float("nan")):
+        with pytest.raises(ValueError):
+            np.percentile([1.0, 2.0], q)
+        with pytest.raises(ValueError, match="range"):
+            _pct([1.0, 2.0], q)
+    assert type(_pct([1.0, 2.0, 3.0], np.float64(50))) is float
+
+
+def test_pct_leaves_numpy_ma_unimported() -> None:
+    # (a simulate --no-plots report: with plots, matplotlib imports numpy.ma anyway)
     code = ("import sys; from evolving_infra.report.metrics import _pct; _pct([3.0, 1.0, 2.0], 95); "
             "print('numpy.ma' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
