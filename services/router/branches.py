@@ -158,12 +158,18 @@ class BranchTable:
     def _touch(self, branch_id: str, b: _Branch, now: float) -> None:
         b.last_seen = max(b.last_seen, now)
         self._active.move_to_end(branch_id)
+        self._parents_to_end(b, now)
+
+    def _parents_to_end(self, b: _Branch, now: float) -> None:
+        """``b``'s active parents (up to 64) seen at ``now`` at the latest and moved to the recent end, each after its
+        child: a waiting parent is not silent, and :meth:`expire` meets a branch with a request in flight before the
+        parents it keeps (with equal times too: a parent left ahead of its child expired first)."""
         p, depth = b.parent, 0
-        while p is not None and depth < 64:  # a waiting parent is not silent (bounded: ids are the client's)
+        while p is not None and depth < 64:  # bounded: ids are the client's
             pb = self._active.get(p)
-            if pb is None or pb.last_seen >= now:
+            if pb is None:
                 return
-            pb.last_seen = now
+            pb.last_seen = max(pb.last_seen, now)
             self._active.move_to_end(p)
             p, depth = pb.parent, depth + 1
 
@@ -174,16 +180,20 @@ class BranchTable:
         re-checked a TTL later (:meth:`done` starts its silence at the request's end).
         Returns their ids. O(expired + kept)."""
         gone = []
-        while self._active:
+        kept, most = 0, len(self._active)  # each kept one is passed once: with now + ttl_s == now (a TTL below the
+        while self._active:                # clock's float step) one moved to the end would come round again for ever
             bid, b = next(iter(self._active.items()))
             if b.last_seen + self.ttl_s > now:
                 break
-            if b.in_flight:  # a request streamed or parked past the TTL: its agent waits for it, as do its parents
-                self._touch(bid, b, now)
-                continue
-            if b.hold_until + self.ttl_s > now:  # held, or its hold ended less than a TTL ago
-                b.last_seen = now
-                self._active.move_to_end(bid)
+            if b.in_flight or b.hold_until + self.ttl_s > now:
+                kept += 1
+                if kept > most:
+                    break
+                if b.in_flight:  # a request streamed or parked past the TTL: its agent waits for it, as do its parents
+                    self._touch(bid, b, now)
+                else:  # held, or its hold ended less than a TTL ago
+                    b.last_seen = now
+                    self._active.move_to_end(bid)
                 continue
             del self._active[bid]
             self._remember_expired(bid, b)
@@ -229,7 +239,8 @@ class BranchTable:
         for bid in held[len(taken):]:
             self._active[bid].last_seen = max(self._active[bid].last_seen, now)
             self._active.move_to_end(bid)
-        self._active.move_to_end(keep)  # still the most recent (it was touched just before)
+        self._active.move_to_end(keep)  # still the most recent (it was touched just before), its parents after it
+        self._parents_to_end(self._active[keep], now)
         self.evicted += len(victims) + len(taken)
 
     def take_evicted(self) -> list[tuple[str, str]]:

@@ -303,3 +303,38 @@ def test_the_hold_span_is_the_hold_a_tool_call_gets():
     (1e12 was echoed back as asked)."""
     t = BranchTable(max_hold_s=100.0)
     assert [t.hold_span(x) for x in (30.0, 100.0, 1e12, 0.0)] == [30.0, 100.0, 100.0, 100.0]
+
+
+def test_at_the_cap_a_sub_agent_in_flight_keeps_its_parent_past_the_ttl() -> None:
+    # the cap's eviction moved the new sub-agent after its parent (same last_seen): expire met the idle parent first
+    # and expired it while the sub-agent's request still ran
+    t = BranchTable(ttl_s=100.0, max_active=2)
+    t.observe("x", 0.0)
+    t.done("x", 0.5)  # idle: the cap's victim
+    t.observe("P", 1.0)
+    t.done("P", 1.5)  # the main agent, answered, waits for its sub-agent
+    t.observe("C", 2.0, kind="subagent", parent="P")  # in flight for long
+    assert [bid for bid, _ in t.take_evicted()] == ["x"]
+    assert t.expire(102.0) == []
+    assert t.is_active("P") and t.is_active("C")
+    t.done("C", 150.0)
+    assert t.expire(249.0) == [] and sorted(t.expire(251.0)) == ["C", "P"]
+
+
+def test_expire_ends_when_the_ttl_is_below_the_clocks_float_step() -> None:
+    # now + ttl_s == now: a branch kept (in flight, or held) and moved to the end came round again for ever
+    import subprocess
+    import sys
+
+    code = ("from services.router.branches import BranchTable\n"
+            "t = BranchTable(ttl_s=1e-12)\n"
+            "t.observe('a', 1e5)\n"
+            "t.observe('b', 1e5)\n"
+            "t.done('b', 1e5)\n"
+            "t.tool_call('b', 1e5)\n"
+            "print(t.expire(1e5 + 1), t.is_active('a'), t.is_active('b'))")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, check=True).stdout
+    except subprocess.TimeoutExpired:
+        raise AssertionError("expire() did not return") from None
+    assert out.strip() == "[] True True"
