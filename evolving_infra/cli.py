@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from evolving_infra.out_folder import OUTPUTS_ELSEWHERE
 from evolving_infra.stdio_args import READER_GONE
 
 # Modules that contribute subcommands, in the order `--help` lists them.
@@ -192,7 +193,10 @@ EXIT_STATUSES = (
     "unwritable output, and for split, tap and replay no running cluster or NATS server to talk to); "
     f"{INTERRUPTED} interrupted (Ctrl-C); 143 stopped by SIGTERM (demo and replay, which stop as for Ctrl-C; "
     f"demo 129 for SIGHUP; up and tap exit 0); 3 up or demo --no-restart: a service exited 0 on its own (no crash; "
-    f"see up --help); {READER_GONE} stdout's reader went away (| head)"
+    f"see up --help); {OUTPUTS_ELSEWHERE} simulate (a --sweep too), replay, demo and fidelity: the run ended but its outputs went to a new "
+    "OUT/run-ID/ (an item's or side's to OUT/SUB/run-ID/; named on stderr), because the earlier run's could not be moved to "
+    f"OUT/previous/ then (a 'report show' of it running, your files put there): OUT/report.json is still the earlier run's; "
+    f"{READER_GONE} stdout's reader went away (| head)"
 )
 """The epilog of ``evolving-infra --help``: the statuses :func:`main` returns."""
 
@@ -260,7 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     returns 130, ``replay`` writes what completed and returns 130, ``simulate`` prints its own line and returns 130)
     ends it with one line on stderr and status :data:`INTERRUPTED`, not a traceback; the
     writers it interrupts remove what they had begun (``OUT.tmp``, the folders made for it) as the
-    exception passes through them.
+    exception passes through them. The statuses: :data:`EXIT_STATUSES` (``evolving-infra --help``'s epilog; 4,
+    :data:`~evolving_infra.out_folder.OUTPUTS_ELSEWHERE`: a run's outputs written to ``OUT/run-ID/``).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -1492,8 +1492,9 @@ async def _demo(args: argparse.Namespace) -> int:
 
 async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     from evolving_infra.replay.core import Arrival
-    from evolving_infra.out_folder import (OutFolderError, check_previous_run, drop_partial_records, hold_out,
-                                           note_leftover_partial_records, partial_records, set_aside_or_elsewhere)
+    from evolving_infra.out_folder import (OUTPUTS_ELSEWHERE, OutFolderError, check_previous_run, drop_partial_records,
+                                           hold_out, note_leftover_partial_records, partial_records,
+                                           set_aside_or_elsewhere)
     from evolving_infra.replay.live import LiveReplayer, RecordAppender
     from evolving_infra.report.ideal import annotate_ideal, annotate_lost_reuse
     from evolving_infra.report.write import build_report, print_summary, report_line, write_report
@@ -1723,7 +1724,9 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
     if late := warmup_outlasted_note(pol, spec.split, str(report.get("final_split") or "")):
         print(late)
     print(report_line(path))
-    print(_baseline_line(args, out))
+    print(_baseline_line(args, dest))  # the folder this run's report is in (OUT/run-<id>/ when OUT/previous was held)
+    if dest != out:  # OUT/report.json is still the earlier run's: a script reading it must know
+        return OUTPUTS_ELSEWHERE
     ok = report["requests_failed"] == 0 and report["requests_completed"] == report["requests_sent"]
     return 0 if ok else 1
 
@@ -2075,7 +2078,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     _add_cluster_args(d, nodes=4, split="2P2D", speedup=50.0, port=0, log_dir="OUT/logs, whose *.log files a new demo replaces; the NATS credentials the demo generates in it are deleted when it stops",
                       warmup="900 s of simulated time in the demo, --engine torch 240 s", fence_after_s=DEMO_FENCE_S)
-    d.add_argument("--out", default="demo-out", type=folder, help="output directory for report.json, requests.jsonl, plots, report.html and logs/ (default demo-out); each answered request's record is appended to OUT/requests.partial-ID.jsonl as it completes (a killed demo keeps them there; removed once requests.jsonl is written). Files of those names already there (an earlier run's, or your own) move to OUT/previous/ once the replay has ended, just before the report is written, never overwritten (a demo that fails or is killed leaves them in place); OUT/previous/ keeps only the last run's (replaced each run). The demo stops before its cluster starts when OUT/previous holds other files, or while another run is writing to OUT (it holds OUT/.evolving-infra.lock)")
+    d.add_argument("--out", default="demo-out", type=folder, help="output directory for report.json, requests.jsonl, plots, report.html and logs/ (default demo-out); each answered request's record is appended to OUT/requests.partial-ID.jsonl as it completes (a killed demo keeps them there; removed once requests.jsonl is written). Files of those names already there (an earlier run's, or your own) move to OUT/previous/ once the replay has ended, just before the report is written, never overwritten (a demo that fails or is killed leaves them in place); OUT/previous/ keeps only the last run's (replaced each run); when that move is refused at the end (OUT/previous held by a 'report show', or your files put there meanwhile) the report goes to a new OUT/run-ID/ instead, named on stderr, exit status 4. The demo stops before its cluster starts when OUT/previous holds other files, or while another run is writing to OUT (it holds OUT/.evolving-infra.lock)")
     d.add_argument("--trace", default=None, help="canonical trace to replay instead of the shipped Claude Code sample (- reads stdin)")
     d.add_argument("--sessions", type=int, default=None, help="sessions (agents) to replay (default 60; --engine torch: 4)")
     d.add_argument("--concurrency", type=int, default=None, help="concurrent agents, closed loop (default 16; --engine torch: 4)")

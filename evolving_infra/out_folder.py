@@ -15,7 +15,6 @@ import os
 import re
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
@@ -31,7 +30,18 @@ class OutFolderError(Exception):
     """``OUT`` cannot take this run without touching files that are not a run's, or without a run's outputs being
     lost: ``OUT`` or ``OUT/previous`` is not a folder, ``OUT/previous`` holds something other than a run's outputs
     (:func:`check_previous_run`), the move to it failed (:func:`set_aside_previous_run`), or another run is
-    writing to ``OUT`` (:func:`hold_out`). The message is one line naming the path."""
+    writing to ``OUT`` (:func:`hold_out`). The message is one line naming the path: :attr:`reason` (what is wrong)
+    then what the user can do about it, if anything.
+
+    Args:
+        reason: what is wrong, naming the path.
+        advice: what the user can do, with its separator (``": wait for it to end, or choose another --out"``);
+            empty: none. :func:`set_aside_or_elsewhere`, which does something else instead, shows the reason alone.
+    """
+
+    def __init__(self, reason: str, advice: str = "") -> None:
+        super().__init__(reason + advice)
+        self.reason = reason
 
 
 class NoFlockError(OutFolderError):
@@ -110,6 +120,25 @@ def hold_out(out: Path) -> Iterator[None]:
         raise OutFolderError(f"{out} is not a folder")
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK
+    fd = _lock_file(path)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        recover_set_aside(out)
+        yield
+    finally:
+        _unlock_file(path, fd)
+
+
+def _lock_file(path: Path) -> int:
+    """An exclusive, non-blocking ``flock`` on ``path`` (made when missing; removed again when it cannot be locked):
+    :func:`hold_out`'s lock. Returns the descriptor holding it (release it with :func:`_unlock_file`).
+
+    Raises:
+        OutFolderError: another process holds it (its id named when it wrote one).
+        NoFlockError: the file system gives no ``flock``.
+        OSError: ``path`` cannot be made or opened.
+    """
     while True:
         try:  # made here (then removed again if it cannot be locked), or another run's
             fd, made = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), True
@@ -124,8 +153,8 @@ def hold_out(out: Path) -> Iterator[None]:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
             os.close(fd)
             who = f"another run (pid {holder})" if holder.isdigit() else "another run"
-            raise OutFolderError(f"{who} is writing to it (it holds {path}): wait for it to end, or choose another "
-                                 "--out") from None
+            raise OutFolderError(f"{who} is writing to it (it holds {path})",
+                                 ": wait for it to end, or choose another --out") from None
         except OSError as e:  # no flock on this file system (Lustre mounted noflock: ENOSYS), or no lock manager
             os.close(fd)
             if made:
@@ -147,20 +176,20 @@ def hold_out(out: Path) -> Iterator[None]:
         if st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
             break
         os.close(fd)
+    return fd
+
+
+def _unlock_file(path: Path, fd: int) -> None:
+    """Release :func:`_lock_file`'s lock: ``path`` removed while still held (a run waiting on it then retries on a
+    new file), only if it is still the file locked (it was not moved nor replaced meanwhile). Raises nothing."""
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        recover_set_aside(out)
-        yield
-    finally:
-        try:  # removed while still held (a run waiting on it then retries on a new file); only if it is still ours
-            st = os.stat(path)
-            mine = os.fstat(fd)
-            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
-                os.unlink(path)
-        except OSError:
-            pass  # gone already, or OUT no longer writable: the lock is released all the same
-        os.close(fd)
+        st = os.stat(path)
+        mine = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+            os.unlink(path)
+    except OSError:
+        pass  # gone already (moved with its folder), or its folder no longer writable: released all the same
+    os.close(fd)
 
 
 def hold_new_out(held: ExitStack, out: Path) -> None:
@@ -203,22 +232,22 @@ def check_previous_run(out: Path) -> list[str]:
     if prev.is_symlink():
         what = "to a folder" if prev.is_dir() else "not to a folder" if prev.exists() else "to nothing"
         raise OutFolderError(f"{prev} is a symlink ({what}), and the outputs in {out} this run would overwrite are "
-                             "moved there: move or remove it, or choose another --out")
+                             "moved there", ": move or remove it, or choose another --out")
     if prev.exists() and not prev.is_dir():
         raise OutFolderError(f"{prev} is not a folder, and the outputs in {out} this run would overwrite are moved "
-                             "there: move or remove it, or choose another --out")
+                             "there", ": move or remove it, or choose another --out")
     if prev.is_dir():
         holder = _lock_holder(prev)
         if holder is not None:
             raise OutFolderError(f"{holder} is writing to {prev} (it holds {prev / LOCK}: 'report show' redrawing it), "
-                                 f"and the outputs in {out} this run would overwrite would replace it there: wait for "
-                                 "it to end, or choose another --out")
+                                 f"and the outputs in {out} this run would overwrite would replace it there",
+                                 ": wait for it to end, or choose another --out")
         foreign = sorted(p.name for p in prev.iterdir() if not _run_file(p, own))
         if foreign:
             shown_names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
             raise OutFolderError(f"{prev} holds files that are not a run's outputs ({shown_names}); the outputs in "
-                                 f"{out} this run would overwrite would replace it there: nothing was changed; move or "
-                                 f"rename {prev}, or choose another --out")
+                                 f"{out} this run would overwrite would replace it there: nothing was changed",
+                                 f"; move or rename {prev}, or choose another --out")
     return names
 
 
@@ -252,13 +281,16 @@ def set_aside_previous_run(out: Path) -> list[str]:
     run's, or the user's files of those names) to ``out/previous/``, so they are never overwritten nor read as
     this run's. ``previous/`` keeps one generation: an older one (a run's outputs alone: checked) is replaced.
     The move is all or nothing: the names go to a new folder inside ``out`` first, which then takes
-    ``previous``'s place; the older one is deleted last. Creates ``out``. Call it holding :func:`hold_out`.
+    ``previous``'s place; the older one is deleted last. ``previous/``'s own lock (a ``report show`` of it holds it)
+    is held, non-blocking, from after the check to the end of the move. Creates ``out``. Call it holding
+    :func:`hold_out`.
 
     Returns:
         The names moved (empty when ``out`` held none).
 
     Raises:
-        OutFolderError: as :func:`check_previous_run`, before anything is moved or removed; or a move failed
+        OutFolderError: as :func:`check_previous_run`, or ``previous/``'s lock taken by a ``report show`` since,
+            before anything is moved or removed; or a move failed
             (``out`` read-only or immutable, a full disk): everything was put back, the older ``previous/``
             as it was.
         OSError: ``out`` cannot be made or read.
@@ -268,6 +300,45 @@ def set_aside_previous_run(out: Path) -> list[str]:
     if not names:
         return []
     prev = out / PREVIOUS
+    held = _hold_previous(out, prev)
+    try:
+        return _set_aside(out, prev, names)
+    finally:
+        if held is not None:
+            _unlock_file(prev / LOCK, held)
+
+
+def _hold_previous(out: Path, prev: Path) -> int | None:
+    """``prev``'s lock (:func:`_lock_file`, non-blocking), held for the set-aside that replaces ``prev``, so that a
+    ``report show`` of it cannot start redrawing it between :func:`check_previous_run`'s look and the move. Returns
+    the descriptor; None when there is no ``prev`` folder, or its file system gives no ``flock`` (no ``report show``
+    can hold it either). The lock file made here goes with the older ``previous/`` when it is replaced.
+
+    Raises:
+        OutFolderError: a ``report show`` of ``prev`` holds it now; or it cannot be made.
+    """
+    if not prev.is_dir() or prev.is_symlink():
+        return None
+    try:
+        fd = _lock_file(prev / LOCK)
+    except NoFlockError:
+        return None
+    except OutFolderError as e:
+        raise OutFolderError(f"{prev}: {e.reason} ('report show' redrawing it), and the outputs in {out} this run "
+                             "would overwrite would replace it there", ": wait for it to end, or choose another --out") from None
+    except OSError as e:
+        raise OutFolderError(f"cannot lock {prev / LOCK} ({e.strerror or e}) for the move of the outputs in {out} "
+                             "this run would overwrite", "; choose another --out, or make it writable") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError:
+        pass  # the lock holds all the same; a refused run names no pid
+    return fd
+
+
+def _set_aside(out: Path, prev: Path, names: list[str]) -> list[str]:
+    """:func:`set_aside_previous_run`'s move of ``names`` (checked) to ``prev``, ``prev``'s lock held."""
     moved: list[str] = []
     staged: Path | None = None
     older: Path | None = None
@@ -285,8 +356,8 @@ def set_aside_previous_run(out: Path) -> list[str]:
         raise OutFolderError(f"cannot move the outputs in {out} this run would overwrite to {prev}/ "
                              f"({e.strerror or e}: {e.filename or out}): "
                              + ("nothing was moved: " if undone else "")
-                             + (f"{prev} is as it was" if undone else f"some could not be put back: see {out}/.{PREVIOUS}.*")
-                             + "; choose another --out, or make it writable") from None
+                             + (f"{prev} is as it was" if undone else f"some could not be put back: see {out}/.{PREVIOUS}.*"),
+                             "; choose another --out, or make it writable") from None
     if older is not None:  # the older run's outputs alone (checked): deleted last, once the new previous/ is in place
         try:
             for p in (older / PREVIOUS).iterdir():
@@ -306,35 +377,48 @@ def set_aside_note(command: str, out: Path, moved: list[str]) -> str:
             "it keeps only the last run's)")
 
 
+OUTPUTS_ELSEWHERE = 4
+"""Exit status of a ``simulate`` (a ``--sweep`` too), ``replay``, ``demo`` or ``fidelity`` that ran to its end but
+wrote its outputs (or a sweep item's, a fidelity side's) to a ``run-<id>/`` folder of their own
+(:func:`set_aside_or_elsewhere`, one ``warning:`` line naming it), because the earlier run's could not be set aside
+to ``previous/`` then: ``OUT/report.json`` is still the earlier run's. It replaces 0 and 1 (failed requests: the
+report says how many); a run stopped by a signal still exits 128 + the signal (130, 143)."""
+
 SET_ASIDE_WAIT_S = 5.0
 """How long :func:`set_aside_or_elsewhere` waits for a ``report show`` of ``OUT/previous`` (which holds its lock
 while it redraws: seconds) before this run's outputs go to a folder of their own instead."""
 
 
-def set_aside_or_elsewhere(out: Path, command: str, run_id: str | None = None, *, wait_s: float = SET_ASIDE_WAIT_S,
+def set_aside_or_elsewhere(out: Path, command: str, run_id: str | None = None, *, wait_s: float | None = None,
                            file: TextIO | None = None) -> Path:
     """Where a run that has ended writes its outputs: ``out``, its earlier run's set aside first
     (:func:`set_aside_previous_run`, the :func:`set_aside_note` on ``file``), or, when that set-aside is refused now
     (a ``report show`` of ``out/previous`` still holding its lock after ``wait_s`` seconds, the user's files put in
     ``out/previous`` during the run, a failed move), a new folder ``out/run-<run_id>/`` (one ``warning:`` line on
     stderr naming it and why), so that a finished run's outputs are never dropped. Call it holding ``out``
-    (:func:`hold_out`), once the run has ended.
+    (:func:`hold_out`), once the run has ended. A run per sub-folder of ``OUT`` (each side of ``fidelity``, each item
+    of a ``--sweep``) calls it on that folder, holding ``OUT``, after :func:`recover_set_aside` then
+    :func:`check_previous_run` on it before the run (``hold_out`` recovers ``OUT`` itself only), so that what a
+    killed run left there is put back and the refusals come first.
 
     Args:
         out: the run's ``--out``.
-        command: the command's name in the lines printed (``replay``, ``demo``, ``simulate``).
+        command: the command's name in the lines printed (``replay``, ``demo``, ``simulate``, ``fidelity``,
+            ``simulate --sweep``).
         run_id: names the fallback folder (the report's ``meta.run_id``); a new 12-hex id when None.
-        wait_s: seconds to wait, retrying every 0.2 s, while another process holds ``out/previous``'s lock.
+        wait_s: seconds to wait, retrying every 0.2 s, while another process holds ``out/previous``'s lock
+            (None: :data:`SET_ASIDE_WAIT_S`, read at the call).
         file: the stream of the set-aside's note (stderr when None; ``demo`` prints it on stdout).
 
     Returns:
-        The folder to write the run's outputs to: ``out`` or ``out/run-<run_id>``.
+        The folder to write the run's outputs to: ``out`` or ``out/run-<run_id>`` (the command then exits
+        :data:`OUTPUTS_ELSEWHERE`).
 
     Raises:
         OutFolderError: the set-aside was refused and ``out/run-<run_id>`` cannot be made either (its message
             names both).
     """
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + (SET_ASIDE_WAIT_S if wait_s is None else wait_s)
     while True:
         try:
             moved = set_aside_previous_run(out)
@@ -342,12 +426,16 @@ def set_aside_or_elsewhere(out: Path, command: str, run_id: str | None = None, *
             if time.monotonic() < deadline and _lock_holder(out / PREVIOUS) is not None:
                 time.sleep(0.2)
                 continue
-            refused = e
+            refused = e.reason if isinstance(e, OutFolderError) else str(e)  # the advice is not for this: done below
             break
         if moved:
             print(set_aside_note(command, out, moved), file=file or sys.stderr, flush=True)
         return out
-    fresh = out / f"run-{run_id or uuid.uuid4().hex[:12]}"
+    if run_id is None:
+        import uuid  # here: evolving_infra.cli imports this module for OUTPUTS_ELSEWHERE, and needs no uuid
+
+        run_id = uuid.uuid4().hex[:12]
+    fresh = out / f"run-{run_id}"
     try:
         fresh.mkdir()
     except OSError as e:
@@ -356,22 +444,6 @@ def set_aside_or_elsewhere(out: Path, command: str, run_id: str | None = None, *
     print(f"warning: --out {out}: {refused}; this run's outputs are written to {fresh}/ instead", file=sys.stderr,
           flush=True)
     return fresh
-
-
-def set_aside_into(folder: Path, command: str) -> None:
-    """A run's outputs in ``folder`` set aside to ``folder/previous/`` (:func:`set_aside_previous_run`) just before
-    its own are written there, the note (:func:`set_aside_note`) on stderr: each side of ``fidelity`` and each
-    item of a ``--sweep``, which write one run per sub-folder of ``OUT`` (``command`` names it in the note). Call it
-    holding ``OUT`` (:func:`hold_out`), once the run has ended, and :func:`recover_set_aside` then
-    :func:`check_previous_run` on ``folder`` before the run, so that what a killed run left there is put back and
-    the refusals come first (``hold_out`` recovers ``OUT`` itself only).
-
-    Raises:
-        OutFolderError, OSError: as :func:`set_aside_previous_run`.
-    """
-    moved = set_aside_previous_run(folder)
-    if moved:
-        print(set_aside_note(command, folder, moved), file=sys.stderr, flush=True)
 
 
 def _new_folder(out: Path, tag: str) -> Path:

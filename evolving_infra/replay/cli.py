@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
 import signal
 import sys
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from evolving_infra.out_folder import LOCK, PREVIOUS, OutFolderError, check_previous_run, drop_partial_records, hold_new_out, hold_out, note_leftover_partial_records, partial_records, set_aside_note, set_aside_or_elsewhere, set_aside_previous_run  # noqa: F401 - re-exported (the tests import them from here)
+from evolving_infra.out_folder import LOCK, OUTPUTS_ELSEWHERE, PREVIOUS, OutFolderError, check_previous_run, drop_partial_records, hold_new_out, hold_out, note_leftover_partial_records, partial_records, set_aside_note, set_aside_or_elsewhere, set_aside_previous_run  # noqa: F401 - re-exported (the tests import them from here)
 from evolving_infra.replay.core import Arrival, ReplayError
 from evolving_infra.stdio_args import STDIO, folder, shown, stdin_file
 from services.router.config import RouterConfig
@@ -172,8 +173,9 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
             try:
                 print(f"\nreplay: {sig.name}: stopping; writing what completed to {out} (again to abort at once)",
                       file=sys.stderr)
-            except OSError:  # its reader is gone: what follows for stderr (the progress bar's close) to /dev/null,
-                _stderr_to_devnull()  # so that the report of what completed is still written
+            except OSError as e:  # its reader is gone (a pipe's, a closed terminal's): what follows for stderr (the
+                if isinstance(e, BrokenPipeError) or e.errno == errno.EIO:  # progress bar's close) to /dev/null, so
+                    _stderr_to_devnull()  # that the report of what completed is still written; else the line is lost
         else:
             raise SystemExit(128 + sig.value)
 
@@ -262,13 +264,22 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
     if result.interrupted:
         sig_name = signals[0] if signals else "SIGINT"
         return 128 + getattr(signal, sig_name).value
+    if dest != out:  # OUT/report.json is still the earlier run's: a script reading it must know
+        return OUTPUTS_ELSEWHERE
     return 0 if report["requests_failed"] == 0 else 1
 
 
 def _stderr_to_devnull() -> None:
     """Point file descriptor 2 at ``/dev/null`` (the pipe stderr wrote to has no reader any more: a dead ``tee``,
-    ``2>&1 | head``), so that later writes to ``sys.stderr`` (and the objects holding it, as the progress bar does)
-    succeed instead of raising BrokenPipeError mid-way through the report. Raises nothing."""
+    ``2>&1 | head``; or its terminal is gone: EIO), so that later writes to ``sys.stderr`` (and the objects holding
+    it, as the progress bar does) succeed instead of raising BrokenPipeError mid-way through the report. Only when
+    ``sys.stderr`` writes to descriptor 2 (the command's own stream): a caller that replaced it (a library, a
+    test's capture) keeps its descriptor 2 as it was. Raises nothing."""
+    try:
+        if sys.stderr.fileno() != 2:
+            return
+    except (AttributeError, OSError, ValueError):  # not a file (io.StringIO: UnsupportedOperation), or closed
+        return
     try:
         null = os.open(os.devnull, os.O_WRONLY)
     except OSError:
@@ -624,5 +635,5 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "refused or reset before the first byte (a router restarting). A stream that started is never "
                    "sent again (it would duplicate output): it fails. Each record's retries and the report's "
                    "requests_retried / retries count them; 0 = never retry (default 2)")
-    p.add_argument("--out", default="replay-out", type=folder, help=f"output directory for report.json, requests.jsonl, plots and report.html (default replay-out; removed again when a failed replay left it empty); each answered request's record is appended to OUT/requests.partial-RUNID.jsonl as it completes (a killed replay keeps them there; removed once requests.jsonl is written). Files of those names already there (an earlier run's, or your own) move to OUT/{PREVIOUS}/ once the replay has ended, just before its outputs are written, never overwritten (a replay that fails or is killed leaves them in place); OUT/{PREVIOUS}/ keeps only the last run's (replaced each run). The replay stops before it starts when OUT/{PREVIOUS} holds other files, or while another run is writing to OUT (it holds OUT/{LOCK})")
+    p.add_argument("--out", default="replay-out", type=folder, help=f"output directory for report.json, requests.jsonl, plots and report.html (default replay-out; removed again when a failed replay left it empty); each answered request's record is appended to OUT/requests.partial-RUNID.jsonl as it completes (a killed replay keeps them there; removed once requests.jsonl is written). Files of those names already there (an earlier run's, or your own) move to OUT/{PREVIOUS}/ once the replay has ended, just before its outputs are written, never overwritten (a replay that fails or is killed leaves them in place); OUT/{PREVIOUS}/ keeps only the last run's (replaced each run); when that move is refused at the end (OUT/{PREVIOUS} held by a 'report show', or your files put there meanwhile) the outputs go to a new OUT/run-RUNID/ instead, named on stderr, exit status {OUTPUTS_ELSEWHERE}. The replay stops before it starts when OUT/{PREVIOUS} holds other files, or while another run is writing to OUT (it holds OUT/{LOCK})")
     p.set_defaults(func=cmd_replay)

@@ -330,18 +330,25 @@ def _simulate_held(args: argparse.Namespace, cfg: SimConfig, requests: Any, bs: 
     except (SimConfigError, ComponentMissing, ReplayError) as e:  # a component's bad option (--planner-opt ...) names itself
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from evolving_infra.out_folder import OutFolderError, set_aside_or_elsewhere
+    from evolving_infra.out_folder import OUTPUTS_ELSEWHERE, OutFolderError, set_aside_or_elsewhere
 
     try:  # only now, before the first output: a run that failed or was interrupted leaves the earlier one's in place;
-        out = set_aside_or_elsewhere(out, "simulate")  # refused now: the outputs to OUT/run-<id>/ (named on stderr)
+        dest = set_aside_or_elsewhere(out, "simulate")  # refused now: the outputs to OUT/run-<id>/ (named on stderr)
     except OutFolderError as e:
         print(f"error: --out {out}: {e}; this run's report was not written", file=sys.stderr)
         return 2
+    if dest != out:  # its report names the folder it is in
+        res.report.setdefault("meta", {})["run_id"] = dest.name.removeprefix("run-")
     try:  # OUT was made before the run (hold_out); taken back by the caller when left empty
-        path = write_report(out, res.report, res.records, plots=not args.no_plots)
-        write_decisions(out, res.stats.planner_decisions)
+        path = write_report(dest, res.report, res.records, plots=not args.no_plots)
+        write_decisions(dest, res.stats.planner_decisions)
     except OSError as e:
-        print(f"error: {out}: cannot write: {e}", file=sys.stderr)
+        print(f"error: {dest}: cannot write: {e}", file=sys.stderr)
+        if dest != out:  # its OUT/run-<id>/, made for this report: not left empty
+            try:
+                dest.rmdir()
+            except OSError:
+                pass
         return 2
     print_summary(res.report)
     r = res.report
@@ -361,6 +368,8 @@ def _simulate_held(args: argparse.Namespace, cfg: SimConfig, requests: Any, bs: 
               f"period ends at {w['end_s']:.0f} s: its concurrency fell from {w['concurrency']} from then on, so later "
               "windows measure the pool, not the cluster; generate more agents ('trace generate shift')", file=sys.stderr)
     print(report_line(path))
+    if dest != out:  # OUT/report.json is still the earlier run's: a script reading it must know
+        return OUTPUTS_ELSEWHERE
     return 0 if r["requests_failed"] == 0 else 1
 
 
@@ -441,7 +450,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    "replay-out and fidelity-out; removed again when a failed run left it empty). Files of those names already there "
                    "(an earlier run's, or your own) move to OUT/previous/ once the run has ended, just before its outputs are "
                    "written, never overwritten (a run that fails or is interrupted leaves them in place); OUT/previous/ keeps only "
-                   "the last run's (replaced each run). The run stops before it starts (before reading its input) when "
+                   "the last run's (replaced each run); when that move is refused at the end (OUT/previous held by a 'report show', or your "
+                   "files put there meanwhile) the outputs go to a new OUT/run-ID/ instead, named on stderr, exit status 4. The run stops before it starts (before reading its input) when "
                    "OUT/previous holds other files, or while another run is writing to OUT (it holds OUT/.evolving-infra.lock)")
     o.add_argument("--label", default=None, help="what names the run in comparisons, as 'OUT (LABEL)' (default: the policy set)")
     o.add_argument("--no-plots", action="store_true", help="no plots: report.json, requests.jsonl and decisions.jsonl only (a sweep's compare/ has "
@@ -449,7 +459,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--sweep", nargs="+", metavar="KIND",
                    help="'splits [xPyD,...]' (every split, or the listed ones) or 'policies SET,SET,...'; "
                    "writes one run per item under OUT/ (an earlier sweep's run in OUT/ITEM/ moves to OUT/ITEM/previous/ "
-                   "once the item has run) and OUT/compare/ (replaced)")
+                   "once the item has run; refused then, as for --out, the item's run goes to OUT/ITEM/run-ID/, sweep.json names it, "
+                   "exit status 4) and OUT/compare/ (replaced)")
     o.add_argument("--sweep-workers", type=int, default=1, help="sweep items run in parallel processes (default 1)")
 
 

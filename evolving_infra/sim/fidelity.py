@@ -166,15 +166,17 @@ FIDELITY_SIDES = ("live", "sim", "sim-plain")
 """The folders in ``fidelity``'s ``--out`` that each hold one run's report (:func:`fidelity`)."""
 
 
-async def run_live(s: FidelitySettings, requests: list[Any], bs: int, out: Path) -> tuple[dict[str, Any], list[Any]]:
-    """Replay ``requests`` through a local live cluster; returns its report and records (also written to ``out``; an
-    earlier run's there set aside to ``out/previous/`` first: :func:`~evolving_infra.out_folder.set_aside_into`)."""
+async def run_live(s: FidelitySettings, requests: list[Any], bs: int,
+                   out: Path) -> tuple[dict[str, Any], list[Any], Path]:
+    """Replay ``requests`` through a local live cluster; returns its report, its records and the folder they were
+    written to: ``out``, an earlier run's there set aside to ``out/previous/`` first, or ``out/run-<id>/`` when that
+    set-aside was refused (:func:`~evolving_infra.out_folder.set_aside_or_elsewhere`)."""
     from evolving_infra.cluster import ClusterSpec, LocalCluster
     from evolving_infra.replay.core import Arrival
     from evolving_infra.replay.live import LiveReplayer
     from evolving_infra.report.ideal import annotate_ideal
     from services.router.ingress import local_client_key
-    from evolving_infra.out_folder import set_aside_into
+    from evolving_infra.out_folder import set_aside_or_elsewhere
     from evolving_infra.report.write import build_report, write_report
     from shared.clock import SimClock
 
@@ -208,17 +210,21 @@ async def run_live(s: FidelitySettings, requests: list[Any], bs: int, out: Path)
         "wall_s": time.monotonic() - wall0,
         "replay_wall_s": result.wall_s,
     }
+    dest = set_aside_or_elsewhere(out, "fidelity")  # an earlier fidelity's live/ to live/previous/, now it has ended
+    if dest != out:  # its report names the folder it is in
+        meta["run_id"] = dest.name.removeprefix("run-")
     report = build_report(result.records, meta=meta, ideal_kv_hit_rate=ideal, extra={"wall_s": result.wall_s})
-    set_aside_into(out, "fidelity")  # an earlier fidelity's live/ to live/previous/, now that this one has ended
-    write_report(out, report, sorted(result.records, key=lambda r: r.sent_at), plots=False)
-    return report, result.records
+    write_report(dest, report, sorted(result.records, key=lambda r: r.sent_at), plots=False)
+    return report, result.records, dest
 
 
-def run_sim(s: FidelitySettings, requests: list[Any], bs: int, out: Path, cp: ControlPlane | None = None) -> dict[str, Any]:
+def run_sim(s: FidelitySettings, requests: list[Any], bs: int, out: Path,
+            cp: ControlPlane | None = None) -> tuple[dict[str, Any], Path]:
     """The simulator with the live stack's settings, and the measured control plane ``cp`` when
-    given; returns its report (also written to ``out``; an earlier run's there set aside to ``out/previous/``
-    first: :func:`~evolving_infra.out_folder.set_aside_into`)."""
-    from evolving_infra.out_folder import set_aside_into
+    given; returns its report and the folder it was written to: ``out``, an earlier run's there set aside to
+    ``out/previous/`` first, or ``out/run-<id>/`` when that set-aside was refused
+    (:func:`~evolving_infra.out_folder.set_aside_or_elsewhere`)."""
+    from evolving_infra.out_folder import set_aside_or_elsewhere
     from evolving_infra.report.write import write_report
     from evolving_infra.sim.config import SimConfig
     from evolving_infra.sim.run import simulate
@@ -240,9 +246,11 @@ def run_sim(s: FidelitySettings, requests: list[Any], bs: int, out: Path, cp: Co
         egress_s=cp.egress_s if cp else 0.0,
     )
     res = simulate(cfg, requests, bs, meta={"command": "fidelity (sim)"})
-    set_aside_into(out, "fidelity")  # an earlier fidelity's outputs there to OUT/sim*/previous/
-    write_report(out, res.report, res.records, plots=False)
-    return res.report
+    dest = set_aside_or_elsewhere(out, "fidelity")  # an earlier fidelity's outputs there to OUT/sim*/previous/
+    if dest != out:  # its report names the folder it is in
+        res.report.setdefault("meta", {})["run_id"] = dest.name.removeprefix("run-")
+    write_report(dest, res.report, res.records, plots=False)
+    return res.report, dest
 
 
 def relative_differences(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, float | None]:
@@ -279,9 +287,12 @@ def check_settings(s: FidelitySettings) -> None:
 
 def fidelity(s: FidelitySettings, out: Path) -> dict[str, Any]:
     """Run both and return ``{settings, live, sim, relative_difference, control_plane, sim_plain,
-    relative_difference_plain}`` (also ``out/fidelity.json``): ``sim`` runs with the control plane
-    measured on the live run (:func:`control_plane`; none when the router did not report it),
-    ``sim_plain`` without (``out/sim-plain``).
+    relative_difference_plain, dirs, outputs_elsewhere}`` (also ``out/fidelity.json``): ``sim`` runs with the control
+    plane measured on the live run (:func:`control_plane`; none when the router did not report it), ``sim_plain``
+    without (``out/sim-plain``; with no control plane, ``sim`` is the plain run and an earlier fidelity's
+    ``sim-plain/`` outputs are set aside to its ``previous/``). ``dirs``: the folder each side's report was written
+    to (``live``, ``sim``, ``sim_plain``: ``OUT/SIDE``, or ``OUT/SIDE/run-<id>`` when the earlier run's there could
+    not be set aside then); ``outputs_elsewhere``: the sides written to such a ``run-<id>/``.
 
     Raises:
         SimConfigError: a setting out of range (:func:`check_settings`) or an unreadable trace, before
@@ -292,16 +303,17 @@ def fidelity(s: FidelitySettings, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     import asyncio  # here: `simulate` registers this command's flags and needs no event loop
 
-    live, records = asyncio.run(run_live(s, requests, bs, out / "live"))
+    live, records, live_dir = asyncio.run(run_live(s, requests, bs, out / "live"))
     cp = control_plane(records)
-    sim = run_sim(s, requests, bs, out / "sim", cp)
+    sim, sim_dir = run_sim(s, requests, bs, out / "sim", cp)
     if cp is not None:
-        plain = run_sim(s, requests, bs, out / "sim-plain")
+        plain, plain_dir = run_sim(s, requests, bs, out / "sim-plain")
     else:  # no control plane measured: sim is the plain run; an earlier fidelity's sim-plain/ must not look current
-        from evolving_infra.out_folder import set_aside_into
-
-        plain = sim
-        set_aside_into(out / "sim-plain", "fidelity")
+        plain, plain_dir = sim, sim_dir
+        _set_aside_plain(out / "sim-plain")
+    dirs = {"live": (live_dir, out / "live"), "sim": (sim_dir, out / "sim"), "sim_plain": (plain_dir, plain_dir)}
+    if cp is not None:
+        dirs["sim_plain"] = (plain_dir, out / "sim-plain")
     keys = (*FIDELITY_KEYS, "requests_completed", "requests_failed", "kv_hit_rate", "wall_s")
     result = {
         "settings": asdict(s),
@@ -313,9 +325,31 @@ def fidelity(s: FidelitySettings, out: Path) -> dict[str, Any]:
         "control_plane": asdict(cp) if cp is not None else None,
         "sim_plain": {k: plain.get(k) for k in keys},
         "relative_difference_plain": relative_differences(live, plain),
+        "dirs": {side: str(d) for side, (d, _) in dirs.items()},
+        "outputs_elsewhere": [side for side, (d, meant) in dirs.items() if d != meant],
     }
     (out / "fidelity.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
+
+
+def _set_aside_plain(folder: Path) -> None:
+    """With no control plane measured, no ``sim-plain`` run: an earlier fidelity's outputs in ``folder`` set aside to
+    its ``previous/`` so that they do not look current (nothing made when ``folder`` does not exist); a set-aside
+    refused now (its ``previous/`` held by a ``report show``) leaves them in place with a ``warning:`` line. Raises
+    nothing."""
+    from evolving_infra.out_folder import OutFolderError, set_aside_note, set_aside_previous_run
+
+    if not folder.is_dir():
+        return
+    try:
+        moved = set_aside_previous_run(folder)
+    except (OutFolderError, OSError) as e:
+        why = e.reason if isinstance(e, OutFolderError) else str(e)
+        print(f"warning: --out {folder}: {why}; left in place: they are an earlier fidelity's, not this one's (no "
+              "control plane was measured, so there is no plain run)", file=sys.stderr, flush=True)
+        return
+    if moved:
+        print(set_aside_note("fidelity", folder, moved), file=sys.stderr, flush=True)
 
 
 def format_result(res: dict[str, Any]) -> str:
@@ -364,7 +398,8 @@ def add_fidelity_args(p: argparse.ArgumentParser) -> None:
                    help="output directory (default fidelity-out): OUT/live/, OUT/sim/ and OUT/sim-plain/ (each a run's "
                    "report.json and requests.jsonl) and OUT/fidelity.json. An earlier run's files in a side's folder move "
                    "to its previous/ (OUT/live/previous/, ...) once that side has run, just before its own are written, "
-                   "never overwritten; fidelity.json is replaced. A second run into OUT while one writes there stops "
+                   "never overwritten (refused then, a side's run goes to OUT/SIDE/run-ID/ instead, which fidelity.json's dirs "
+                   "name, exit status 4); fidelity.json is replaced. A second run into OUT while one writes there stops "
                    "before it starts (the run holds OUT/.evolving-infra.lock), as does one whose OUT/SIDE/previous "
                    "holds other files")
 
@@ -413,13 +448,19 @@ def _fidelity_held(s: FidelitySettings, out: Path) -> int:
     except SimConfigError as e:  # a bad --trace (read first: nothing started or written), or simulator setting
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OutFolderError as e:  # a side's set-aside failed (a previous/ made there meanwhile, a failed move)
+    except OutFolderError as e:  # a side's set-aside refused and its OUT/SIDE/run-<id>/ not made either
         print(f"error: --out {out}: {e}; that side's report was not written", file=sys.stderr)
         return 2
     except ClusterError as e:
         print(f"error: live cluster: {e}", file=sys.stderr)
         return 1
+    from evolving_infra.out_folder import OUTPUTS_ELSEWHERE
+
     print(format_result(res))
     print(f"fidelity: {out / 'fidelity.json'}")
+    if res["outputs_elsewhere"]:
+        print(f"note: written to a run-ID folder of their own (fidelity.json's dirs name them): "
+              f"{', '.join(res['dirs'][side] for side in res['outputs_elsewhere'])} (exit status {OUTPUTS_ELSEWHERE})")
+        return OUTPUTS_ELSEWHERE
     ok = res["live"].get("requests_failed") == 0 and res["sim"].get("requests_failed") == 0
     return 0 if ok else 1

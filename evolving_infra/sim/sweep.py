@@ -171,9 +171,11 @@ def _simulate_item(
     label: str, cfg: SimConfig, requests: Sequence[TraceRequest], bs: int, out: Path, meta: dict[str, Any], plots: bool,
     *, progress: str | bool = False, redraw: bool = True,
 ) -> dict[str, Any]:
-    """Run one sweep item and write its report under ``out``; its summary row. ``progress``: the item's
+    """Run one sweep item and write its report under ``out`` (``out/ITEM``, or ``out/ITEM/run-<id>`` when the earlier
+    sweep's item there could not be set aside: :func:`~evolving_infra.out_folder.set_aside_or_elsewhere`); its
+    summary row (``dir``: the folder written; ``elsewhere``: whether it is a ``run-<id>``). ``progress``: the item's
     progress label on stderr (``dynamo (2/4)``); ``redraw`` False in parallel workers sharing a terminal."""
-    from evolving_infra.out_folder import OutFolderError, set_aside_into
+    from evolving_infra.out_folder import OutFolderError, set_aside_or_elsewhere
     from evolving_infra.report.write import write_report
     from evolving_infra.sim.run import simulate, warmup_outlasted, write_decisions
     from evolving_infra.traces.io import make_folders, remove_folders
@@ -182,17 +184,21 @@ def _simulate_item(
     d = out / safe_dir(label)
     made = make_folders(d)
     try:
-        try:  # an earlier sweep's item there to its previous/, now that this one has run (checked before the sweep)
-            set_aside_into(d, "simulate --sweep")
-        except OutFolderError as e:  # a previous/ made there meanwhile, a failed move: as a bad setting, one line
+        try:  # an earlier sweep's item there to its previous/, now that this one has run (checked before the sweep);
+            # refused now (ITEM/previous held by a `report show`, the user's files put there): to ITEM/run-<id>/
+            dest = set_aside_or_elsewhere(d, "simulate --sweep")
+        except OutFolderError as e:  # neither (ITEM not writable any more): as a bad setting, one line
             raise SimConfigError(f"--out {d}: {e}; this item's report was not written") from None
-        write_report(d, res.report, res.records, plots=plots)
-        write_decisions(d, res.stats.planner_decisions)
+        if dest != d:  # its report names the folder it is in
+            res.report.setdefault("meta", {})["run_id"] = dest.name.removeprefix("run-")
+            made.append(dest)  # removed again when the report cannot be written there
+        write_report(dest, res.report, res.records, plots=plots)
+        write_decisions(dest, res.stats.planner_decisions)
     except BaseException:  # a report that cannot be written (disk full): its empty folder goes too
         remove_folders(made)
         raise
     row = {k: res.report.get(k) for k in SUMMARY_KEYS}
-    row.update(label=label, dir=str(d), simulated_s=res.report["simulated_s"],
+    row.update(label=label, dir=str(dest), elsewhere=dest != d, simulated_s=res.report["simulated_s"],
                warmup_outlasted_until_s=warmup_outlasted(res.stats.planner_decisions, res.report["simulated_s"],
                                                           res.report.get("switches") or 0))
     return row
@@ -217,10 +223,13 @@ def run_sweep(
     """Run every item of ``spec``, write their reports and the comparison; print the table.
 
     Returns:
-        The process exit status (0, or 1 if an item had failed requests).
+        The process exit status: 0; 1 if an item had failed requests;
+        :data:`~evolving_infra.out_folder.OUTPUTS_ELSEWHERE` (4) if an item's report went to ``OUT/ITEM/run-<id>/``
+        (named in a ``warning:`` line; ``sweep.json``'s ``dir`` and ``compare/`` read it there) because the earlier
+        sweep's item in ``OUT/ITEM`` could not be set aside then.
 
     An earlier sweep's item in an item's folder is set aside to its ``previous/`` once the item has run, just before
-    its report is written (:func:`~evolving_infra.out_folder.set_aside_into`); what a sweep killed during such a
+    its report is written (:func:`~evolving_infra.out_folder.set_aside_or_elsewhere`); what a sweep killed during such a
     set-aside left in an item's folder is put back first (:func:`~evolving_infra.out_folder.recover_set_aside`: call
     it holding ``out``); ``sweep.json`` and ``compare/`` are replaced.
 
@@ -292,4 +301,10 @@ def run_sweep(
     for r in rows:
         rep = json.loads((Path(r["dir"]) / "report.json").read_text())
         failed += rep.get("requests_failed") or 0
+    from evolving_infra.out_folder import OUTPUTS_ELSEWHERE
+
+    if elsewhere := [r for r in rows if r["elsewhere"]]:
+        print(f"note: {len(elsewhere)} item(s) written to a run-ID folder of their own, not their item folder: "
+              f"{', '.join(r['dir'] for r in elsewhere)} (exit status {OUTPUTS_ELSEWHERE})")
+        return OUTPUTS_ELSEWHERE
     return 0 if failed == 0 else 1

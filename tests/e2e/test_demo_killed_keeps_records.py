@@ -166,3 +166,43 @@ def test_a_demo_into_an_out_another_run_is_writing_to_stops_before_the_cluster_s
     assert "Traceback" not in proc.stderr and "cluster ready" not in proc.stdout, (proc.stdout[-2000:], proc.stderr)
     assert after == before
     assert holder.returncode == 0 and sorted(p.name for p in out_dir.iterdir()) == ["report.json"]  # its lock file gone
+
+
+def test_a_demo_whose_set_aside_is_refused_at_its_end_writes_its_report_to_a_run_folder_and_exits_4(tmp_path):
+    """Your files put in ``OUT/previous/`` during the demo: the set-aside is refused at its end, and the report goes to
+    ``OUT/run-<run_id>/`` (review of e145905, rr-ops51b): exit 4, not 0 (``OUT/report.json`` is still the earlier
+    run's), and the last line's baseline command names the folder this run's report is in, not ``OUT``."""
+    state_dir = tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")} | {"EI_STATE_DIR": str(state_dir)}
+    out_dir = tmp_path / "g"
+    out_dir.mkdir()
+    (out_dir / "report.json").write_text('{"earlier": true}\n')  # an earlier run's outputs
+    cmd = [sys.executable, "-m", "evolving_infra.cli", "demo", "--sessions", "1", "--concurrency", "1",
+           "--speedup", "50", "--nodes", "1", "--out", str(out_dir)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # "run <id>: each answered request's record is appended ...": the replay starts
+            lines.append(line)
+            if "each answered request's record is appended to" in line:
+                (out_dir / "previous").mkdir()
+                (out_dir / "previous" / "my-notes.txt").write_text("mine\n")
+                break
+        rest, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(lines) + rest
+    runs = [p for p in out_dir.iterdir() if p.name.startswith("run-")]
+    assert proc.returncode == 4, (proc.returncode, text[-2000:], err[-2000:])
+    assert len(runs) == 1, sorted(p.name for p in out_dir.iterdir())
+    report = json.loads((runs[0] / "report.json").read_text())
+    assert runs[0].name == f"run-{report['meta']['run_id']}" and (runs[0] / "requests.jsonl").is_file()
+    assert (out_dir / "report.json").read_text() == '{"earlier": true}\n'
+    assert (out_dir / "previous" / "my-notes.txt").read_text() == "mine\n"
+    assert f"written to {runs[0]}/ instead" in err, err[-2000:]
+    baseline = [line for line in text.splitlines() if line.startswith("baseline")]
+    assert baseline and str(runs[0]) in baseline[-1] and f"{out_dir} " not in baseline[-1], text[-2000:]
+    assert not list(out_dir.glob("requests.partial-*"))

@@ -4,7 +4,8 @@
   ``report show OUT/previous`` holding that folder's lock, the user's files put in ``OUT/previous`` during the run),
   the finished run's report was not written at all (exit 2, only the appended records kept). Now
   :func:`~evolving_infra.out_folder.set_aside_or_elsewhere` waits a few seconds for such a show, then writes the
-  run's outputs to ``OUT/run-<run_id>/``, named on stderr, and the command exits as its run would.
+  run's outputs to ``OUT/run-<run_id>/``, named on stderr, and the command exits 4 (``OUTPUTS_ELSEWHERE``):
+  ``OUT/report.json`` is still the earlier run's (see also test_out_folder_elsewhere).
 - ``fidelity`` and ``simulate --sweep`` set aside per sub-folder, but what a run killed during such a set-aside left
   there (``SUB/.previous.tmp-PID-N``) was never put back: only ``OUT`` itself was searched.
 - A fidelity with no control plane measured left an older run's ``sim-plain/`` looking current.
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 from evolving_infra.launcher import demo_trace_path
-from evolving_infra.out_folder import PREVIOUS, hold_out
+from evolving_infra.out_folder import OUTPUTS_ELSEWHERE, PREVIOUS, hold_out
 from tests.unit.replay.stub_router import stub_router_thread
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -87,6 +88,7 @@ def test_a_set_aside_still_refused_sends_the_outputs_to_a_run_folder(tmp_path, c
     assert dest == out / "run-abc" and dest.is_dir() and not any(dest.iterdir())
     err = capsys.readouterr().err
     assert f"this run's outputs are written to {out / 'run-abc'}/ instead" in err and "is writing to" in err, err
+    assert "wait for it to end" not in err and "choose another --out" not in err, err  # advice for a refusal, not this
     assert _files(out) == earlier and _files(out / PREVIOUS) == older  # nothing moved
 
 
@@ -109,7 +111,7 @@ def test_a_replay_whose_set_aside_is_refused_at_its_end_writes_its_report_to_a_r
 
     monkeypatch.setattr(LiveReplayer, "run", run)
     with stub_router_thread() as (url, _stub):
-        assert _replay(url, out) == 0
+        assert _replay(url, out) == OUTPUTS_ELSEWHERE == 4  # OUT/report.json is the earlier run's: not 0
     err = capsys.readouterr().err
     runs = [p for p in out.iterdir() if p.name.startswith("run-")]
     assert len(runs) == 1, (sorted(p.name for p in out.iterdir()), err)
@@ -138,10 +140,11 @@ def test_a_simulate_whose_set_aside_is_refused_at_its_end_writes_its_report_to_a
 
     monkeypatch.setattr(sim_run, "simulate", simulate)
     sample = ROOT / "evolving_infra" / "data" / "claude-code-sample.jsonl.gz"
-    assert main(["simulate", "--trace", str(sample), "--duration", "5", "--no-plots", "--out", str(out)]) == 0
+    assert main(["simulate", "--trace", str(sample), "--duration", "5", "--no-plots", "--out", str(out)]) == OUTPUTS_ELSEWHERE
     err = capsys.readouterr().err
     runs = [p for p in out.iterdir() if p.name.startswith("run-")]
     assert len(runs) == 1 and f"written to {runs[0]}/ instead" in err, err
+    assert runs[0].name == f"run-{json.loads((runs[0] / 'report.json').read_text())['meta']['run_id']}"
     assert {"report.json", "requests.jsonl", "decisions.jsonl"} <= set(_files(runs[0]))
     assert _files(out) == earlier and _files(out / PREVIOUS) == {**older, "my-notes.txt": "mine\n"}
 
@@ -200,12 +203,12 @@ def test_a_fidelity_without_a_control_plane_sets_an_older_sim_plain_aside(tmp_pa
     older = _earlier_run(out / "sim-plain", "older")
 
     async def run_live(s, requests, bs, where):  # type: ignore[no-untyped-def]
-        return {}, []
+        return {}, [], where
 
     monkeypatch.setattr(fid, "load_requests", lambda s: ([], 64, "t"))
     monkeypatch.setattr(fid, "run_live", run_live)
     monkeypatch.setattr(fid, "control_plane", lambda records: None)
-    monkeypatch.setattr(fid, "run_sim", lambda s, requests, bs, where, cp=None: {})
+    monkeypatch.setattr(fid, "run_sim", lambda s, requests, bs, where, cp=None: ({}, where))
     fid.fidelity(fid.FidelitySettings(), out)
     assert _files(out / "sim-plain") == {} and _files(out / "sim-plain" / PREVIOUS) == older
     assert "fidelity: the outputs in" in capsys.readouterr().err

@@ -50,7 +50,8 @@ def test_a_live_fidelity_run_records_the_replayers_max_retries(tmp_path: Path, m
     report README says live runs record it. Fails before (KeyError), passes after."""
     monkeypatch.setattr(cluster_mod, "LocalCluster", FakeCluster)
     monkeypatch.setattr(live_mod, "LiveReplayer", FakeReplayer)
-    report, _ = asyncio.run(run_live(FidelitySettings(nodes=2, split="1P1D"), [], 512, tmp_path))
+    report, _, where = asyncio.run(run_live(FidelitySettings(nodes=2, split="1P1D"), [], 512, tmp_path))
+    assert where == tmp_path
     assert report["meta"]["max_retries"] == RetryPolicy().max_retries == 2
     assert json.loads((tmp_path / "report.json").read_text())["meta"]["max_retries"] == 2
     demo = {"meta": {"max_retries": 2}}

@@ -2,7 +2,7 @@
 ``sim-plain/``) and wrote each over the earlier run's in place, where ``simulate``, ``replay`` and ``demo`` never
 overwrite a run's outputs (README: ``--out DIR``). Now an earlier run's files there move to that sub-folder's
 ``previous/`` once the new run has ended, just before its own are written
-(:func:`~evolving_infra.out_folder.set_aside_into`); a sub-folder whose ``previous/`` holds the user's files is
+(:func:`~evolving_infra.out_folder.set_aside_or_elsewhere`); a sub-folder whose ``previous/`` holds the user's files is
 refused before any run, as ``simulate`` refuses ``OUT/previous``."""
 
 from __future__ import annotations
