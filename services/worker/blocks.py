@@ -2655,7 +2655,10 @@ class BranchRunHostPool(RunHostPool):
     def check_structure(self) -> None:
         """:meth:`RunHostPool.check_structure`, plus the queued-page set and the counts (O(n)):
         the set holds exactly the queued pages, a queued run's pages counted > 0 exactly in
-        group 1.
+        group 1. With counted intervals (count messages with chains) ``counted`` is rebuilt from
+        group 1 and the intervals, so that last check holds by construction: only the intervals'
+        shape is checked (``GpuBlockPool.check_structure``); whether they hold the right pages is
+        for lockstep tests against the counted set (tests/property/test_worker_count_chains_lockstep.py).
 
         Raises:
             KvInvariantError: naming the first one that fails.
