@@ -214,7 +214,9 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     slow_client_grace_s: Annotated[
         float,
         Meta(gt=0, description="wall seconds a stream aborted for --max-buffered-output-tokens has to read what its "
-             "connection still holds and the error event; then its connection is reset"),
+             "connection still holds and the error event; then its connection is reset. Also the longest one send of a "
+             "stream may wait for its client to read (a client that keeps the connection open and reads nothing): then "
+             "the request is aborted as too slow (slow_client_aborts, finished abort) and its connection reset at once"),
     ] = 10.0
     max_prompt_tokens: Annotated[int, Meta(ge=1, description="longest accepted prompt (tokens)")] = 1_048_576
     max_output_tokens: Annotated[int, Meta(ge=1, description="largest accepted max_tokens (a default one is cut to it)")] = 131_072

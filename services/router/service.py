@@ -342,6 +342,8 @@ class _Pending:
     """The finish reason it is counted under in ``ei_router_requests_finished_total`` (once; None: not yet)."""
     unread: int = 0
     """Output tokens in :attr:`queue` its response has not taken yet (``--max-buffered-output-tokens``)."""
+    slow: bool = False
+    """Aborted because its client did not take its output (``_abort_slow``): counted ``slow_client_aborts`` once."""
     reset: Callable[[], bool] | None = None
     """Resets its client's connection (a stream's, ``ingress.RESET_EXTENSION``) while its response is on, and says
     whether it did (a no-op once the response is complete or the connection closing); None: not a stream, or no
@@ -568,18 +570,68 @@ class _RetriedRids:
             self._last.popitem(last=False)
 
 
+class _SendWatch:
+    """Times an ASGI ``send``: calls ``on_stall`` once when one send has waited ``limit_s`` wall seconds (uvicorn's
+    send waits, with no timeout, for the socket to drain below its high-water mark: a client that keeps its
+    connection open and stops reading holds it forever). One timer a response, re-armed at most every ``limit_s``
+    (at the oldest send's ``since + limit_s``), so a stall is seen ``limit_s`` after its send began, to the event
+    loop's resolution; a send costs two attribute writes. :meth:`close` cancels the timer (the response ended)."""
+
+    __slots__ = ("_send", "_limit", "_on_stall", "_since", "_loop", "_timer")
+
+    def __init__(self, send: Send, limit_s: float, on_stall: Callable[[], None]) -> None:
+        self._send = send
+        self._limit = limit_s
+        self._on_stall = on_stall
+        self._since: float | None = None
+        """The loop time the send on now began; None: none on."""
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(limit_s, self._check)
+
+    async def send(self, message: Any) -> None:
+        """The wrapped ``send``, timed."""
+        self._since = self._loop.time()
+        try:
+            await self._send(message)
+        finally:
+            self._since = None
+
+    def _check(self) -> None:
+        since, now = self._since, self._loop.time()
+        if since is not None and now - since >= self._limit:
+            self._timer = None
+            self._on_stall()
+            return
+        self._timer = self._loop.call_at(now + self._limit if since is None else since + self._limit, self._check)
+
+    def close(self) -> None:
+        """Stop watching (idempotent)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 class _SseResponse(StreamingResponse):
     """A streaming response that calls ``on_close`` when it ends in any way (cancelled too),
-    for the case where the body generator never started and so never ran its own ``finally``."""
+    for the case where the body generator never started and so never ran its own ``finally``; with ``on_stall``,
+    calls it once when one of its sends has waited ``stall_s`` wall seconds (:class:`_SendWatch`)."""
 
-    def __init__(self, content: AsyncIterator[bytes], *, on_close: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, content: AsyncIterator[bytes], *, on_close: Any, on_stall: Callable[[], None] | None = None,
+        stall_s: float = 0.0, **kwargs: Any,
+    ) -> None:
         super().__init__(content, **kwargs)
         self._on_close = on_close
+        self._on_stall = on_stall
+        self._stall_s = stall_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = _SendWatch(send, self._stall_s, self._on_stall) if self._on_stall is not None and self._stall_s > 0 else None
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send if watch is None else watch.send)
         finally:
+            if watch is not None:
+                watch.close()
             self._on_close()
 
 
@@ -1501,18 +1553,42 @@ class RouterService(WatchedService):
             if victim is None or victim.unread == 0:
                 return  # (cannot happen: the sum is the pending requests' unread)
             n = victim.unread
-            while not victim.queue.empty():
-                victim.queue.get_nowait()
-            self._unread -= n
-            victim.unread = 0
             why = (f"client too slow: {n} output tokens unread (the router holds at most {cap} unread across its "
                    "requests: --max-buffered-output-tokens); request aborted")
-            self.counters["slow_client_aborts"] += 1
-            self.log.warning("client too slow; request aborted", rid=victim.rid, unread_tokens=n, cap_tokens=cap)
-            self._failed_after_end(victim, "client too slow", "slow_client")
-            victim.queue.put_nowait(_Failure(503, why))
+            self._abort_slow(victim, why, unread_tokens=n, cap_tokens=cap)
             if victim.reset is not None:
                 asyncio.get_running_loop().call_later(self.cfg.slow_client_grace_s, self._reset_slow_client, victim)
+
+    def _abort_slow(self, p: _Pending, why: str, **fields: Any) -> None:
+        """``p``'s client does not take its output: drop its queued output, tell its nodes to drop it (as for a client
+        that went away), queue the 503 error event ``why`` for its response; counted ``slow_client_aborts`` and
+        finished ``abort`` (once: ``p.slow``)."""
+        p.slow = True
+        n = p.unread
+        while not p.queue.empty():
+            p.queue.get_nowait()
+        self._unread -= n
+        p.unread = 0
+        self.counters["slow_client_aborts"] += 1
+        self.log.warning("client too slow; request aborted", rid=p.rid, **fields)
+        self._failed_after_end(p, "client too slow", "slow_client")
+        p.queue.put_nowait(_Failure(503, why))
+
+    def _send_stalled(self, p: _Pending) -> None:
+        """One send of ``p``'s stream has waited ``--slow-client-grace-s`` for its client's socket to drain (a client
+        that keeps the connection open and does not read; :class:`_SendWatch`): abort it as too slow
+        (:meth:`_abort_slow`), whatever the output unread across requests (``--max-buffered-output-tokens`` acts on
+        the sum only), and reset its connection at once: the grace has passed, and the error event cannot reach a
+        client that reads nothing. Before, such a stream never ended while its client held the connection: its
+        request stayed pending, its output held, its branch never idle. One aborted at the cap already keeps the
+        grace its abort gave it (:meth:`_shed_slow_clients`)."""
+        if p.slow:
+            return
+        self._abort_slow(
+            p, f"client too slow: a send waited {self.cfg.slow_client_grace_s:g} s for the client to read "
+            "(--slow-client-grace-s); request aborted", stalled_s=self.cfg.slow_client_grace_s, unread_tokens=p.unread,
+        )  # fmt: skip
+        self._reset_slow_client(p)
 
     def _reset_slow_client(self, p: _Pending) -> None:
         """``--slow-client-grace-s`` after ``p`` was aborted as too slow: reset its connection unless its
@@ -3501,6 +3577,8 @@ class RouterService(WatchedService):
             return _SseResponse(
                 gen,
                 on_close=lambda: self._close_stream(p),
+                on_stall=lambda: self._send_stalled(p),
+                stall_s=self.cfg.slow_client_grace_s,
                 media_type="text/event-stream",
                 headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
             )

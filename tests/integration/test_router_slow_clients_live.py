@@ -18,9 +18,11 @@ from typing import Any
 
 import msgspec
 import pytest
+from shared import messages as m
+from shared.subjects import REQ_OUT
 
 from services.router.service import RouterService
-from tests.integration.test_router_live import _wait_for, router_env, sse_events
+from tests.integration.test_router_live import _wait_for, output_token, router_env, sse_events
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -140,3 +142,61 @@ async def test_stalled_streams_are_aborted_at_the_cap_and_a_reader_is_served_who
         assert svc.counters["finish.abort"] == 3, dict(svc.counters)
         for _, w in (a, b, c):
             w.close()
+
+
+@pytest.mark.parametrize("node_running", [False, True], ids=["node-done", "node-running"])
+async def test_a_stalled_stream_under_the_cap_is_aborted_after_the_grace(nats_url, tmp_path, node_running):
+    """A client that keeps its stream's connection open and stops reading, whose unread tail is far under
+    ``--max-buffered-output-tokens``: the router's send to it waits for the socket to drain, which never happens.
+    Before, nothing ended it: its request stayed pending (its branch never idle), its output held, for as long as
+    the client kept the connection (measured: still pending 3 grace periods on, and the router's stop waited out
+    uvicorn's 5 s). Now a send that makes no progress for ``--slow-client-grace-s`` aborts the request as too slow
+    (counted once, ``finish.abort``; a node still producing it is told to drop it) and resets its connection.
+    ``node_running``: its node has not ended it (the test sends its output, 3 tokens a chunk, and no end)."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, slow_client_grace_s=GRACE_S) as env:
+        svc, cluster = env.service, env.cluster
+        cluster.gpu_blocks = {"c0": 1000}
+        if node_running:
+            cluster.answering.clear()
+        await cluster.publish_states()
+        await _wait_for(lambda: svc.core.view.nodes["c0"].state.gpu_total_blocks == 1000, what="states applied")
+        assert svc.cfg.max_buffered_output_tokens > STALLED_TOKENS  # the cap never acts here
+        reader, writer = await _stalled_stream(svc, "stall-under")
+        if node_running:
+            await _wait_for(lambda: len(cluster.works) == 1, what="work dispatched")
+            w = cluster.works[0]
+            for i in range(0, STALLED_TOKENS, 3):
+                ids = [output_token(i + k) for k in range(3)]
+                await env.bus.publish(REQ_OUT, m.TokenChunk(rid=w.rid, node="c0", index=i, token_ids=ids, prompt_tokens=3,
+                                                            attempt=w.attempt), rid=w.rid, node="c0")  # fmt: skip
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        first = await asyncio.wait_for(reader.readuntil(b"\n\n"), timeout=10)  # one chunk read, then no more
+        assert b"data: " in first, first
+
+        def held() -> int:
+            """Its unread output tokens once all came (its node's end, or the test's last chunk)."""
+            p = svc._pending.get("stall-under")
+            return p.unread if p is not None and p.out_tokens >= STALLED_TOKENS else 0
+
+        await _wait_for(lambda: held() > STALLED_TOKENS // 2, what="the output held")
+        assert svc._pending["stall-under"].done is not node_running
+        t0 = time.monotonic()
+        await _wait_for(lambda: "stall-under" not in svc._pending, what="the stalled request ended", timeout=3 * GRACE_S + 2)
+        waited = time.monotonic() - t0
+        assert waited < 2 * GRACE_S + 1, waited
+        assert svc.counters["slow_client_aborts"] == 1 and svc.counters["slow_client_resets"] == 1, dict(svc.counters)
+        assert svc.counters["finish.abort"] == 1 and svc.buffered_output_tokens == 0, dict(svc.counters)
+        assert svc.counters["aborts.slow_client"] == int(node_running), dict(svc.counters)
+        # a node still on it is told to drop it (its KV freed); one that had ended it is told nothing
+        await _wait_for(lambda: len(cluster.aborts) == int(node_running), what="the node told")
+        assert [(n, a.rid, a.reason) for n, a in cluster.aborts] == ([("c0", "stall-under", "client too slow")] if node_running else [])
+        # its connection ends (what the kernel had taken, then the end; a read waits 10 s at most)
+        raw, _ = await _read_rest(reader)
+        assert b"[DONE]" not in raw, raw[-200:]
+        # the router serves on
+        cluster.answering.add("c0")
+        r = await env.http.post("/v1/completions", json={"prompt": [4, 5], "max_tokens": 50, "stream": True})
+        assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
+        assert svc.counters["slow_client_aborts"] == 1 and svc.counters["finish.abort"] == 1
+        writer.close()
