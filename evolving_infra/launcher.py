@@ -630,6 +630,18 @@ def router_keys_env(keys: frozenset[str], reload_file: str, id_salt: str = "") -
             ("EI_API_KEY_ID_SALT", id_salt))
 
 
+def answer_sigusr1(args: argparse.Namespace, cluster: LocalCluster, ready: bool) -> None:
+    """``up``'s SIGUSR1 handler: :func:`reload_router_keys` once ``ready`` (the cluster started; before, nothing is
+    done), and its line printed to stdout. A closed stdout (a pipe whose reader went: ``OSError``) drops the line: the
+    reload was done all the same and ``up`` runs on. Before, the print raised inside the handler (asyncio's
+    "Exception in callback" on stderr). Never raises for the print."""
+    said = reload_router_keys(args, cluster) if ready else "SIGUSR1: the cluster is still starting; send it again once ready"
+    try:
+        print(said, flush=True)
+    except OSError:
+        pass
+
+
 def reload_router_keys(args: argparse.Namespace, cluster: LocalCluster) -> str:
     """``up``'s SIGUSR1: check the API keys file, keep its keys for the routers ``up`` restarts from now on (their
     ``EI_API_KEYS``, :meth:`LocalCluster.set_router_env`), then send SIGHUP to every running router, which reads the
@@ -1243,8 +1255,7 @@ async def _up(args: argparse.Namespace) -> int:
     ready = False
 
     def on_usr1() -> None:  # a key rotation: the routers read their keys file again
-        print(reload_router_keys(args, cluster) if ready else "SIGUSR1: the cluster is still starting; send it again once ready",
-              flush=True)
+        answer_sigusr1(args, cluster, ready)
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, on_usr1)
 

@@ -335,3 +335,44 @@ def test_up_lives_through_a_sigusr1_before_its_handler_and_after_its_loop():
     p = subprocess.run([sys.executable, "-c", _SIGUSR1_IN_START], capture_output=True, text=True, timeout=60,
                        preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_DFL))  # fmt: skip
     assert (p.returncode, p.stdout) == (7, "True\n"), p.stderr[-2000:]
+
+
+def test_up_sigusr1_with_stdout_a_closed_pipe_reloads_and_does_not_raise(tmp_path, monkeypatch):
+    """``up``'s SIGUSR1 handler printed its line with no guard: with stdout a pipe whose reader went, the print raised
+    BrokenPipeError inside the handler (asyncio's "Exception in callback"). Now the line is dropped; the reload is
+    done all the same (the router got its SIGHUP), and before the cluster is ready nothing is sent."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from evolving_infra.cluster import _Child
+    from evolving_infra.launcher import answer_sigusr1
+
+    monkeypatch.delenv("EI_API_KEYS", raising=False)
+    monkeypatch.delenv("EI_API_KEYS_FILE", raising=False)
+    keys = tmp_path / "keys"
+    keys.write_text("k-one\n")
+    args = build_parser("up").parse_args(["up", "--api-keys-file", str(keys), "--log-dir", str(tmp_path)])
+    cluster = LocalCluster(_spec(args))
+    router = _Child("router", [], tmp_path / "router.log")
+    router.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    cluster.children = [router]
+    r, w = os.pipe()
+    os.close(r)
+    out = os.fdopen(w, "w")
+    monkeypatch.setattr(sys, "stdout", out)
+    try:
+        answer_sigusr1(args, cluster, ready=False)
+        assert router.proc.poll() is None
+        answer_sigusr1(args, cluster, ready=True)
+        assert router.proc.wait(10) == -signal.SIGHUP
+    finally:
+        if router.proc.poll() is None:
+            router.proc.kill()
+            router.proc.wait()
+        monkeypatch.undo()
+        try:
+            out.close()
+        except BrokenPipeError:  # what the dropped lines left in its buffer
+            pass
