@@ -158,6 +158,46 @@ def branch_path(branch_id: str) -> str:
     return quote(branch_id, safe=":").replace(".", "%2E")
 
 
+class _Progress:
+    """The replay's progress bar (``tqdm`` on stderr; ``kwargs`` are its) that stops quietly, for the rest of the run,
+    when a write to its stream fails (``OSError``: a closed pipe, ``replay ... 2>&1 | head``, a log reader gone;
+    tqdm passes EPIPE on): the run goes on to its result, records and report. Before, the bar's next write (at the
+    latest its close) raised BrokenPipeError out of the replay, which ended with no report."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._bar: tqdm[Any] | None = None
+        try:
+            self._bar = tqdm(**kwargs)
+        except OSError:  # its first draw failed: no bar
+            pass
+
+    def update(self, n: int = 1) -> None:
+        """``n`` more done (a redraw when due)."""
+        if self._bar is None:
+            return
+        try:
+            self._bar.update(n)
+        except OSError:
+            self._stop()
+
+    def close(self) -> None:
+        """Its last draw; idempotent."""
+        if self._bar is None:
+            return
+        try:
+            self._bar.close()
+        except OSError:
+            self._stop()
+        self._bar = None
+
+    def _stop(self) -> None:
+        """No more writes: the bar disabled (a disabled tqdm's close writes nothing) and closed."""
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            bar.disable = True
+            bar.close()
+
+
 class LiveReplayer:
     """Replays trace requests against ``router_url`` on ``clock``.
 
@@ -245,8 +285,8 @@ class LiveReplayer:
         end_failures = 0
         # on a terminal the bar redraws in place; in a log (CI, make demo > file) every redraw is a
         # new line, so there it updates every 10 s instead of every 0.1 s
-        bar = tqdm(total=total, desc="replay", unit="req", disable=not self.progress, dynamic_ncols=True,
-                   mininterval=0.1 if sys.stderr.isatty() else 10.0)
+        bar = _Progress(total=total, desc="replay", unit="req", disable=not self.progress, dynamic_ncols=True,
+                        mininterval=0.1 if sys.stderr.isatty() else 10.0)
         limits = httpx.Limits(max_connections=self.max_connections, max_keepalive_connections=self.max_connections)
         async with httpx.AsyncClient(base_url=self.router_url, timeout=httpx.Timeout(self.request_timeout_s), limits=limits,
                                      headers=self.headers) as http:
