@@ -1581,8 +1581,12 @@ class RouterService(WatchedService):
         the sum only), and reset its connection at once: the grace has passed, and the error event cannot reach a
         client that reads nothing. Before, such a stream never ended while its client held the connection: its
         request stayed pending, its output held, its branch never idle. One aborted at the cap already keeps the
-        grace its abort gave it (:meth:`_shed_slow_clients`)."""
+        grace its abort gave it (:meth:`_shed_slow_clients`). One whose body is all handed over (its end counted,
+        forgotten: the response's last send waits) is not aborted nor counted again; its connection is reset."""
         if p.slow:
+            return
+        if self._pending.get(p.rid) is not p:
+            self._reset_slow_client(p)
             return
         self._abort_slow(
             p, f"client too slow: a send waited {self.cfg.slow_client_grace_s:g} s for the client to read "

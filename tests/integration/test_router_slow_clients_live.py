@@ -12,6 +12,7 @@ reset after ``--slow-client-grace-s``; a client that reads is served whole.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import time
 from typing import Any
@@ -180,7 +181,8 @@ async def test_a_stalled_stream_under_the_cap_is_aborted_after_the_grace(nats_ur
             return p.unread if p is not None and p.out_tokens >= STALLED_TOKENS else 0
 
         await _wait_for(lambda: held() > STALLED_TOKENS // 2, what="the output held")
-        assert svc._pending["stall-under"].done is not node_running
+        stalled = svc._pending["stall-under"]
+        assert stalled.done is not node_running
         t0 = time.monotonic()
         await _wait_for(lambda: "stall-under" not in svc._pending, what="the stalled request ended", timeout=3 * GRACE_S + 2)
         waited = time.monotonic() - t0
@@ -198,5 +200,12 @@ async def test_a_stalled_stream_under_the_cap_is_aborted_after_the_grace(nats_ur
         cluster.answering.add("c0")
         r = await env.http.post("/v1/completions", json={"prompt": [4, 5], "max_tokens": 50, "stream": True})
         assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
+        assert svc.counters["slow_client_aborts"] == 1 and svc.counters["finish.abort"] == 1
+        # a response whose body was all handed over (its request forgotten, its end counted) and whose last send
+        # waits: its connection is reset, nothing aborted or counted again
+        resets: list[int] = []
+        ended = dataclasses.replace(stalled, slow=False, reset=lambda: resets.append(1) is None)
+        svc._send_stalled(ended)
+        assert resets == [1] and svc.counters["slow_client_resets"] == 2
         assert svc.counters["slow_client_aborts"] == 1 and svc.counters["finish.abort"] == 1
         writer.close()
