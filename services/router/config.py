@@ -214,10 +214,18 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     slow_client_grace_s: Annotated[
         float,
         Meta(gt=0, description="wall seconds a stream aborted for --max-buffered-output-tokens has to read what its "
-             "connection still holds and the error event; then its connection is reset. Also the longest one send of a "
-             "stream may wait for its client to read (a client that keeps the connection open and reads nothing): then "
-             "the request is aborted as too slow (slow_client_aborts, finished abort) and its connection reset at once"),
+             "connection still holds and the error event; then its connection is reset"),
     ] = 10.0
+    stream_stall_timeout_s: Annotated[
+        float,
+        Meta(ge=0, description="wall seconds one send of a stream may wait for its client to read: then the request is "
+             "aborted as too slow (slow_client_aborts, finished abort) and its connection reset at once. The HTTP server "
+             "(uvicorn) pauses a send once its write buffer for the connection passes 64 KiB and resumes it below 16 KiB, "
+             "so a send waits while ~48 KiB drain: the default aborts a client that took less than ~48 KiB in 120 s "
+             "(under ~0.4 KB/s, beyond the kernel's socket buffers), such as one that keeps the connection open and "
+             "reads nothing; a client reading faster is served whole. 0 = never (such a stream stays pending while its "
+             "client holds the connection)"),
+    ] = 120.0
     max_prompt_tokens: Annotated[int, Meta(ge=1, description="longest accepted prompt (tokens)")] = 1_048_576
     max_output_tokens: Annotated[int, Meta(ge=1, description="largest accepted max_tokens (a default one is cut to it)")] = 131_072
     max_context_tokens: Annotated[

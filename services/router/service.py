@@ -1575,27 +1575,31 @@ class RouterService(WatchedService):
         p.queue.put_nowait(_Failure(503, why))
 
     def _send_stalled(self, p: _Pending) -> None:
-        """One send of ``p``'s stream has waited ``--slow-client-grace-s`` for its client's socket to drain (a client
-        that keeps the connection open and does not read; :class:`_SendWatch`): abort it as too slow
+        """One send of ``p``'s stream has waited ``--stream-stall-timeout-s`` for its client's socket to drain (a
+        client that keeps the connection open and reads nothing, or under ~48 KiB in that time: uvicorn resumes a
+        paused send once its 64 KiB write buffer is under 16 KiB; :class:`_SendWatch`): abort it as too slow
         (:meth:`_abort_slow`), whatever the output unread across requests (``--max-buffered-output-tokens`` acts on
-        the sum only), and reset its connection at once: the grace has passed, and the error event cannot reach a
-        client that reads nothing. Before, such a stream never ended while its client held the connection: its
-        request stayed pending, its output held, its branch never idle. One aborted at the cap already keeps the
-        grace its abort gave it (:meth:`_shed_slow_clients`). One whose body is all handed over (its end counted,
-        forgotten: the response's last send waits) is not aborted nor counted again; its connection is reset."""
+        the sum only), and reset its connection at once: the timeout has passed, and the error event cannot reach a
+        client that does not read. Before, such a stream never ended while its client held the connection: its
+        request stayed pending, its output held, its branch never idle. Its own bound, not ``--slow-client-grace-s``
+        (which a send once shared: a client reading steadily at under ~4.8 KB/s was cut after that grace's 10 s, and
+        a short grace raced the cap's own abort). One aborted at the cap already keeps the grace its abort gave it
+        (:meth:`_shed_slow_clients`). One whose body is all handed over (its end counted, forgotten: the response's
+        last send waits) is not aborted nor counted again; its connection is reset."""
         if p.slow:
             return
         if self._pending.get(p.rid) is not p:
             self._reset_slow_client(p)
             return
+        stall = self.cfg.stream_stall_timeout_s
         self._abort_slow(
-            p, f"client too slow: a send waited {self.cfg.slow_client_grace_s:g} s for the client to read "
-            "(--slow-client-grace-s); request aborted", stalled_s=self.cfg.slow_client_grace_s, unread_tokens=p.unread,
+            p, f"client too slow: a send waited {stall:g} s for the client to read (--stream-stall-timeout-s); "
+            "request aborted", stalled_s=stall, unread_tokens=p.unread,
         )  # fmt: skip
         self._reset_slow_client(p)
 
     def _reset_slow_client(self, p: _Pending) -> None:
-        """``--slow-client-grace-s`` after ``p`` was aborted as too slow: reset its connection unless its
+        """``--slow-client-grace-s`` after ``p`` was aborted at the cap, or at once after its send stalled: reset its connection unless its
         response ended (its client read the error event): the hook resets only while its own request's response
         is on (9ff3e38). Before, a ``_Pending.http_closed`` flag, set when the response's ASGI call returned, was
         checked here too: it stopped no reset the hook would do (by then the response is complete, or uvicorn
@@ -3582,7 +3586,7 @@ class RouterService(WatchedService):
                 gen,
                 on_close=lambda: self._close_stream(p),
                 on_stall=lambda: self._send_stalled(p),
-                stall_s=self.cfg.slow_client_grace_s,
+                stall_s=self.cfg.stream_stall_timeout_s,
                 media_type="text/event-stream",
                 headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
             )

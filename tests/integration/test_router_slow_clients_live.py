@@ -6,13 +6,15 @@ server's write buffer; the rest waited in the router's per-request queue with no
 requests (40 readers stalled 25 s on 8,000-token streams grew the router from 65 to 75 MB). Now the
 router holds at most ``--max-buffered-output-tokens`` unread: beyond, the request with the most unread
 tokens is aborted on its node, its client gets an error event when it reads on, or its connection is
-reset after ``--slow-client-grace-s``; a client that reads is served whole.
+reset after ``--slow-client-grace-s``; a client that reads is served whole. Under the cap, a send that waits
+``--stream-stall-timeout-s`` for its client (one that reads nothing) aborts the request; a slow reader is served.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import socket
 import time
 from typing import Any
@@ -22,6 +24,7 @@ import pytest
 from shared import messages as m
 from shared.subjects import REQ_OUT
 
+from services.router.config import RouterConfig
 from services.router.service import RouterService
 from tests.integration.test_router_live import _wait_for, output_token, router_env, sse_events
 
@@ -33,11 +36,20 @@ STALLED_TOKENS = 6_000
 """max_tokens of A and B, streams that are not read: one alone fits under CAP, two do not."""
 BIG_TOKENS = 12_000
 """max_tokens of C, a stream that is not read: more than CAP alone."""
+SSE_BYTES_PER_TOKEN = 74
+"""Bytes a token of a stream of the test's router takes on the wire (measured: 60,497 for 819 tokens, 3 a chunk)."""
 GRACE_S = 1.0
+"""--slow-client-grace-s of the test's routers."""
+STALL_S = 1.0
+"""--stream-stall-timeout-s of the stalled-stream test's router (the cap test keeps the default, 120 s: a stall
+watch bounded by GRACE_S raced its cap aborts, and aborted A first when B's request came a second late)."""
 
 
-async def _stalled_stream(svc: RouterService, rid: str, max_tokens: int = STALLED_TOKENS) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A stream request whose client does not read: a 4 KiB receive buffer, nothing read after the request.
+async def _stalled_stream(
+    svc: RouterService, rid: str, max_tokens: int = STALLED_TOKENS, *, usage: bool = False
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A stream request whose client does not read: a 4 KiB receive buffer, nothing read after the request
+    (``usage``: the stream's last chunk has its ``usage``).
 
     The router's end of its connection gets a 16 KiB send buffer: on loopback (64 KiB segments) the kernel's
     send-buffer autotuning took ~3.5 MB (57,000 of 60,000 tokens here) of a stalled stream before the
@@ -59,7 +71,8 @@ async def _stalled_stream(svc: RouterService, rid: str, max_tokens: int = STALLE
     await _wait_for(lambda: server_end() is not None, what="connection accepted")
     server_end().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
     reader, writer = await asyncio.open_connection(sock=sock, limit=1024)  # it stops reading the socket at 2 KiB unread
-    body = msgspec.json.encode({"prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True})
+    body = msgspec.json.encode({"prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True,
+                                **({"stream_options": {"include_usage": True}} if usage else {})})  # fmt: skip
     head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             f"x-request-id: {rid}\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n")  # fmt: skip
     writer.write(head.encode() + body)
@@ -79,6 +92,7 @@ async def _read_rest(reader: asyncio.StreamReader) -> tuple[bytes, bool]:
 
 
 async def test_stalled_streams_are_aborted_at_the_cap_and_a_reader_is_served_whole(nats_url, tmp_path):
+    assert RouterConfig().stream_stall_timeout_s > 30 * GRACE_S  # the stall watch does not race the cap's aborts
     async with router_env(
         nats_url, tmp_path, {"c0": "both"}, max_buffered_output_tokens=CAP, slow_client_grace_s=GRACE_S
     ) as env:
@@ -146,15 +160,18 @@ async def test_stalled_streams_are_aborted_at_the_cap_and_a_reader_is_served_who
 
 
 @pytest.mark.parametrize("node_running", [False, True], ids=["node-done", "node-running"])
-async def test_a_stalled_stream_under_the_cap_is_aborted_after_the_grace(nats_url, tmp_path, node_running):
+async def test_a_stalled_stream_under_the_cap_is_aborted_after_the_stall_timeout(nats_url, tmp_path, node_running):
     """A client that keeps its stream's connection open and stops reading, whose unread tail is far under
     ``--max-buffered-output-tokens``: the router's send to it waits for the socket to drain, which never happens.
     Before, nothing ended it: its request stayed pending (its branch never idle), its output held, for as long as
     the client kept the connection (measured: still pending 3 grace periods on, and the router's stop waited out
-    uvicorn's 5 s). Now a send that makes no progress for ``--slow-client-grace-s`` aborts the request as too slow
-    (counted once, ``finish.abort``; a node still producing it is told to drop it) and resets its connection.
+    uvicorn's 5 s). Now a send that makes no progress for ``--stream-stall-timeout-s`` (here STALL_S, the grace far
+    longer: the stall bound is its own) aborts the request as too slow (counted once, ``finish.abort``; a node still
+    producing it is told to drop it) and resets its connection.
     ``node_running``: its node has not ended it (the test sends its output, 3 tokens a chunk, and no end)."""
-    async with router_env(nats_url, tmp_path, {"c0": "both"}, slow_client_grace_s=GRACE_S) as env:
+    async with router_env(
+        nats_url, tmp_path, {"c0": "both"}, slow_client_grace_s=30.0, stream_stall_timeout_s=STALL_S
+    ) as env:
         svc, cluster = env.service, env.cluster
         cluster.gpu_blocks = {"c0": 1000}
         if node_running:
@@ -184,9 +201,9 @@ async def test_a_stalled_stream_under_the_cap_is_aborted_after_the_grace(nats_ur
         stalled = svc._pending["stall-under"]
         assert stalled.done is not node_running
         t0 = time.monotonic()
-        await _wait_for(lambda: "stall-under" not in svc._pending, what="the stalled request ended", timeout=3 * GRACE_S + 2)
+        await _wait_for(lambda: "stall-under" not in svc._pending, what="the stalled request ended", timeout=3 * STALL_S + 2)
         waited = time.monotonic() - t0
-        assert waited < 2 * GRACE_S + 1, waited
+        assert waited < 2 * STALL_S + 1, waited
         assert svc.counters["slow_client_aborts"] == 1 and svc.counters["slow_client_resets"] == 1, dict(svc.counters)
         assert svc.counters["finish.abort"] == 1 and svc.buffered_output_tokens == 0, dict(svc.counters)
         assert svc.counters["aborts.slow_client"] == int(node_running), dict(svc.counters)
@@ -209,3 +226,60 @@ async def test_a_stalled_stream_under_the_cap_is_aborted_after_the_grace(nats_ur
         assert resets == [1] and svc.counters["slow_client_resets"] == 2
         assert svc.counters["slow_client_aborts"] == 1 and svc.counters["finish.abort"] == 1
         writer.close()
+
+
+@pytest.mark.parametrize(
+    ("rate", "stall_s"), [(32_768, None), (65_536, 2.0)], ids=["32KiB/s-default-timeout", "64KiB/s-2s-timeout"]
+)
+async def test_a_slow_reader_is_served_whole(nats_url, tmp_path, rate, stall_s):
+    """A client that reads its stream steadily at ``rate`` bytes/s, slower than the output comes. uvicorn pauses a
+    send once its write buffer passes 64 KiB and resumes it under 16 KiB: each paused send waits while ~48 KiB drain
+    (~1.5 s at 32 KiB/s, ~0.75 s at 64 KiB/s). Before, the stall watch was bounded by ``--slow-client-grace-s``
+    (GRACE_S here, 1 s; the default 10 s cut a client reading 4 KB/s the same way): the 32 KiB/s reader was aborted
+    and its connection reset mid-stream. Now the watch has its own bound, ``--stream-stall-timeout-s``: its default
+    (120 s) and a 2-s one serve such readers whole, nothing aborted; the read takes ~5 s."""
+    kw = {} if stall_s is None else {"stream_stall_timeout_s": stall_s}
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, slow_client_grace_s=GRACE_S, **kw) as env:
+        svc, cluster = env.service, env.cluster
+        cluster.gpu_blocks = {"c0": 1000}
+        await cluster.publish_states()
+        await _wait_for(lambda: svc.core.view.nodes["c0"].state.gpu_total_blocks == 1000, what="states applied")
+        tokens = rate * 5 // SSE_BYTES_PER_TOKEN
+        reader, writer = await _stalled_stream(svc, "slow-reader", max_tokens=tokens, usage=True)
+        got = bytearray()
+        t0 = time.monotonic()
+        try:
+            while chunk := await asyncio.wait_for(reader.read(4096), timeout=10):
+                got += chunk
+                ahead = t0 + len(got) / rate - time.monotonic()  # paced to `rate` bytes/s
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+        except ConnectionResetError:
+            pytest.fail(f"reset after {len(got)} bytes, {time.monotonic() - t0:.1f} s; counters {dict(svc.counters)}")
+        took = time.monotonic() - t0
+        writer.close()
+        assert b"too slow" not in got and got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), got[-400:]
+        assert re.findall(rb'"completion_tokens":(\d+)', got) == [str(tokens).encode()], got[-400:]  # served whole
+        # it read slower than the output came, twice uvicorn's 64 KiB high-water mark and more: sends were paused on it
+        assert took > 4.0 and len(got) > 2 * 65_536, (took, len(got))
+        assert svc.counters["slow_client_aborts"] == 0 and svc.counters["slow_client_resets"] == 0, dict(svc.counters)
+
+
+async def test_a_zero_stall_timeout_never_aborts_a_stalled_stream(nats_url, tmp_path):
+    """``--stream-stall-timeout-s 0``: no send is timed; a stream whose client keeps the connection open and reads
+    nothing stays pending (its output held) well past what STALL_S would allow, nothing aborted, until the client
+    closes its connection; then it ends as a client disconnect does."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, slow_client_grace_s=GRACE_S, stream_stall_timeout_s=0.0) as env:
+        svc, cluster = env.service, env.cluster
+        cluster.gpu_blocks = {"c0": 1000}
+        await cluster.publish_states()
+        await _wait_for(lambda: svc.core.view.nodes["c0"].state.gpu_total_blocks == 1000, what="states applied")
+        reader, writer = await _stalled_stream(svc, "stall-off")
+        await _wait_for(lambda: (p := svc._pending.get("stall-off")) is not None and p.done, what="its output came")
+        await asyncio.sleep(3 * STALL_S)
+        p = svc._pending.get("stall-off")
+        assert p is not None and p.unread > 0 and not p.slow, p
+        assert svc.counters["slow_client_aborts"] == 0 and svc.counters["slow_client_resets"] == 0, dict(svc.counters)
+        writer.close()
+        await _wait_for(lambda: "stall-off" not in svc._pending, what="the stream ended with its connection", timeout=10)
+        assert svc.counters["slow_client_aborts"] == 0 and svc.buffered_output_tokens == 0, dict(svc.counters)
