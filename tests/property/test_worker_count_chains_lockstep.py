@@ -28,19 +28,12 @@ import pytest
 
 from services.worker.blocks import KvBlockManager
 from tests.unit.worker import ref_blocks
+from tests.unit.worker.test_count_intervals import _admit
 from tests.unit.worker.test_count_message_cut import _forest, order
 
 SEEDS = range(int(os.environ.get("EI_COUNT_CHAINS_SEEDS", "24")))
 L1_PAGES = 20
 STEPS = 120
-
-
-def _admit(kv, path: list[int]) -> bool:
-    g, _ = kv.match(path, len(path))
-    if not kv.admit(path, g, len(path) - g):
-        return False
-    kv.fill(path, g, len(path))
-    return True
 
 
 def _message(rng: random.Random, paths: list[list[int]], dup: bool, none_pos: bool) -> tuple[list[int], list[int], list]:
