@@ -195,13 +195,27 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     restart: bool = False
     """Supervise: restart a service (or the embedded nats-server) that exits instead of failing."""
     max_restarts: int = 10
-    """Consecutive restarts of one service (without ``stable_s`` of uptime between) before giving up."""
+    """Restarts of one service (or the embedded nats-server) within ``restart_window_s`` before the cluster gives up
+    (systemd's ``StartLimitBurst`` within ``StartLimitIntervalSec``): its exit past that many in the window ends the
+    cluster. Every exit counts (a crash, a liveness kill, a clean exit) except a clean exit (code 0: a SIGTERM's
+    stop, a rolling restart) after ``stable_s`` of uptime, which is a deliberate stop of a healthy service. Before, a
+    streak that reset after ``stable_s`` up was counted: a service crashing every ~61 s was restarted forever."""
+    restart_window_s: float = 600.0
+    """The window (wall s) over which ``max_restarts`` counts a service's restarts."""
     restart_backoff_s: float = 0.5
     """First restart delay (wall s) after a crash (an exit status other than 0); doubles per consecutive restart up to
     ``restart_backoff_max_s``. A clean exit (0, a SIGTERM's stop) is restarted at once, and backs off one step behind."""
     restart_backoff_max_s: float = 30.0
     stable_s: float = 60.0
-    """Wall seconds of uptime after which a service's consecutive-restart count resets."""
+    """Wall seconds of uptime after which a service's backoff streak resets (its next crash waits the first
+    ``restart_backoff_s`` again), and after which a clean exit is not counted against ``max_restarts``."""
+    liveness_timeout_s: float = 30.0
+    """With ``restart``: wall seconds a running service (or the embedded nats-server) may stay silent before the
+    supervisor SIGKILLs it and restarts it as after a crash (:func:`liveness_overdue`); 0 = off. A service's sign of
+    life is its heartbeat (``svc.heartbeat``, every second, from the event loop that serves it; judged only while
+    the launcher's own NATS connection answers a PING); the embedded nats-server's is the ``INFO`` line it sends a
+    new TCP connection on its client port. Before its first sign of life after a start a process gets
+    ``max(liveness_timeout_s, ready_timeout_s)``."""
     log_requests: bool = False
     """Router's and workers' ``--log-requests``: an info line per request accepted and finished (router), and
     received, handed off, finished or aborted (each worker), with its id."""
@@ -312,6 +326,10 @@ class _Child:
     """``time.monotonic()`` of the last start."""
     restart_at: float | None = None
     """``time.monotonic()`` at which the supervisor starts it again (None: not scheduled)."""
+    exits: list[float] = field(default_factory=list)
+    """``time.monotonic()`` of each exit counted against ``max_restarts`` (those within ``restart_window_s``)."""
+    last_beat: float | None = None
+    """``time.monotonic()`` of the latest heartbeat from the running process (its pid); None: none since its start."""
     env: dict[str, str] | None = None
     """Variables set over the launcher's environment for this process (None: the launcher's as is)."""
     pass_fds: tuple[int, ...] = ()
@@ -451,6 +469,68 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
 
 
+def liveness_overdue(
+    now: float, *, started_at: float, last_ok: float | None, watch_from: float | None, timeout_s: float, start_timeout_s: float
+) -> float | None:
+    """Whether a running process has been silent too long: the supervisor's liveness decision, on one clock.
+
+    Args:
+        now: the current time (s, ``time.monotonic()`` or a test's clock).
+        started_at: when the process was (last) started.
+        last_ok: when its latest sign of life came (a heartbeat, a probe answered); None or before ``started_at``:
+            none since this start (it is still starting: its limit is ``max(timeout_s, start_timeout_s)``).
+        watch_from: since when its signs of life could be seen (the launcher's NATS connection answering); None: they
+            cannot be seen now, and nothing is decided.
+        timeout_s: the liveness timeout (s); 0 or less = off.
+        start_timeout_s: the start-up's own limit (``ready_timeout_s``).
+
+    Returns:
+        The seconds it has been silent (counted from the latest of ``last_ok``, ``started_at`` and ``watch_from``)
+        when that is past its limit; None when it is not (or nothing is decided).
+    """
+    if timeout_s <= 0 or watch_from is None:
+        return None
+    answered = last_ok is not None and last_ok >= started_at
+    since = max(last_ok if answered and last_ok is not None else started_at, watch_from)
+    limit = timeout_s if answered else max(timeout_s, start_timeout_s)
+    silent = now - since
+    return silent if silent > limit else None
+
+
+def count_exit(exits: list[float], now: float, window_s: float) -> int:
+    """Record an exit at ``now`` in ``exits`` (times, s), drop those older than ``window_s``, and return how many
+    are left: the restarts ``max_restarts`` compares within its window (systemd's ``StartLimitIntervalSec``)."""
+    exits.append(now)
+    exits[:] = [t for t in exits if now - t < window_s]
+    return len(exits)
+
+
+NATS_PROBE_TIMEOUT_S = 2.0
+"""Wall seconds one liveness probe (nats-server's INFO line, the launcher's NATS PING) may take."""
+
+BUS_SILENT_AFTER_S = 5.0
+"""Wall seconds after the launcher's NATS connection last answered a PING past which the services' heartbeats
+cannot be seen (the bus is down or hung): no service is judged silent then."""
+
+
+async def nats_info_probe(port: int, timeout_s: float = NATS_PROBE_TIMEOUT_S) -> bool:
+    """Whether a nats-server answers on ``127.0.0.1:port`` within ``timeout_s``: it sends a new connection its
+    ``INFO {...}`` line (before any login, so no credentials are needed and no failed login is logged). A stopped
+    (SIGSTOP) or hung server accepts in the kernel but sends nothing: False. Never raises."""
+    writer = None
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout_s)
+        line = await asyncio.wait_for(reader.readline(), timeout_s)
+        return line.startswith(b"INFO ")
+    except (OSError, asyncio.TimeoutError, ValueError):
+        return False
+    finally:
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), timeout_s)
+
+
 def restart_delay(streak: int, base_s: float, max_s: float) -> float:
     """Backoff before the ``streak``-th consecutive restart (1-based): ``min(max_s, base_s * 2**(streak-1))`` seconds."""
     return min(max_s, base_s * (2.0 ** max(0, streak - 1)))
@@ -510,6 +590,14 @@ class LocalCluster:
     _nats_restart_at: float | None = None
     _nats_streak: int = 0
     _nats_started: float = 0.0
+    _nats_exits: list[float] = field(default_factory=list)
+    _nats_last_ok: float | None = None
+    """``time.monotonic()`` of nats-server's latest answered liveness probe (:func:`nats_info_probe`)."""
+    _bus_last_ok: float | None = None
+    """``time.monotonic()`` of the latest PING the launcher's NATS connection had answered."""
+    _bus_ok_since: float | None = None
+    """Since when the launcher's NATS connection has answered without a gap (the services' beats can be seen); None: not now."""
+    _prober: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> "LocalCluster":
         await self.start()
@@ -757,6 +845,7 @@ class LocalCluster:
 
         async def on_beat(hb: m.Heartbeat, _subject: str) -> None:
             seen[hb.instance] = hb
+            self._on_beat(hb, time.monotonic())
 
         await self._bus.subscribe(SVC_HEARTBEAT, on_beat)
         self.recorder = TimelineRecorder(split_phases(s.split, s.node_ids()), t0=0.0)
@@ -771,7 +860,34 @@ class LocalCluster:
         await self._wait_ready(seen)
         self.write_targets()
         if s.restart:
+            self._nats_started = time.monotonic()  # the liveness clock of the server started above (answered by now)
             self._supervisor = asyncio.create_task(self._supervise(), name="cluster-supervisor")
+            if s.liveness_timeout_s > 0:
+                self._prober = asyncio.create_task(self._probe(), name="cluster-liveness-probe")
+
+    def _on_beat(self, hb: m.Heartbeat, now: float) -> None:
+        """Note a heartbeat at ``now`` (monotonic) as a sign of life of the service's running process (its pid; a
+        beat of a process that was replaced, still in flight, is not one)."""
+        for c in self.children:
+            if c.name == hb.instance and c.proc is not None and c.proc.pid == hb.pid:
+                c.last_beat = now
+
+    async def _probe(self, interval_s: float = 1.0) -> None:
+        """Every ``interval_s``: probe the embedded nats-server (:func:`nats_info_probe`) and PING it through the
+        launcher's own connection (a round trip, at most :data:`NATS_PROBE_TIMEOUT_S`); note when each answered,
+        for :meth:`supervise_once`'s liveness decisions."""
+        while True:
+            if self.nats is not None and self.nats.alive() and self.nats.port is not None:
+                if await nats_info_probe(self.nats.port):
+                    self._nats_last_ok = time.monotonic()
+            if self._bus is not None:
+                try:
+                    await asyncio.wait_for(self._bus.nc.flush(), NATS_PROBE_TIMEOUT_S)
+                except Exception:  # not connected, a timeout: the beats cannot be seen now (supervise_once)
+                    pass
+                else:
+                    self._bus_last_ok = time.monotonic()
+            await asyncio.sleep(interval_s)
 
     def _spawn(self, child: _Child) -> None:
         if child.log_file is None:
@@ -789,6 +905,7 @@ class LocalCluster:
         )
         child.started_at = time.monotonic()
         child.restart_at = None
+        child.last_beat = None
 
     def _log_tail(self, child: _Child, chars: int = 1500) -> str:
         """The end of ``child``'s log, at most ``chars`` characters, from the first whole line in them (a last line
@@ -805,7 +922,9 @@ class LocalCluster:
         return tail
 
     def supervise_once(self, now: float | None = None) -> list[str]:
-        """One supervision pass: schedule restarts of exited services, start those that are due.
+        """One supervision pass: SIGKILL a running process that has been silent too long (``liveness_timeout_s``,
+        :func:`liveness_overdue`; one warning line naming it, its pid and its silence), schedule restarts of exited
+        services (a killed one included, in a later pass: counted and backed off as any crash), start those that are due.
 
         Args:
             now: ``time.monotonic()`` (defaults to the current one).
@@ -814,27 +933,37 @@ class LocalCluster:
             Names of what was (re)started in this pass (``nats-server`` for the bus).
 
         Raises:
-            ClusterError: a service exited more than ``max_restarts`` times in a row, or
+            ClusterError: a service exited more than ``max_restarts`` times within ``restart_window_s``, or
                 nats-server could not be started again within as many tries.
         """
         s = self.spec
         now = time.monotonic() if now is None else now
         started: list[str] = []
+        window = f"{s.restart_window_s:g} s"
         if self.nats is not None:
             if self.nats.alive():
                 if self._nats_streak and now - self._nats_started > s.stable_s:
                     self._nats_streak = 0
-            elif self._nats_restart_at is None:
+                silent = liveness_overdue(now, started_at=self._nats_started, last_ok=self._nats_last_ok, watch_from=self._nats_started,
+                                          timeout_s=s.liveness_timeout_s, start_timeout_s=s.ready_timeout_s)  # fmt: skip
+                if silent is not None and self.nats.proc is not None:
+                    log.warning(f"nats-server silent for {silent:.0f} s (no INFO on its port); killing it to restart",
+                                service="nats-server", pid=self.nats.pid, silent_s=round(silent, 1))
+                    self.nats.proc.kill()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self.nats.proc.wait(timeout=5.0)
+            if not self.nats.alive() and self._nats_restart_at is None:
                 self._nats_streak += 1
-                if self._nats_streak > s.max_restarts:
-                    raise ClusterError(f"nats-server exited {self._nats_streak} times in a row; giving up", service="nats-server",
-                                       reason=f"nats-server exited {self._nats_streak} times in a row (restarts gave up)")
+                n = count_exit(self._nats_exits, now, s.restart_window_s)
+                if n > s.max_restarts:
+                    raise ClusterError(f"nats-server exited {n} times in {window}; giving up", service="nats-server",
+                                       reason=f"nats-server exited {n} times in {window} (restarts gave up)")
                 delay = restart_delay(self._nats_streak, 0.1, s.restart_backoff_max_s)
                 self._nats_restart_at = now + delay
                 code = self.nats.returncode
                 log.warning("nats-server exited; restarting on the same port", code=code, port=self.nats.port,
                             exit=exit_text(code), restart=self.nats_restarts + 1, backoff_s=delay)
-            elif now >= self._nats_restart_at:
+            elif self._nats_restart_at is not None and now >= self._nats_restart_at:
                 try:
                     self.nats.restart()
                 except NatsServerError as e:
@@ -846,21 +975,41 @@ class LocalCluster:
                     self._nats_restart_at = None
                     started.append("nats-server")
                     log.warning("nats-server restarted", port=self.nats.port, restarts=self.nats_restarts)
+        # the services' beats come over NATS: judged only while the launcher's own connection answers its PINGs (since
+        # it answered again after a gap), and only up to its latest answer: a silence after it may be the bus's own
+        bus_ok = self._bus_last_ok is not None and now - self._bus_last_ok <= BUS_SILENT_AFTER_S
+        if not bus_ok:
+            self._bus_ok_since = None
+        elif self._bus_ok_since is None:
+            self._bus_ok_since = now
+        seen_until = now if self._bus_last_ok is None else min(now, self._bus_last_ok)
         for c in self.children:
             if c.proc is None:
                 continue
             if c.proc.poll() is None:
                 if c.streak and now - c.started_at > s.stable_s:
                     c.streak = 0
-                continue
+                silent = liveness_overdue(seen_until, started_at=c.started_at, last_ok=c.last_beat, watch_from=self._bus_ok_since,
+                                          timeout_s=s.liveness_timeout_s, start_timeout_s=s.ready_timeout_s)  # fmt: skip
+                if silent is None:
+                    continue
+                log.warning(f"{c.name} silent for {silent:.0f} s (no heartbeat); killing it to restart", service=c.name,
+                            pid=c.proc.pid, silent_s=round(silent, 1))
+                c.proc.kill()  # a stopped (SIGSTOP) process dies of SIGKILL too
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    c.proc.wait(timeout=5.0)
+                if c.proc.poll() is None:  # not reaped yet (a process in uninterruptible I/O): a later pass sees it exit
+                    continue
             if c.restart_at is None:
                 c.streak += 1
-                if c.streak > s.max_restarts:
+                clean_after_stable = c.proc.returncode == 0 and now - c.started_at > s.stable_s
+                n = len(c.exits) if clean_after_stable else count_exit(c.exits, now, s.restart_window_s)
+                if n > s.max_restarts:
+                    last = _short_exit(c.proc.returncode)
                     raise ClusterError(
-                        f"{c.name} exited {c.streak} times in a row (last: {_short_exit(c.proc.returncode)}); giving up; "
-                        f"log {c.log_path}:\n{self._log_tail(c)}",
+                        f"{c.name} exited {n} times in {window} (last: {last}); giving up; log {c.log_path}:\n{self._log_tail(c)}",
                         service=c.name,
-                        reason=f"{c.name} exited {c.streak} times in a row (last: {_short_exit(c.proc.returncode)}; restarts gave up)",
+                        reason=f"{c.name} exited {n} times in {window} (last: {last}; restarts gave up)",
                     )
                 # a clean exit (0: the service stopped on SIGTERM, e.g. a rolling restart's, after its drain) is no crash
                 # to slow down: the first is restarted at once, in this pass (its clients wait for it: the router's 0.5 s
@@ -1077,6 +1226,11 @@ class LocalCluster:
             with contextlib.suppress(BaseException):
                 await self._supervisor
             self._supervisor = None
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(BaseException):
+                await self._prober
+            self._prober = None
         order = sorted(self.children, key=lambda c: 0 if is_router(c.name) else {"planner": 1, "kvdirectory": 2}.get(c.name, 3))
         bus_down = self.nats is not None and not self.nats.alive()
         if drain_routers and bus_down:

@@ -356,7 +356,28 @@ def _add_cluster_args(
         "--max-restarts",
         type=int,
         default=10,
-        help="consecutive restarts of one service (without 60 s of uptime between) before the cluster gives up (default 10)",
+        help="restarts of one service (or nats-server) within --restart-window-s before the cluster gives up, as systemd's "
+        "StartLimitBurst within StartLimitIntervalSec (default 10): a crash, a liveness kill or a quick clean exit counts; "
+        "a clean exit (code 0, a SIGTERM's stop: a rolling restart) after 60 s up does not",
+    )
+    g.add_argument(
+        "--restart-window-s",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="the window over which --max-restarts counts a service's restarts (wall s; default 600)",
+    )
+    g.add_argument(
+        "--liveness-timeout-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a service that hangs without exiting (SIGSTOP, a deadlock) is SIGKILLed and restarted as after a crash once it "
+        "has been silent this long (wall s; default 30; 0 = off; not with --no-restart): a service's sign of life is its "
+        "heartbeat over NATS, sent every second by the event loop that serves it (judged only while up's own NATS "
+        "connection answers a PING), nats-server's the INFO line it sends a new connection on its port; a process that "
+        "has not answered since its start gets --ready-timeout if that is longer; one warning line names it, its pid "
+        "and its silence",
     )
     add_policy_args(p, live=True)
 
@@ -1106,6 +1127,10 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
     fence = getattr(args, "fence_after_s", None)
     if fence is not None and not (math.isfinite(fence) and fence > 0):  # the router and planner would exit 2 after the cluster started
         raise UsageError(f"error: --fence-after-s {fence:g}: wall seconds, a number > 0")
+    for flag, value, least in (("--liveness-timeout-s", getattr(args, "liveness_timeout_s", 30.0), 0.0),
+                               ("--restart-window-s", getattr(args, "restart_window_s", 600.0), None)):
+        if not math.isfinite(value) or (value < least if least is not None else value <= 0):
+            raise UsageError(f"error: {flag} {value:g}: wall seconds, a number {'>= 0 (0 = off)' if least is not None else '> 0'}")
     base = getattr(args, "metrics_base_port", None)
     if getattr(args, "metrics_host", None) is not None and not args.metrics and base is None:
         # no metrics port listens without them: the flag did nothing, silently
@@ -1209,6 +1234,8 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
         tokenizer=args.tokenizer,
         restart=args.restart,
         max_restarts=args.max_restarts,
+        restart_window_s=getattr(args, "restart_window_s", 600.0),
+        liveness_timeout_s=getattr(args, "liveness_timeout_s", 30.0),
         fence_after_s=fence or 0.0,
         **kv,
     )

@@ -1,0 +1,237 @@
+"""The supervisor's liveness watch and crash-loop limit on a fake clock (``supervise_once(now)``), on real child
+processes (``sleep``) without NATS: a service silent past ``liveness_timeout_s`` is SIGKILLed and restarted as after
+a crash, never before its first sign of life within its start timeout, nor while its beats cannot be seen; and
+``max_restarts`` counts the restarts within ``restart_window_s`` (systemd's StartLimitBurst/IntervalSec), so a
+service crashing every ~61 s gives up instead of looping forever."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+
+from evolving_infra.cluster import ClusterError, ClusterSpec, LocalCluster, _Child, count_exit, liveness_overdue, m
+
+
+def test_liveness_overdue_decides_on_the_latest_sign_of_life():
+    kw = dict(timeout_s=30.0, start_timeout_s=60.0)
+    # answered at 100, watched since 0: overdue past 130, with the silence since the last answer
+    assert liveness_overdue(129.0, started_at=90.0, last_ok=100.0, watch_from=0.0, **kw) is None
+    assert liveness_overdue(131.0, started_at=90.0, last_ok=100.0, watch_from=0.0, **kw) == pytest.approx(31.0)
+    # still starting (no answer since this start; an answer of the previous process does not count): the start timeout
+    assert liveness_overdue(149.0, started_at=90.0, last_ok=None, watch_from=0.0, **kw) is None
+    assert liveness_overdue(149.0, started_at=90.0, last_ok=80.0, watch_from=0.0, **kw) is None
+    assert liveness_overdue(151.0, started_at=90.0, last_ok=None, watch_from=0.0, **kw) == pytest.approx(61.0)
+    # the beats could not be seen (NATS down): nothing decided; seen again since 200: counted from then
+    assert liveness_overdue(1000.0, started_at=90.0, last_ok=100.0, watch_from=None, **kw) is None
+    assert liveness_overdue(229.0, started_at=90.0, last_ok=100.0, watch_from=200.0, **kw) is None
+    assert liveness_overdue(231.0, started_at=90.0, last_ok=100.0, watch_from=200.0, **kw) == pytest.approx(31.0)
+    # 0 = off
+    assert liveness_overdue(1e9, started_at=0.0, last_ok=0.0, watch_from=0.0, timeout_s=0.0, start_timeout_s=60.0) is None
+
+
+def test_count_exit_keeps_the_window():
+    exits: list[float] = []
+    assert [count_exit(exits, t, 600.0) for t in (0.0, 61.0, 122.0)] == [1, 2, 3]
+    assert count_exit(exits, 601.0, 600.0) == 3  # the exit at 0 left the window
+    assert exits == [61.0, 122.0, 601.0]
+
+
+def _cluster(tmp_path, **kw) -> LocalCluster:
+    spec = dict(restart=True, restart_backoff_s=0.5, stable_s=60.0, liveness_timeout_s=30.0, ready_timeout_s=60.0)
+    c = LocalCluster(ClusterSpec(**{**spec, **kw}))
+    c.log_dir = tmp_path
+    c.children = [_Child("svc", ["sleep", "300"], tmp_path / "svc.log")]
+    c._spawn(c.children[0])
+    return c
+
+
+def _beat(c: LocalCluster, child: _Child, now: float) -> None:
+    assert child.proc is not None
+    c._on_beat(m.Heartbeat(service="svc", instance=child.name, pid=child.proc.pid), now)
+
+
+def _close(child: _Child) -> None:
+    assert child.proc is not None
+    child.proc.kill()
+    child.proc.wait()
+    if child.log_file is not None:
+        child.log_file.close()
+
+
+def test_a_silent_service_is_killed_and_restarted_as_after_a_crash(tmp_path, capsys):
+    c = _cluster(tmp_path)
+    child = c.children[0]
+    try:
+        os.kill(child.proc.pid, signal.SIGSTOP)  # hung: alive, silent; SIGKILL must still end it
+        t0 = child.started_at
+        c._bus_last_ok = t0  # the launcher's NATS answers: the beats can be seen
+        assert c.supervise_once(t0) == [] and c._bus_ok_since == t0
+        _beat(c, child, t0 + 1.0)
+        for t in (t0 + 2.0, t0 + 20.0, t0 + 31.0):
+            c._bus_last_ok = t
+            assert c.supervise_once(t) == [] and child.proc.poll() is None
+        first = child.proc.pid
+        c._bus_last_ok = t0 + 31.5
+        assert c.supervise_once(t0 + 31.5) == []  # silent 30.5 s since its beat at +1: killed, restart scheduled
+        assert child.proc.returncode == -signal.SIGKILL
+        assert child.restart_at == pytest.approx(t0 + 32.0)  # a crash's backoff (0.5 s)
+        out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)  # the console renderer's colours
+        assert "svc silent for 30 s (no heartbeat); killing it to restart" in out and f"pid={first}" in out, out
+        assert c.supervise_once(t0 + 32.1) == ["svc"] and child.proc.pid != first and c.restarts() == {"svc": 1}
+        assert child.exits == [t0 + 31.5]  # counted like an exit
+    finally:
+        _close(child)
+
+
+def test_no_kill_while_starting_within_the_start_timeout_nor_while_the_bus_is_silent(tmp_path):
+    c = _cluster(tmp_path)
+    child = c.children[0]
+    try:
+        t0 = child.started_at
+        for t in (t0 + 31.0, t0 + 59.0):  # no beat yet: it is starting (ready_timeout_s 60 > liveness 30)
+            c._bus_last_ok = t
+            assert c.supervise_once(t) == [] and child.proc.poll() is None
+        _beat(c, child, t0 + 59.5)
+        # the launcher's NATS stops answering (nats-server down or hung): the beats cannot come; no one is judged
+        for t in (t0 + 95.0, t0 + 200.0):
+            assert c.supervise_once(t) == [] and child.proc.poll() is None
+        c._bus_last_ok = t0 + 300.0  # NATS back at +300: the service gets a full timeout from then
+        assert c.supervise_once(t0 + 300.0) == [] and c._bus_ok_since == t0 + 300.0
+        c._bus_last_ok = t0 + 329.0
+        assert c.supervise_once(t0 + 329.0) == [] and child.proc.poll() is None
+        c._bus_last_ok = t0 + 331.0
+        assert c.supervise_once(t0 + 331.0) == [] and child.proc.returncode == -signal.SIGKILL
+    finally:
+        _close(child)
+
+
+def test_a_silence_is_counted_only_up_to_the_buses_last_answer(tmp_path):
+    """nats-server hangs: the launcher's PING gets no answer from T on, and every service's beats stop with it.
+    Until the bus counts as silent (``BUS_SILENT_AFTER_S``) a service's silence is counted up to T, not to now: a
+    service quiet since T - 27 is not killed at T + 4 (31 s after its beat), for what was the bus's silence."""
+    c = _cluster(tmp_path)
+    child = c.children[0]
+    try:
+        t0 = child.started_at
+        c._bus_last_ok = t0
+        c.supervise_once(t0)
+        _beat(c, child, t0 + 3.0)
+        c._bus_last_ok = t0 + 30.0  # its last answer
+        assert c.supervise_once(t0 + 30.0) == [] and child.proc.poll() is None
+        assert c.supervise_once(t0 + 34.0) == [] and child.proc.poll() is None  # 31 s since the beat; 27 s seen
+        assert c._bus_ok_since == t0
+        assert c.supervise_once(t0 + 36.0) == [] and c._bus_ok_since is None  # the bus is silent: nothing judged
+    finally:
+        _close(child)
+
+
+def test_liveness_off_never_kills(tmp_path):
+    c = _cluster(tmp_path, liveness_timeout_s=0.0)
+    child = c.children[0]
+    try:
+        t0 = child.started_at
+        for t in (t0 + 100.0, t0 + 1000.0):
+            c._bus_last_ok = t
+            assert c.supervise_once(t) == [] and child.proc.poll() is None
+    finally:
+        _close(child)
+
+
+def _end(child: _Child, code: int) -> None:
+    """End the running process; ``code`` 0 reads as a SIGTERM's clean stop, -9 as a crash (SIGKILL)."""
+    assert child.proc is not None
+    child.proc.kill()
+    child.proc.wait()
+    child.proc.returncode = code
+
+
+def test_a_service_crashing_every_61_s_gives_up_within_the_window(tmp_path):
+    """Before, a run of 61 s (past ``stable_s``) reset the streak: this loop went on forever."""
+    c = _cluster(tmp_path, max_restarts=3, restart_window_s=600.0)
+    child = c.children[0]
+    try:
+        t = child.started_at
+        for _ in range(3):
+            t += 61.0
+            assert c.supervise_once(t) == [] and child.streak == 0  # seen running past stable_s
+            _end(child, -9)
+            assert c.supervise_once(t) == []  # a crash after a stable run: its first backoff step again
+            assert child.restart_at == pytest.approx(t + 0.5)
+            t += 0.5
+            assert c.supervise_once(t) == ["svc"]
+            child.started_at = t
+        t += 61.0
+        c.supervise_once(t)
+        _end(child, -9)
+        with pytest.raises(ClusterError, match=r"svc exited 4 times in 600 s \(last: killed by signal 9 \(SIGKILL\)\); giving up") as e:
+            c.supervise_once(t)
+        assert e.value.service == "svc"
+    finally:
+        _close(child)
+
+
+def test_crashes_spread_past_the_window_do_not_give_up(tmp_path):
+    c = _cluster(tmp_path, max_restarts=2, restart_window_s=600.0)
+    child = c.children[0]
+    try:
+        t = child.started_at
+        for _ in range(6):  # one crash every 301 s: never 3 within 600 s
+            t += 301.0
+            c.supervise_once(t)
+            _end(child, -9)
+            c.supervise_once(t)
+            t += 0.5
+            assert c.supervise_once(t) == ["svc"]
+            child.started_at = t
+        assert c.restarts() == {"svc": 6} and len(child.exits) == 2
+    finally:
+        _close(child)
+
+
+def test_clean_exits_after_stable_runs_are_rolling_restarts_not_counted(tmp_path):
+    """A SIGTERM's stop (code 0) of a service that ran ``stable_s``: an operator's rolling restart, however often;
+    a quick clean exit in a loop still counts."""
+    c = _cluster(tmp_path, max_restarts=2, restart_window_s=600.0)
+    child = c.children[0]
+    try:
+        t = child.started_at
+        for _ in range(5):
+            t += 61.0
+            c.supervise_once(t)
+            _end(child, 0)
+            assert c.supervise_once(t) == ["svc"]  # restarted at once, not counted
+            child.started_at = t
+        assert child.exits == [] and c.restarts() == {"svc": 5}
+        for _ in range(2):  # quick clean exits: counted
+            t += 1.0
+            _end(child, 0)
+            c.supervise_once(t)
+            t += 5.0
+            assert c.supervise_once(t) == ["svc"]
+            child.started_at = t
+        t += 1.0
+        _end(child, 0)
+        with pytest.raises(ClusterError, match=r"svc exited 3 times in 600 s \(last: code 0\)"):
+            c.supervise_once(t)
+    finally:
+        _close(child)
+
+
+def test_up_flags_reach_the_spec_and_bad_values_are_refused(tmp_path):
+    from evolving_infra.cli import UsageError, build_parser
+    from evolving_infra.launcher import _spec
+
+    def spec(*extra: str) -> ClusterSpec:
+        args = build_parser("up").parse_args(["up", "--nodes", "2", "--policy", "static", "--log-dir", str(tmp_path), *extra])
+        return _spec(args)
+
+    default = spec()
+    assert (default.liveness_timeout_s, default.restart_window_s, default.max_restarts) == (30.0, 600.0, 10)
+    given = spec("--liveness-timeout-s", "0", "--restart-window-s", "120", "--max-restarts", "3")
+    assert (given.liveness_timeout_s, given.restart_window_s, given.max_restarts) == (0.0, 120.0, 3)
+    for flag, value in (("--liveness-timeout-s", "-1"), ("--liveness-timeout-s", "nan"), ("--restart-window-s", "0")):
+        with pytest.raises(UsageError, match=f"{flag} "):
+            spec(flag, value)
