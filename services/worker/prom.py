@@ -38,6 +38,12 @@ name                                       type     meaning
 ``ei_node_bind_refused_total{node}``       counter  of those, refused by the router as malformed or invalid (e.g. a
                                                     node outside its node set: a configuration or version mismatch)
 =========================================  =======  ===============================================================
+
+``ei_node_requests_dropped_owner_gone_total{node,reason}`` (counter): requests the owner check dropped because their
+router no longer wants them, a stream lost with its router: ``router_gone`` (nobody served ``route.held.<router>``
+for ``--owner-gone-after-s``: a router SIGKILLed, OOM-killed or cut off) or ``not_in_flight`` (the router, or one
+restarted under its ``--instance``, does not have it in flight); each one also a warning in the worker's log naming
+its rid, its router and the output tokens it had (``owners.py``; alert ``EIStreamsLostWithRouter``).
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ if TYPE_CHECKING:
     from services.worker.service import WorkerService
 
 PHASES = ("prefill", "decode", "both")
+
+OWNER_DROP_REASONS = ("router_gone", "not_in_flight")
+"""``reason`` label values of ``ei_node_requests_dropped_owner_gone_total`` (each exported from 0)."""
 
 
 def worker_families(svc: "WorkerService") -> Iterator[Metric]:
@@ -108,5 +117,13 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
         "Decode bindings the router refused as malformed or invalid (e.g. a prefill node outside its node set: a "
         "configuration or version mismatch), failed at once",
         {(n,): float(svc.counters["bind.refused"])}, ["node"],
+    )
+    yield counter_family(
+        "ei_node_requests_dropped_owner_gone",
+        "Requests dropped because their owning router no longer wants them (a stream lost with its router): router_gone "
+        "(nobody served route.held.<router> for --owner-gone-after-s: SIGKILLed, OOM-killed, cut off) or not_in_flight "
+        "(the router, or one restarted under its --instance, does not have the request in flight); each one a warning "
+        "in the worker's log naming its rid",
+        {(n, k): float(svc.counters[f"owners.dropped.{k}"]) for k in OWNER_DROP_REASONS}, ["node", "reason"],
     )
     yield gauge_family("ei_node_count_syncing", "1 while the node's counts await a kv.countsync snapshot", {(n,): float(svc.counts.syncing)}, ["node"])

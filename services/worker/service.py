@@ -120,6 +120,13 @@ if TYPE_CHECKING:  # imported where --kv-pool real needs it: Mooncake is optiona
 ABORTED_KEPT = 4096
 """Aborts of requests a node did not hold that it remembers (``WorkerService._aborted``), newest first."""
 
+OWNER_DROP_LOG_EACH = 8
+"""Requests of one owner check and router logged one warning each when dropped (``WorkerService._log_owner_drops``);
+the rest of them in one summary warning: a router that dies with thousands of streams open writes ~9 lines a node."""
+
+OWNER_DROP_LOG_RIDS = 32
+"""Request ids the summary warning of ``WorkerService._log_owner_drops`` names (its count names them all)."""
+
 ENGINES: dict[str, type[SimEngine]] = {"sim": SimEngine}
 """Engine kinds by ``WorkerConfig.engine`` (``torch``: :func:`make_torch_engine`)."""
 
@@ -1022,23 +1029,44 @@ class WorkerService:
                     continue
                 gone = [(rid, a) for rid, a in zip(rids, attempts)]
                 why = f"owning router {router} is gone (nobody served route.held.{router} for {self.cfg.owner_gone_after_s:g} s)"
+                kind = "router_gone"
                 self.counters["owners.router_gone"] += 1
             else:
                 self._leases.answered(router)
                 asked = dict(zip(rids, attempts))
                 gone = [(rid, asked[rid]) for rid in rep.dropped if rid in asked]
                 why = f"router {router} no longer has the request in flight"
+                kind = "not_in_flight"
+            dropped: list[tuple[str, int, int]] = []
             for rid, attempt in gone:
                 o = self._owners.get(rid)
                 if o is None or o.attempt != attempt or o.router_id != router:
                     continue  # finished, aborted or replaced since the query
+                r = self.core.requests.get(rid)
+                done = r.generated if r is not None else 0  # read before the drop forgets it
                 if await self._drop(rid, why):
                     self.counters["owners.dropped"] += 1
-            if gone:
-                self.log.info(
-                    "requests dropped: their owning router no longer wants them", router=router, requests=len(gone), reason=why,
-                    rids=[rid for rid, _ in gone[:32]],
-                )  # fmt: skip
+                    self.counters[f"owners.dropped.{kind}"] += 1
+                    dropped.append((rid, attempt, done))
+            self._log_owner_drops(router, kind, why, dropped)
+
+    def _log_owner_drops(self, router: str, kind: str, why: str, dropped: list[tuple[str, int, int]]) -> None:
+        """One warning per request an owner check dropped (``dropped``: ``(rid, attempt, output tokens done)``), so a
+        stream lost with its router (SIGKILL, OOM: its client's connection broke, and a restarted router's counters
+        start at 0) leaves its request id in a log; past :data:`OWNER_DROP_LOG_EACH` of one check and router, one
+        summary warning for the rest (their count, their first :data:`OWNER_DROP_LOG_RIDS` ids). ``kind``:
+        ``router_gone`` (nobody served ``route.held.<router>`` for ``--owner-gone-after-s``) or ``not_in_flight``
+        (the router, or the one restarted under its id, answered that it no longer has the request)."""
+        for rid, attempt, done in dropped[:OWNER_DROP_LOG_EACH]:
+            self.log.warning("request dropped: its owning router no longer wants it (its stream is lost)", rid=rid,
+                             router=router, attempt=attempt, tokens_done=done, cause=kind, reason=why)  # fmt: skip
+        rest = dropped[OWNER_DROP_LOG_EACH:]
+        if rest:
+            self.log.warning(
+                "more requests dropped: their owning router no longer wants them (their streams are lost)", router=router,
+                requests=len(rest), cause=kind, reason=why, rids=[rid for rid, _, _ in rest[:OWNER_DROP_LOG_RIDS]],
+                tokens_done=sum(d for _, _, d in rest),
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ #
     # in-place phase switch

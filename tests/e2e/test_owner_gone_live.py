@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
+import socket
 from pathlib import Path
 
 import httpx
 import pytest
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from evolving_infra.faultkit import FaultCluster, FaultSpec
 from tests.integration.polling import until
@@ -22,6 +26,9 @@ from tests.integration.polling import until
 pytestmark = pytest.mark.timeout(120)
 
 WORKERS = ("worker-w0", "worker-w1")
+RIDS = ("lost-decode-1", "lost-prefill-1")
+"""The ``X-Request-ID`` of :func:`_open_streams`' two streams (the router keeps a valid one as the request's id)."""
+DROP_EVENT = "request dropped: its owning router no longer wants it (its stream is lost)"
 
 
 def _prompt(n: int, base: int) -> list[int]:
@@ -33,7 +40,8 @@ async def _open_streams(url: str) -> tuple[list[asyncio.Task[None]], list[int]]:
     got = [0, 0]
 
     async def stream(i: int, body: dict) -> None:
-        async with httpx.AsyncClient(timeout=120) as c, c.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+        hdr = {"X-Request-ID": RIDS[i]}
+        async with httpx.AsyncClient(timeout=120) as c, c.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=hdr) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data:"):
                     got[i] += 1
@@ -77,25 +85,81 @@ async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
             await t
 
 
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 now (bound to port 0 at once, then closed)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sk in socks:
+            sk.bind(("127.0.0.1", 0))
+        return [sk.getsockname()[1] for sk in socks]
+    finally:
+        for sk in socks:
+            sk.close()
+
+
 def _spec(gone_after_s: float) -> FaultSpec:
-    # slowed 20x: the requests outlive the test by far unless something drops them
+    # slowed 20x: the requests outlive the test by far unless something drops them; each worker serves /metrics
+    ports = _free_ports(len(WORKERS))
     return FaultSpec(
         nodes=2, split="1P1D", speedup=0.05,
-        extra={"worker": ["--owner-check-interval-s", "0.5", "--owner-gone-after-s", repr(gone_after_s)]},
+        extra={"worker": ["--owner-check-interval-s", "0.5", "--owner-gone-after-s", repr(gone_after_s)],
+               **{w: ["--metrics-port", str(p)] for w, p in zip(WORKERS, ports)}},
     )  # fmt: skip
+
+
+async def _dropped_metric(fc: FaultCluster) -> dict[str, float]:
+    """``ei_node_requests_dropped_owner_gone_total`` by ``reason``, summed over the workers' ``/metrics``."""
+    out: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=5) as c:
+        for w in WORKERS:
+            argv = fc.procs[w].argv
+            port = argv[argv.index("--metrics-port") + 1]
+            text = (await c.get(f"http://127.0.0.1:{port}/metrics")).text
+            for fam in text_string_to_metric_families(text):
+                for smp in fam.samples:
+                    if smp.name == "ei_node_requests_dropped_owner_gone_total":
+                        out[smp.labels["reason"]] = out.get(smp.labels["reason"], 0.0) + smp.value
+    return out
+
+
+def _drop_lines(fc: FaultCluster) -> dict[str, dict]:
+    """The workers' warnings of a request dropped by the owner check (``--log-format json``), by rid."""
+    out: dict[str, dict] = {}
+    for w in WORKERS:
+        for line in fc.procs[w].log.read_text(errors="replace").splitlines():
+            if DROP_EVENT in line:
+                rec = json.loads(line)
+                assert rec["event"] == DROP_EVENT and rec["rid"] not in out, (rec, out)
+                out[rec["rid"]] = {**rec, "worker": w}
+    return out
+
+
+def _assert_drops_traced(fc: FaultCluster, cause: str, got: list[int]) -> None:
+    """Each of the two lost streams has one warning naming its rid, its router and the output tokens it had: the
+    decode at least what its client received, the long prefill none."""
+    lines = _drop_lines(fc)
+    assert set(lines) == set(RIDS), (lines, fc.log_tail("worker-w0"), fc.log_tail("worker-w1"))
+    for rid, rec in lines.items():
+        assert rec["level"] == "warning" and rec["router"] == "router" and rec["cause"] == cause, rec
+    assert lines[RIDS[0]]["tokens_done"] >= got[0] >= 3 and lines[RIDS[1]]["tokens_done"] == 0, lines
+    assert (lines[RIDS[0]]["worker"], lines[RIDS[1]]["worker"]) == ("worker-w1", "worker-w0"), lines
 
 
 async def test_workers_drop_the_requests_of_a_sigkilled_router(tmp_path: Path) -> None:
     async with FaultCluster(_spec(1.0), tmp_path / "cluster") as fc:
-        tasks, _ = await _open_streams(fc.router_url())
+        tasks, got = await _open_streams(fc.router_url())
         try:
             held = await _held(fc)
             assert sum(n for n, _ in held.values()) == 2 and all(b > 0 for _, b in held.values()), held
+            assert await _dropped_metric(fc) == {"router_gone": 0.0, "not_in_flight": 0.0}  # exported from 0
             fc.signal("router", signal.SIGKILL)
             # interval 0.5 s + gone after 1 s of no responders: dropped within a few seconds, KV freed
             await until(lambda: _empty(fc), 10.0, "workers dropping the dead router's requests", every=0.25)
             assert await _counter(fc, "owners.router_gone") >= 1
             assert await _counter(fc, "owners.dropped") == 2
+            # and the lost streams leave a trace the dead router cannot: a warning each, a counter on /metrics
+            _assert_drops_traced(fc, "router_gone", got)
+            assert await _dropped_metric(fc) == {"router_gone": 2.0, "not_in_flight": 0.0}
         finally:
             await _cancel(tasks)
 
@@ -103,7 +167,7 @@ async def test_workers_drop_the_requests_of_a_sigkilled_router(tmp_path: Path) -
 async def test_a_restarted_router_makes_the_workers_drop_its_predecessors_requests(tmp_path: Path) -> None:
     # no-responder grace far beyond the test: only the restarted router's answer can drop them
     async with FaultCluster(_spec(600.0), tmp_path / "cluster") as fc:
-        tasks, _ = await _open_streams(fc.router_url())
+        tasks, got = await _open_streams(fc.router_url())
         try:
             fc.signal("router", signal.SIGKILL)
             (fc.workdir / "router.port").unlink()
@@ -111,6 +175,9 @@ async def test_a_restarted_router_makes_the_workers_drop_its_predecessors_reques
             await fc.wait_healthy(30.0)
             await until(lambda: _empty(fc), 10.0, "workers dropping the old router's requests", every=0.25)
             assert await _counter(fc, "owners.dropped") == 2 and await _counter(fc, "owners.router_gone") == 0
+            # the restarted router's counters start at 0; the workers' warnings and counter keep the lost streams
+            _assert_drops_traced(fc, "not_in_flight", got)
+            assert await _dropped_metric(fc) == {"router_gone": 0.0, "not_in_flight": 2.0}
             st = await fc.stats("router")
             assert st is not None and st.counters.get("held.dropped", 0) >= 2, st
             # and the restarted router serves at once (the prefill node is not busy with dead work)

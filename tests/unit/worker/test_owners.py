@@ -56,3 +56,29 @@ def test_streaks_are_per_router_and_forgotten_when_it_owns_nothing_here():
     assert OwnerLeases(0.0).no_responders("x", 3.0)  # no grace: the first no-responders decides
     with pytest.raises(ValueError):
         OwnerLeases(-1.0)
+
+
+def test_each_dropped_request_is_one_warning_and_a_mass_drop_one_summary_more():
+    """A stream lost with its router leaves its rid, router and output tokens in the worker's log, one warning a
+    request up to ``OWNER_DROP_LOG_EACH`` of one check; the rest of a router's thousands of streams is one summary
+    line (their count and output tokens, the first ``OWNER_DROP_LOG_RIDS`` ids), not thousands of lines."""
+    import structlog
+    from structlog.testing import capture_logs
+
+    from services.worker.service import OWNER_DROP_LOG_EACH, OWNER_DROP_LOG_RIDS, WorkerService
+
+    holder = type("H", (), {"log": structlog.get_logger("worker")})()
+    dropped = [(f"rid-{i}", 1, i) for i in range(OWNER_DROP_LOG_EACH + 50)]
+    with capture_logs() as logs:
+        WorkerService._log_owner_drops(holder, "router-1", "router_gone", "owning router router-1 is gone", dropped[:2])  # type: ignore[arg-type]
+        WorkerService._log_owner_drops(holder, "router-1", "not_in_flight", "no longer in flight", [])  # type: ignore[arg-type]
+    assert [(x["log_level"], x["rid"], x["router"], x["attempt"], x["tokens_done"], x["cause"]) for x in logs] == [
+        ("warning", "rid-0", "router-1", 1, 0, "router_gone"), ("warning", "rid-1", "router-1", 1, 1, "router_gone")]
+    with capture_logs() as logs:
+        WorkerService._log_owner_drops(holder, "router", "not_in_flight", "no longer in flight", dropped)  # type: ignore[arg-type]
+    each, (summary,) = logs[:-1], logs[-1:]
+    assert [x["rid"] for x in each] == [f"rid-{i}" for i in range(OWNER_DROP_LOG_EACH)]
+    assert all(x["log_level"] == "warning" and x["cause"] == "not_in_flight" for x in logs), logs
+    assert summary["requests"] == 50 and summary["router"] == "router" and "rid" not in summary, summary
+    assert summary["rids"] == [f"rid-{i}" for i in range(OWNER_DROP_LOG_EACH, OWNER_DROP_LOG_EACH + OWNER_DROP_LOG_RIDS)]
+    assert summary["tokens_done"] == sum(range(OWNER_DROP_LOG_EACH, OWNER_DROP_LOG_EACH + 50)), summary
