@@ -40,12 +40,13 @@ FAULT_METRICS = (
     "ei_router_drain_refused_total", "ei_node_bind_failures_total", "ei_node_bind_refused_total", "ei_node_parked",
     "ei_nats_permission_violations_total", "ei_router_gone_before_dispatch_total", "ei_router_gate_disconnects_total",
     "ei_router_branches_active", "ei_router_branches_evicted_total", "ei_service_ready", "ei_bus_resend_dropped_total",
-    "ei_router_chunks_gap_total", "ei_router_chunks_bad_logprobs_total",
+    "ei_router_chunks_gap_total", "ei_router_chunks_bad_logprobs_total", "ei_router_redispatches_total",
+    "ei_node_requests_dropped_owner_gone_total",
 )
 """What the dashboard's "Faults & health" row shows: lost reliable messages (held copies, resend windows), NATS
 reconnects and stream waits, slow and gone clients, buffered tokens, drains, failed decode bindings, parked prefills,
 permission violations, services up but not ready, requests failed for output lost on the bus or for a node's malformed
-log-probabilities. The live test below
+log-probabilities, requests placed again after a node loss and streams lost with their router. The live test below
 checks that each is exported from a service's first scrape (a counter at 0), so an ``increase()`` over it (panel or
 alert) counts the first fault too."""
 
@@ -278,17 +279,21 @@ async def test_every_metrics_endpoint_parses_during_a_replay_and_ttft_counts_the
     targets += [(r["expr"], set(re.findall(r"\$labels\.(\w+)", " ".join(r.get("annotations", {}).values())))) for r in rules]
     assert targets and rules
     for e, legend in targets:
-        names = set(re.findall(r"\bei_[a-z0-9_]+", e))
+        names = set(re.findall(r"\b(?:ei_[a-z0-9_]+|process_[a-z_]+)", e))  # ours, and the process collector's
         if not names:  # Prometheus's own `up` (a failed scrape): what it adds, not what a service exports
             assert re.fullmatch(r'up\{job=~"evolving-infra\.\*"\} == 0', e), e
             continue
         labels = {x.strip() for g in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", e) for x in g.split(",") if x.strip()}
-        labels |= {x.split("=")[0].strip(" !~") for g in re.findall(r"\{([^}]*)\}", e) for x in g.split(",") if x.strip()}
         labels |= legend
         labels -= SCRAPE_LABELS  # Prometheus adds these at scrape (test_dashboard_filters_every_query_by_its_variables)
+        # a selector's labels belong to its own series (`a{reason="error"} / b{code=~"5.."}`: reason on a, code on b)
+        selected: dict[str, set[str]] = {}
+        for n, g in re.findall(r"\b((?:ei|process)_[a-z0-9_]+)\{([^}]*)\}", e):
+            selected.setdefault(n, set()).update(x.split("=")[0].strip(" !~") for x in g.split(",") if x.strip())
         assert names and names <= set(exported), (e, sorted(names - set(exported)))
         for n in names:
-            assert labels <= exported[n], (e, n, sorted(labels - exported[n]))
+            want = labels | (selected.get(n, set()) - SCRAPE_LABELS)
+            assert want <= exported[n], (e, n, sorted(want - exported[n]))
         # and with the functions their types allow (rate of a counter / bucket, quantiles of a histogram)
         assert not type_problems(e, kinds), (e, type_problems(e, kinds))
     # every latency on the cluster clock says so in its HELP (simulated s under --speedup); the directory's are wall s
