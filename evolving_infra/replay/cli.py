@@ -14,7 +14,7 @@ replay stops before its first request with an error, as it does while another ru
 
 The branch and agent ids sent to the cluster are the trace's prefixed with
 ``<run_id>:`` (``--branch-prefix``; recorded as ``meta.branch_prefix``): the
-router refuses a request for a branch that was ended (409 'branch ... was ended'),
+router refuses a request for a branch that was ended (400 'X-Branch-Id ... names a branch that was ended'),
 so replaying a trace a second time against the same cluster needs new ids. The
 records and the report keep the trace's ids.
 """
@@ -624,7 +624,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="order in which agents enter (closed and open loops): as in the trace (default), or shuffled by --seed")
     p.add_argument("--branch-prefix", default=None, metavar="STR",
                    help="put STR in front of every branch and agent id sent to the cluster (X-Branch-Id, "
-                   "X-Parent-Branch-Id, X-Agent-Id, branch ends); the router refuses a branch that was ended (409), "
+                   "X-Parent-Branch-Id, X-Agent-Id, branch ends); the router refuses a branch that was ended (400), "
                    "so each run needs ids of its own: default '<run id>:' (meta.run_id); '' sends the trace's ids "
                    f"as they are (once per cluster). No control characters (sent as UTF-8); a router refuses ids over {ROUTER_MAX_ID_LEN} characters (its "
                    "max_id_len), which the run warns of. Records and the report keep the trace's ids")

@@ -16,7 +16,7 @@ stay on the wall-based :meth:`SimClock.now`, comparable with the services' times
 
 The ids the cluster sees are the trace's with ``branch_prefix`` in front (branch,
 parent branch and agent alike): a router refuses a request for a branch that was
-ended (409), so a second replay of a trace against the same cluster needs ids of
+ended (400), so a second replay of a trace against the same cluster needs ids of
 its own (``evolving-infra replay`` prefixes its run id). Records keep the trace's ids.
 
 Each request carries an ``X-Request-ID`` made from ``branch_prefix`` + its record id

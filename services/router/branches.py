@@ -9,10 +9,15 @@ Transitions (one branch id)::
     unknown --observe--> active   (emits BranchStart once)
     active  --observe--> active   (no event)
     active  --end------> ended    (emits BranchEnd)
-    ended   --observe--> error BranchEnded        (HTTP 409)
-    ended   --end------> error BranchAlreadyEnded (HTTP 409)
+    ended   --observe--> error BranchEnded        (HTTP 400, param X-Branch-Id)
+    ended   --end------> error BranchAlreadyEnded (HTTP 410 Gone; a tool call on it too)
     unknown --end------> error UnknownBranch      (HTTP 404)
     unknown --observe with a parent that leads back to it--> error BranchCycle (HTTP 400, param X-Parent-Branch-Id)
+
+No refusal is a 408, 409, 429 or 5xx: the OpenAI Python SDK retries those (``openai._base_client._should_retry``,
+twice by default, with backoff), and each refusal here is answered the same again while the table holds the id
+(an ended id stays ended while remembered). The ended branch was a 409: a harness bug cost it 3 requests and a
+second or more of backoff for the same answer.
 
 A branch that is its own parent never reaches the table: the shell's header parser answers it 400
 (``api.branch_headers``).
@@ -73,13 +78,18 @@ class UnknownBranch(BranchError):
 
 
 class BranchAlreadyEnded(BranchError):
-    status = 409
+    """``POST /v1/branches/{id}/end`` or ``/tool-call`` on a branch that was ended: 410 Gone (RFC 9110 §15.5.11),
+    since the path names the branch and it stays ended while remembered (a 409 was retried by the OpenAI SDK)."""
+
+    status = 410
 
 
 class BranchEnded(BranchError):
-    """A request arrived for a branch that was ended."""
+    """A generation request whose ``X-Branch-Id`` names a branch that was ended: a 400 naming the header (the request
+    is wrong as sent, as OpenAI answers a body naming an object that is not there), not a 409 the OpenAI SDK retries
+    for the same answer."""
 
-    status = 409
+    status = 400
 
 
 class BranchCycle(BranchError):
@@ -349,7 +359,7 @@ class BranchTable:
             self._touch(branch_id, b, now)
             return None
         if branch_id in self._ended:
-            raise BranchEnded(f"branch {branch_id!r} was ended; start a new branch id")
+            raise BranchEnded(f"X-Branch-Id {branch_id!r} names a branch that was ended; start a new branch id")
         old = self._expired.pop(branch_id, None)
         if old is not None:  # a resume after a pause longer than the TTL: accepted, announced again
             self.resumed += 1
@@ -382,7 +392,7 @@ class BranchTable:
             The ``BranchToolCall`` to publish (the directory keeps the branch's blocks counted).
 
         Raises:
-            BranchEnded: the branch was ended.
+            BranchAlreadyEnded: the branch was ended.
             UnknownBranch: no request of it was seen (nor of it before it expired).
             ValueError: a negative or non-finite ``expected_s``.
         """
@@ -390,7 +400,7 @@ class BranchTable:
             raise ValueError(f"expected_s must be a finite number >= 0, got {expected_s!r}")
         self.expire(now)
         if branch_id in self._ended:
-            raise BranchEnded(f"branch {branch_id!r} was ended")
+            raise BranchAlreadyEnded(f"branch {branch_id!r} was ended")
         b = self._active.get(branch_id)
         if b is None:
             old = self._expired.pop(branch_id, None)

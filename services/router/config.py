@@ -302,7 +302,7 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         float, Meta(gt=0, description="wall seconds to receive a whole request body; then 408 and the connection is closed")
     ] = 30.0
     max_id_len: Annotated[int, Meta(ge=1, le=4096, description="longest accepted X-Branch-Id / X-Parent-Branch-Id / X-Agent-Id")] = 256
-    max_ended_branches: Annotated[int, Meta(ge=0, description="ended branch ids remembered (duplicate end -> 409)")] = 100_000
+    max_ended_branches: Annotated[int, Meta(ge=0, description="ended branch ids remembered (a request on one -> 400, its end or tool call -> 410)")] = 100_000
     max_active_branches: Annotated[
         int,
         Meta(ge=1, description="most active branches (X-Branch-Id) kept: a new branch past it evicts the least recently "

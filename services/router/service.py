@@ -3463,7 +3463,7 @@ class RouterService(WatchedService):
                 self._log_parents_missing()
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
-        except BranchError as e:  # an ended branch names X-Branch-Id (409); a cycle X-Parent-Branch-Id (400)
+        except BranchError as e:  # an ended branch names X-Branch-Id, a cycle X-Parent-Branch-Id (400s)
             return self._error(e.status, e.reason, e.param)
         branch_held = hdrs.branch_id  # observe counted a request in flight on it: done() once it is over
         # the body is read: receive() now returns only at a disconnect. A client gone while its body was parsed and

@@ -137,9 +137,10 @@ async def test_the_readme_harness_commands_work_as_written_and_do_what_it_says(c
         async with httpx.AsyncClient(base_url=cluster.router_url, timeout=30) as http:
             again = await http.post("/v1/chat/completions", headers={"X-Branch-Id": "task-42-explore"},
                                     json={"messages": [{"role": "user", "content": "more"}], "max_tokens": 2})  # fmt: skip
-            assert again.status_code == 409
-            assert again.json()["error"]["message"] == "branch 'task-42-explore' was ended; start a new branch id"  # as quoted
-            assert (await http.post("/v1/branches/task-42-explore/end")).status_code == 409
+            assert again.status_code == 400 and again.json()["error"]["param"] == "X-Branch-Id"
+            assert again.json()["error"]["message"] == (  # as quoted
+                "X-Branch-Id 'task-42-explore' names a branch that was ended; start a new branch id")
+            assert (await http.post("/v1/branches/task-42-explore/end")).status_code == 410
             assert (await http.post("/v1/branches/never-seen/tool-call")).status_code == 404
             metrics = (await http.get("/metrics")).text
         assert 'ei_router_branch_parents_missing_total{reason="unknown"} 0.0' in metrics  # the section's parents are known

@@ -1,6 +1,6 @@
 """The README's `replay` run twice against one running `up` cluster (NATS + every service as its
-own process): the first run ends its branches and the router refuses an ended branch id (409
-'branch ... was ended; start a new branch id'), which failed every request of the second run.
+own process): the first run ends its branches and the router refuses an ended branch id (a 409
+then, a 400 now: 'X-Branch-Id ... names a branch that was ended; start a new branch id'), which failed every request of the second run.
 Each run now sends its own ids ('<run id>:' before the trace's); `--branch-prefix ''` sends
 the trace's ids, once per cluster (~30 s)."""
 
@@ -41,6 +41,6 @@ def test_the_same_trace_replayed_twice_against_one_cluster(tmp_path):
         assert rc3 == 0 and exact["requests_failed"] == 0, text3
         assert rc4 == 1 and again["requests_failed"] == again["requests_sent"] > 0
         rows = [json.loads(line) for line in (tmp_path / "d" / "requests.jsonl").read_text().splitlines()]
-        assert all(r["status"] == 409 and "was ended" in r["error"] for r in rows)
+        assert all(r["status"] == 400 and "was ended" in r["error"] for r in rows)
     finally:
         faults.stop_up(run)

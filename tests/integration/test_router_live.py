@@ -372,14 +372,17 @@ async def test_branch_headers_events_and_end_endpoint(nats_url, tmp_path):
         assert [e.branch_id for e in ends] == ["agent7/branch:1"]
 
         dup = await env.http.post("/v1/branches/agent7%2Fbranch:1/end")
-        assert dup.status_code == 409 and "already ended" in dup.json()["error"]["message"]
+        assert dup.status_code == 410 and "already ended" in dup.json()["error"]["message"]  # 409 was retried by the SDKs
+        gone = await env.http.post("/v1/branches/agent7%2Fbranch:1/tool-call", json={"expected_s": 5})
+        assert gone.status_code == 410 and "was ended" in gone.json()["error"]["message"], gone.text
         unknown = await env.http.post("/v1/branches/never-seen/end")
         assert unknown.status_code == 404 and "unknown branch" in unknown.json()["error"]["message"]
         ctrl = await env.http.post("/v1/branches/bad%0Aid/end")
         assert ctrl.status_code == 400 and "control character" in ctrl.json()["error"]["message"]
         again = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers={"X-Branch-Id": "agent7/branch:1"})
-        assert again.status_code == 409 and "was ended" in again.json()["error"]["message"]
-        assert again.json()["error"]["param"] == "X-Branch-Id"
+        err = again.json()["error"]
+        assert again.status_code == 400 and "X-Branch-Id 'agent7/branch:1' names a branch that was ended" in err["message"]
+        assert err["param"] == "X-Branch-Id"
         # a→b→a (sub1's parent is agent7/main): a 400 naming the parent header, as a self-parent is; a 409 the OpenAI
         # SDKs retry (3 tries, with backoff) for the same answer
         for bid, parent, frag in (("agent7/main", "sub1", "cycle of parents ('agent7/main' -> 'sub1' -> 'agent7/main')"),
@@ -399,7 +402,8 @@ async def test_branch_headers_events_and_end_endpoint(nats_url, tmp_path):
             assert r.status_code == 400 and frag in r.json()["error"]["message"], (headers, r.text)
         st = await env.stats()
         assert st.counters["branches_started"] == 2 and st.counters["branches_ended"] == 1
-        assert st.counters["http_status.400"] == 7 and st.counters["http_status.409"] == 2 and st.counters["http_status.404"] == 1
+        assert st.counters["http_status.400"] == 8 and st.counters["http_status.410"] == 2 and st.counters["http_status.404"] == 1
+        assert "http_status.409" not in st.counters
 
 
 async def test_non_ascii_branch_and_agent_ids_are_utf8_in_headers_and_paths(nats_url, tmp_path):
@@ -424,7 +428,7 @@ async def test_non_ascii_branch_and_agent_ids_are_utf8_in_headers_and_paths(nats
         await _wait_for(lambda: any(isinstance(e, m.BranchEnd) for e in env.cluster.branch_events), what="BranchEnd")
         assert [e.branch_id for e in env.cluster.branch_events if isinstance(e, m.BranchEnd)] == ["zweig-ä"]
         again = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers={"X-Branch-Id": "zweig-ä".encode()})
-        assert again.status_code == 409, again.text  # the header names the branch the path ended
+        assert again.status_code == 400, again.text  # the header names the branch the path ended
         r = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers={"X-Branch-Id": "task…1".encode()})
         assert r.status_code == 200, r.text
         for headers, frag, param in [
@@ -444,7 +448,7 @@ async def test_latin1_and_utf8_header_bytes_name_one_branch_that_the_utf8_path_e
     """Python's ``requests`` / ``http.client`` and Node's ``fetch`` send ``X-Branch-Id: ast-ö`` as the latin-1 bytes
     ``ast-\\xf6`` (curl, aiohttp and Go as UTF-8) and build ``/v1/branches/ast-%C3%B6/end``. Those bytes were a 400
     "X-Branch-Id is not valid UTF-8 (byte 0xF6 ...)", so such a harness could not send the id at all. Now both byte
-    forms name ``ast-ö``: one branch (started once), ended by the UTF-8 path, a 409 after in either form."""
+    forms name ``ast-ö``: one branch (started once), ended by the UTF-8 path, a 400 after in either form."""
     async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
         body = {"prompt": [1, 2, 3], "max_tokens": 1}
         r = await env.http.post("/v1/completions", json=body, headers={"X-Branch-Id": "ast-ö".encode("latin-1"),
@@ -461,7 +465,7 @@ async def test_latin1_and_utf8_header_bytes_name_one_branch_that_the_utf8_path_e
         assert end.status_code == 200 and end.json() == {"branch_id": "ast-ö", "ended": True}, end.text
         for enc in ("latin-1", "utf-8"):
             again = await env.http.post("/v1/completions", json=body, headers={"X-Branch-Id": "ast-ö".encode(enc)})
-            assert again.status_code == 409 and "was ended" in again.json()["error"]["message"], (enc, again.text)
+            assert again.status_code == 400 and "was ended" in again.json()["error"]["message"], (enc, again.text)
         st = await env.stats()
         assert st.counters["branches_started"] == 1 and st.counters["branches_ended"] == 1
 

@@ -4,7 +4,7 @@
 ``POST /v1/branches/{id}/end``; ``GET /v1/cluster`` with a ``speedup`` only when given one (an older
 router's answer has none). Branch ids go through the router's own
 :class:`services.router.branches.BranchTable`: a request for a branch that was ended is
-answered 409 with the router's message, an end of an unknown or ended branch 404 / 409.
+answered with the router's status (400) and message, an end of an unknown or ended branch 404 / 410.
 Every request's path and agent headers are kept in ``seen``. ``faults`` scripts how the next completions
 are refused or broken (a retrying client's cases).
 """
@@ -126,7 +126,7 @@ class StubRouter:
             except UnknownBranch as e:
                 return 404, "application/json", json.dumps({"error": {"message": str(e)}}).encode()
             except BranchAlreadyEnded as e:
-                return 409, "application/json", json.dumps({"error": {"message": str(e)}}).encode()
+                return e.status, "application/json", json.dumps({"error": {"message": str(e)}}).encode()
             return 200, "application/json", b"{}"
         if target == "/v1/completions":
             try:
@@ -137,7 +137,7 @@ class StubRouter:
                 self.branches.observe(headers["x-branch-id"], 0.0, kind=headers.get("x-branch-kind", "main"),  # type: ignore[arg-type]
                                       parent=headers.get("x-parent-branch-id"), agent_id=headers.get("x-agent-id"))
             except BranchEnded as e:
-                return 409, "application/json", json.dumps({"error": {"message": str(e)}}).encode()
+                return e.status, "application/json", json.dumps({"error": {"message": str(e)}}).encode()
             if self.hold is not None:
                 assert self.received is not None
                 self.received.set()

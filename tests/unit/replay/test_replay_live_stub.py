@@ -91,7 +91,7 @@ def test_replaying_twice_against_the_same_cluster_is_not_refused(tmp_path, monke
         assert rc3 == 0 and exact["requests_failed"] == 0 and exact["meta"]["branch_prefix"] == ""
         assert rc4 == 1 and again["requests_failed"] == again["requests_sent"]
         refused = [json.loads(line) for line in (tmp_path / "d" / "requests.jsonl").read_text().splitlines()]
-        assert all(r["status"] == 409 and "was ended" in r["error"] for r in refused)
+        assert all(r["status"] == 400 and "was ended" in r["error"] for r in refused)
         exact_ids = {r["branch"] for r in (json.loads(line) for line in (tmp_path / "c" / "requests.jsonl").read_text().splitlines())}
         assert exact_ids <= {h.get("x-branch-id") for _, h in stub.seen}
 

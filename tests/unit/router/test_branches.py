@@ -6,7 +6,7 @@ import pytest
 
 from shared.messages import BranchEnd, BranchStart, BranchToolCall
 
-from services.router.branches import BranchAlreadyEnded, BranchCycle, BranchEnded, BranchTable, UnknownBranch
+from services.router.branches import BranchAlreadyEnded, BranchCycle, BranchEnded, BranchError, BranchTable, UnknownBranch
 
 
 def _evicted(t: BranchTable) -> list[str]:
@@ -33,10 +33,34 @@ def test_errors_with_http_status():
     t.end("b", 0.0)
     with pytest.raises(BranchAlreadyEnded) as e2:
         t.end("b", 0.0)
-    assert e2.value.status == 409
+    assert e2.value.status == 410  # the path names the branch, and it is gone
+    with pytest.raises(BranchAlreadyEnded) as e4:
+        t.tool_call("b", 0.0)
+    assert e4.value.status == 410
     with pytest.raises(BranchEnded) as e3:
         t.observe("b", 0.0)
-    assert e3.value.status == 409
+    assert (e3.value.status, e3.value.param) == (400, "X-Branch-Id") and "X-Branch-Id 'b'" in e3.value.reason
+
+
+def test_no_branch_refusal_is_a_status_the_openai_sdk_retries():
+    """The OpenAI Python SDK (``openai._base_client._should_retry``) retries 408, 409, 429 and 5xx (twice, with
+    backoff): an ended branch answered 409 cost a harness 3 requests and a second or more for the same answer, since
+    the id stays ended while remembered. Every refusal of the table is one a retry gets again: none may be one of
+    those statuses."""
+    sdk_retries = {408, 409, 429} | set(range(500, 600))
+    t = BranchTable()
+    t.observe("b", 0.0)
+    t.end("b", 0.0)
+    t.observe("x", 0.0, kind="fork", parent="y")
+    refusals = []
+    for op in (lambda: t.end("b", 0.0), lambda: t.tool_call("b", 0.0), lambda: t.observe("b", 0.0),
+               lambda: t.end("never", 0.0), lambda: t.tool_call("never", 0.0),
+               lambda: t.observe("y", 0.0, kind="fork", parent="x")):
+        try:
+            op()
+        except BranchError as e:
+            refusals.append(e.status)
+    assert len(refusals) == 6 and not sdk_retries & set(refusals), refusals
 
 
 def test_ended_ids_are_bounded():
