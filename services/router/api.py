@@ -776,10 +776,20 @@ def _check_tool_calls(messages: list[ChatMessage]) -> None:
     """Each of a message's ``tool_calls`` is OpenAI's ``ChatCompletionMessageToolCallParam`` (vLLM's requests take
     the same TypedDict, all keys required): ``{"id": str, "type": "function", "function": {"name": str,
     "arguments": str}}``; ``arguments`` is the call's JSON text, not parsed here (OpenAI: the model does not
-    always generate valid JSON), or the arguments as a JSON object, as newer vLLM takes them (its
-    ``_postprocess_messages`` hands an object to the template as it is; before, that was a 400 here). Other keys
-    are ignored, as vLLM's. The name must be non-empty, as a tool's (:func:`_check_tools`): a call to no function.
-    Unchecked, any shape (``[{}]``, arguments as a number) was served, rendered into the prompt as sent (or a
+    always generate valid JSON), or the arguments as a JSON object (vLLM's ``_postprocess_messages`` hands an object
+    to the template as it is; before, that was a 400 here). Other keys are ignored, as vLLM's.
+
+    Any other ``arguments`` (``null``, ``[]``, ``42``, ``true``) is a 400, as vLLM's server answers it: its
+    ``ChatCompletionRequest.messages`` items are OpenAI's TypedDicts (``vllm/entrypoints/chat_utils`` types:
+    ``ChatCompletionMessageParam``, ``arguments: Required[str]``); pydantic validates an assistant message's
+    ``tool_calls`` (an ``Iterable``) lazily, when ``_parse_chat_message_content`` lists them, and that raises a
+    ``ValidationError`` (a ``ValueError``: vLLM's 400) for a non-string. Its ``_postprocess_messages`` coerces
+    to ``{}`` only what passes that: the text ``""``, invalid JSON or JSON of a non-object (``"[]"``, ``"42"``,
+    ``"null"``), as :func:`_template_arguments` does, and what ``LLM.chat`` hands it unvalidated. (Checked
+    session 52 with vLLM's message types, openai 3.63 and pydantic 2.14: a string is served, every non-string,
+    an object too, raises on that listing; this router serves an object all the same.)
+
+    The name must be non-empty, as a tool's (:func:`_check_tools`): a call to no function. Unchecked, any shape (``[{}]``, arguments as a number) was served, rendered into the prompt as sent (or a
     template's error, a 400 naming only ``messages``).
 
     Raises:

@@ -377,8 +377,9 @@ def test_a_malformed_tool_call_of_a_message_is_a_400_naming_the_message():
     were not checked: ``[{}]``, a call without a function or with its arguments as an object were served 200
     with the sim tokenizer (rendered into the prompt as sent) and failed an HF chat template with a 400 that
     named only ``messages``. Each is now a 400 naming the message, the call and the field, on
-    ``/v1/chat/completions`` and ``/tokenize`` alike. ``arguments`` as an object is served, as newer vLLM serves it
-    (it was a 400 here); another type (array, number, boolean, null) is a 400."""
+    ``/v1/chat/completions`` and ``/tokenize`` alike. ``arguments`` as an object is served (vLLM's ``_postprocess_messages``
+    takes one; its server's request model refuses it: ``api._check_tool_calls``); another type (array, number,
+    boolean, null) is a 400, as vLLM's server answers it."""
     def says(calls: object, match: str, param: str) -> None:
         msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": calls},
                 {"role": "tool", "content": "out", "tool_call_id": "c1"}]
