@@ -344,6 +344,10 @@ class _Pending:
     """Output tokens in :attr:`queue` its response has not taken yet (``--max-buffered-output-tokens``)."""
     slow: bool = False
     """Aborted because its client did not take its output (``_abort_slow``): counted ``slow_client_aborts`` once."""
+    end_sent: bool = False
+    """Its stream's last event (the chunk with its ``finish_reason``, or an error event) was handed to the
+    connection: a send that stalls after it is the trailer's (usage chunk, ``[DONE]``, the empty last send), and
+    its request is counted as it ended (:meth:`RouterService._send_stalled`)."""
     reset: Callable[[], bool] | None = None
     """Resets its client's connection (a stream's, ``ingress.RESET_EXTENSION``) while its response is on, and says
     whether it did (a no-op once the response is complete or the connection closing); None: not a stream, or no
@@ -1584,11 +1588,22 @@ class RouterService(WatchedService):
         request stayed pending, its output held, its branch never idle. Its own bound, not ``--slow-client-grace-s``
         (which a send once shared: a client reading steadily at under ~4.8 KB/s was cut after that grace's 10 s, and
         a short grace raced the cap's own abort). One aborted at the cap already keeps the grace its abort gave it
-        (:meth:`_shed_slow_clients`). One whose body is all handed over (its end counted, forgotten: the response's
-        last send waits) is not aborted nor counted again; its connection is reset."""
+        (:meth:`_shed_slow_clients`).
+
+        A request whose end is settled is not aborted nor counted again (``slow_client_aborts`` counts requests that
+        ended, or would have, because of their client), only its connection reset (``slow_client_resets``) and
+        counted as it ended: its response's last event went out (``_Pending.end_sent``: the stall is on the usage
+        chunk, ``[DONE]`` or the empty last send; its body all handed over, its request forgotten, too), its end is
+        counted already (the router's own ``stop``), or it had failed (a timeout, a fence, its node's error: its
+        error event is what waits). Before, a stall on ``[DONE]`` counted ``abort`` and a slow-client abort while
+        one on the empty send after it counted ``length``; a request ended by its timeout was counted a slow-client
+        abort too, and ``abort`` instead of ``error``."""
         if p.slow:
             return
-        if self._pending.get(p.rid) is not p:
+        if (self._pending.get(p.rid) is not p or p.end_sent or p.counted is not None
+                or (p.done and p.end_reason in ("error", "abort"))):
+            self.log.info("stream send stalled once its request had ended; connection reset", rid=p.rid,
+                          stalled_s=self.cfg.stream_stall_timeout_s, finish_reason=p.counted or p.end_reason)
             self._reset_slow_client(p)
             return
         stall = self.cfg.stream_stall_timeout_s
@@ -3764,12 +3779,14 @@ class RouterService(WatchedService):
             while True:
                 if isinstance(item, _Failure):
                     yield sse(api.error_body(item.status, item.reason))
+                    p.end_sent = True
                     yield _SSE_DONE
                     completed = True
                     return
                 fail = self._chunk_failure(item) if item.finished else None
                 if fail is not None:
                     yield sse(api.error_body(fail.status, fail.reason))
+                    p.end_sent = True
                     yield _SSE_DONE
                     completed = True
                     return
@@ -3794,6 +3811,7 @@ class RouterService(WatchedService):
                     last = piece_obj(text, finish, stop_reason, calls)
                     last["ei"] = self._ei(p)
                     yield sse(last)
+                    p.end_sent = True
                     delivered()
                     break
                 if tools is not None:
@@ -3815,6 +3833,7 @@ class RouterService(WatchedService):
             self.log.error("unexpected error in a stream; ended with a 500 error event", rid=p.rid, error=repr(e), exc_info=e)
             self._failed_after_end(p, f"internal error in the router: {type(e).__name__}", "internal_error")
             yield sse(api.error_body(500, f"internal error in the router: {type(e).__name__}"))
+            p.end_sent = True
             yield _SSE_DONE
         finally:
             if not completed:
