@@ -598,11 +598,24 @@ class NodeLoadView(Value):
         return b
 
     def no_candidate_reason(self, role: str, now: float) -> str:
-        """Human-readable reason why no node of ``role`` (prefill|decode) is eligible."""
+        """Human-readable reason why no node of ``role`` (prefill|decode) is eligible: each node of the role (by its
+        state or its split) and why it is not, ``"; "``-joined. A node not fenced yet whose last state is older than
+        half the fence time (a node reports at least every ``--idle-state-interval-s``, 1 s) has its silence added
+        (``w1: switching decode->both; no state for 2.4 wall s (fenced at 3.0 wall s if none comes)``): before, a
+        frozen node asked to switch was said to be switching, and nothing said it no longer answered."""
         if self.clock is not None:
             now = self.clock()
         phases = PREFILL_PHASES if role == "prefill" else DECODE_PHASES
         parts: list[str] = []
+        w = self.wall_per_s or 1.0
+        unit = "wall s" if self.wall_per_s is not None else "s"
+
+        def silent(rec: NodeRecord) -> str:
+            age = now - rec.last_seen if rec.last_seen is not None else 0.0
+            if age <= self.fence_after / 2:
+                return ""
+            return f"; no state for {age * w:.1f} {unit} (fenced at {self.fence_after * w:.1f} {unit} if none comes)"
+
         for rec in sorted(self.nodes.values(), key=lambda r: r.node):
             if rec.phase not in phases and (rec.state is None or rec.state.phase not in phases):
                 continue
@@ -618,9 +631,9 @@ class NodeLoadView(Value):
                 else:
                     parts.append(f"{rec.node}: fenced (no state for {age:.1f} s, past the fence time of {self.fence_after:.1f} s)")
             elif not rec.state.accepting:
-                parts.append(f"{rec.node}: not accepting (draining)")
+                parts.append(f"{rec.node}: not accepting (draining){silent(rec)}")
             elif rec.split_phase is not None and rec.split_phase != rec.state.phase:
-                parts.append(f"{rec.node}: switching {rec.state.phase}->{rec.split_phase}")
+                parts.append(f"{rec.node}: switching {rec.state.phase}->{rec.split_phase}{silent(rec)}")
         what = "prefill (phase prefill or both)" if role == "prefill" else "decode (phase decode) or collocated (both)"
         detail = "; ".join(parts) if parts else NO_SUCH_NODE
         return f"no live {what} node: {detail}"
