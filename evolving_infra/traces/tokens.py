@@ -17,6 +17,14 @@ Block-size conversion (:func:`rechunk_blocks`) is explicit, never implicit:
   blocks inside the coarse partial tail get fresh private ids (from a
   :class:`PrivateIds` allocator, in [2**47, 2**48)) unless the source knows the
   tail's coarse id (``tail_block``, e.g. Mooncake's last hash id).
+  Every valid id can be split: a block whose ``b*m + m - 1`` would reach
+  ``PRIVATE_ID_BASE`` (large ids, e.g. 47-bit hashes at ``m >= 2``) instead takes
+  ``m`` fresh consecutive ids from the trace's :class:`PrivateIds` allocator, the
+  same ``m`` ids wherever ``b`` appears (:meth:`PrivateIds.split`: a dense
+  renumbering in first-appearance order, deterministic). Prefix identity is kept
+  (fine block ``k`` of ``b`` is the same id in every request, distinct coarse
+  blocks get distinct ids, and the fresh ids never meet a ``b*m + k`` id, which
+  stays below ``PRIVATE_ID_BASE``); ids small enough keep ``b*m + k`` exactly.
 * coarser (e.g. 64 → 512, ``m = 8``): coarse block ``j`` takes the id of its
   last fine block, ``blocks[m*j + m - 1]``. Ids are chained (an id stands for its
   whole prefix), so this is exact.
@@ -77,10 +85,12 @@ class PrivateIds:
     allocator per output trace.
     """
 
-    __slots__ = ("next",)
+    __slots__ = ("next", "splits")
 
     def __init__(self, start: int = PRIVATE_ID_BASE) -> None:
         self.next = start
+        self.splits: dict[tuple[int, int], int] = {}
+        """(coarse id, m) -> first of the ``m`` fresh ids :meth:`split` gave it"""
 
     def take(self, n: int) -> range:
         """``n`` fresh ids.
@@ -93,6 +103,20 @@ class PrivateIds:
             raise ValueError("private block id range exhausted")
         self.next = start + n
         return range(start, start + n)
+
+    def split(self, block: int, m: int) -> range:
+        """The ``m`` fine ids of coarse block ``block`` when ``block*m + k`` would leave the
+        shared range: fresh ids taken at its first call, the same range at every later call
+        with the same ``(block, m)`` (so a shared coarse block stays shared, fine block by fine
+        block).
+
+        Raises:
+            ValueError: the private range is exhausted.
+        """
+        start = self.splits.get((block, m))
+        if start is None:
+            start = self.splits[(block, m)] = self.take(m).start
+        return range(start, start + m)
 
 
 def rechunk_blocks(
@@ -110,47 +134,63 @@ def rechunk_blocks(
         blocks: ids of the full ``from_size`` blocks (``len == input_tokens // from_size``).
         input_tokens: input length in tokens.
         from_size, to_size: block sizes in tokens; one must divide the other.
-        private: allocator for the fine blocks of a coarse tail without a source id
-            (required when there are such blocks).
+        private: allocator for the fine blocks of a coarse tail without a source id and
+            for the fine ids of coarse ids too large for ``b*m + k`` (required when there
+            are such blocks; one allocator per output trace, used in file order).
         tail_block: the source's id of the partial coarse block, if it has one.
 
     Returns:
         ``input_tokens // to_size`` ids.
 
     Raises:
-        ValueError: sizes do not divide one another, ``blocks`` has the wrong
-            length, an id is too large to split (the result must stay below
-            PRIVATE_ID_BASE), or private ids are needed and ``private`` is None.
+        ValueError: sizes do not divide one another (the message says which sizes
+            would do), ``blocks`` has the wrong length, an id is outside
+            [0, MAX_BLOCK_ID], or private ids are needed and ``private`` is None.
     """
     if len(blocks) != input_tokens // from_size:
         raise ValueError(f"{len(blocks)} blocks but input_tokens // from_size = {input_tokens // from_size}")
     if to_size == from_size:
         return list(blocks)
     n_out = input_tokens // to_size
+    if to_size % from_size and from_size % to_size:
+        raise ValueError(
+            f"{to_size}-token blocks cannot be made from {from_size}-token blocks: the target size must "
+            f"divide {from_size} or be a multiple of it (e.g. {_size_hint(from_size)}); pick such a block "
+            f"size, or convert the source again at {to_size} tokens"
+        )
     if to_size > from_size:
-        if to_size % from_size:
-            raise ValueError(f"block size {to_size} is not a multiple of {from_size}")
         m = to_size // from_size
         return [blocks[m * j + m - 1] for j in range(n_out)]
-    if from_size % to_size:
-        raise ValueError(f"block size {from_size} is not a multiple of {to_size}")
     m = from_size // to_size
     limit = (PRIVATE_ID_BASE - 1) // m
     out: list[int] = []
     for b in blocks:
-        if not 0 <= b <= limit:
-            raise ValueError(f"block id {b} cannot be split by {m} (ids must be in [0, {limit}])")
-        base = b * m
-        out.extend(range(base, base + m))
+        if 0 <= b <= limit:
+            base = b * m
+            out.extend(range(base, base + m))
+        elif not 0 <= b <= MAX_BLOCK_ID:
+            raise ValueError(f"block id {b} is outside [0, {MAX_BLOCK_ID}] (docs/trace-format.md §4)")
+        elif private is None:
+            raise ValueError(f"block id {b} is too large for {b}*{m}+k: pass a PrivateIds allocator")
+        else:
+            out.extend(private.split(b, m))
     rest = n_out - len(out)
     if rest:
         if tail_block is not None and 0 <= tail_block <= limit:
             out.extend(range(tail_block * m, tail_block * m + rest))
+        elif tail_block is not None and 0 <= tail_block <= MAX_BLOCK_ID and private is not None:
+            out.extend(private.split(tail_block, m)[:rest])
         elif private is None:
             raise ValueError("the coarse tail holds full fine blocks: pass a PrivateIds allocator")
         else:
             out.extend(private.take(rest))
     return out
+
+
+def _size_hint(size: int) -> str:
+    """A few block sizes a ``size``-token trace converts to (its divisors >= 4, then 2x and 8x)."""
+    divs = [d for d in range(4, size + 1) if size % d == 0][-4:]
+    return ", ".join(str(x) for x in [*divs, 2 * size, 8 * size])
 
 
 def rechunk_request(req: TraceRequest, from_size: int, to_size: int, private: PrivateIds | None = None) -> TraceRequest:
