@@ -586,7 +586,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--from",
         dest="from_kind",
         default="canonical",
-        choices=["canonical", "claude-code-weka", "mooncake", "mini-swe-agent", "azure"],
+        choices=["canonical", "claude-code-weka", "mooncake", "mini-swe-agent", "azure", "openai-chat"],
         help="input kind (default canonical)",
     )
     p.add_argument(

@@ -90,6 +90,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return 2
     if args.from_kind in SKIPPING_CONVERTERS:
         options["strict"] = args.strict
+    if args.from_kind == "openai-chat":
+        options["tokenizer"] = args.tokenizer or "sim"
+    elif args.tokenizer is not None:
+        print("error: --tokenizer applies to openai-chat only", file=sys.stderr)
+        return 2
     try:  # an output that is a file of a folder named as input would replace it too
         files: Sequence[Any] = input_files(args.from_kind, args.inputs)
     except ConvertError:  # named by convert_to_file below, as before
@@ -119,7 +124,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-SKIPPING_CONVERTERS = ("claude-code-weka", "mini-swe-agent", "mooncake", "azure")
+SKIPPING_CONVERTERS = ("claude-code-weka", "mini-swe-agent", "mooncake", "azure", "openai-chat")
 """Converters that skip a file they cannot read, and (mooncake, azure) a malformed row, naming it
 with the reason on stderr (``--strict``: stop at the first)."""
 
@@ -322,7 +327,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--block-size",
         type=int,
         default=None,
-        help="output block size in tokens (default: the source's, 64 for claude-code-weka / mini-swe-agent / azure, "
+        help="output block size in tokens (default: the source's, 64 for claude-code-weka / mini-swe-agent / azure / openai-chat, "
         "512 for mooncake); conversion rule in docs/trace-format.md §4",
     )
     c.add_argument("--no-shared-prefix", action="store_true", help="claude-code-weka: keep the tool+system prefix per session")
@@ -334,6 +339,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     c.add_argument("--infer-sessions", action="store_true", help="mooncake: link rows that extend an earlier row's path into agents")
     c.add_argument("--min-shared-blocks", type=int, default=2, help="mooncake: shortest earlier path a row may extend (default 2)")
+    c.add_argument("--tokenizer", default=None, help="openai-chat: tokenizer of the rendered messages, sim (default) or "
+                   "hf:<tokenizer.json or model folder> (docs/trace-format.md §7.5)")
     g = c.add_mutually_exclusive_group()
     g.add_argument("--progress", dest="progress", action="store_true", default=None, help="show progress on stderr (default): a bar on a terminal, else a line every 5 s")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress")

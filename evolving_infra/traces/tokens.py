@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import hashlib
+
 import msgspec
 import numpy as np
 
@@ -43,6 +45,7 @@ __all__ = [
     "MAX_BLOCK_ID",
     "PRIVATE_ID_BASE",
     "PrivateIds",
+    "blocks_from_tokens",
     "prompt_token_ids",
     "rechain_blocks",
     "rechunk_blocks",
@@ -76,6 +79,43 @@ def prompt_token_ids(req: TraceRequest, block_size: int) -> np.ndarray:
     if not tail_n:
         return head
     return np.concatenate([head, tokens_for_tail(req.id, tail_n)])
+
+
+def blocks_from_tokens(tokens: Sequence[int] | np.ndarray, block_size: int) -> list[int]:
+    """Chained block ids of a token sequence: the ids a trace's ``blocks`` takes for a prompt
+    of these tokens (docs/trace-format.md §4).
+
+    Block ``j`` (tokens ``[j*block_size, (j+1)*block_size)``) gets the first 47 bits of
+    ``d_j = BLAKE2b-128(d_{j-1} ‖ its tokens as little-endian uint64)`` (``d_{-1}`` empty), so
+    an id names its whole prefix: equal ids at a position mean equal tokens up to it, and two
+    prompts share exactly the ids of their common full leading blocks. Ids are in
+    ``[0, PRIVATE_ID_BASE)``, the converters' part of the range (``trace validate`` accepts
+    them; ``shared.hashing.block_hashes`` gives signed 64-bit hashes, which it does not).
+    The partial last block (``len(tokens) % block_size`` tokens) gets no id.
+
+    Args:
+        tokens: token ids, each in [0, 2**64).
+        block_size: tokens per block (>= 1).
+
+    Returns:
+        ``len(tokens) // block_size`` ids.
+
+    Raises:
+        ValueError: ``block_size < 1`` or a negative token id.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, not {block_size}")
+    arr = np.asarray(tokens)
+    if arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0):
+        raise ValueError("token ids must be integers >= 0")
+    raw = arr.astype("<u8").tobytes()
+    step = 8 * block_size
+    out: list[int] = []
+    digest = b""
+    for j in range(len(arr) // block_size):
+        digest = hashlib.blake2b(digest + raw[j * step:(j + 1) * step], digest_size=16).digest()
+        out.append(int.from_bytes(digest[:8], "little") & (PRIVATE_ID_BASE - 1))
+    return out
 
 
 class PrivateIds:

@@ -24,6 +24,7 @@ CONVERTERS: dict[str, str] = {
     "mooncake": "evolving_infra.traces.convert.mooncake",
     "mini-swe-agent": "evolving_infra.traces.convert.mini_swe_agent",
     "azure": "evolving_infra.traces.convert.azure",
+    "openai-chat": "evolving_infra.traces.convert.openai_chat",
 }
 """Input kind → module with ``convert(inputs, *, progress, **options)``."""
 
