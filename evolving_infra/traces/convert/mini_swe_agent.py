@@ -169,13 +169,13 @@ def _usage(m: dict[str, Any], path: Path, n: int) -> tuple[int, int, int, float,
         p = int(usage["prompt_tokens"])
         c = int(usage["completion_tokens"])
     except (KeyError, TypeError, ValueError):
-        raise ConvertError(f"{path}: assistant message {n} lacks usage.prompt_tokens / completion_tokens") from None
+        raise ConvertError(f"{path}: assistant message {n} lacks extra.response.usage.prompt_tokens / extra.response.usage.completion_tokens (docs/trace-format.md §7.3)") from None
     details = usage.get("prompt_tokens_details") or {}
     cached = int(details.get("cached_tokens") or usage.get("prompt_cache_hit_tokens") or 0)
     ts = extra.get("timestamp")
     created = resp.get("created")
     if ts is None or created is None:
-        raise ConvertError(f"{path}: assistant message {n} lacks extra.timestamp or response.created")
+        raise ConvertError(f"{path}: assistant message {n} lacks extra.timestamp or extra.response.created (docs/trace-format.md §7.3)")
     return p, c, cached, float(created), float(ts)
 
 

@@ -151,3 +151,16 @@ def test_blocks_from_tokens_chain_and_range() -> None:
     assert blocks_from_tokens(list(range(7)), 8) == [] and all(0 <= x < PRIVATE_ID_BASE for x in a)
     with pytest.raises(ValueError):
         blocks_from_tokens([1, -2], 1)
+
+
+def test_mini_swe_agent_errors_name_the_full_path_of_the_missing_field(tmp_path: Path) -> None:
+    """The error named ``usage.prompt_tokens``; the field lives at ``messages[].extra.response.usage``."""
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a", "extra": {}}]
+    f = tmp_path / "x.traj.json"
+    f.write_text(json.dumps({"instance_id": "x", "messages": msgs}))
+    with pytest.raises(ConvertError, match=r"lacks extra\.response\.usage\.prompt_tokens / extra\.response\.usage\.completion_tokens"):
+        convert_inputs("mini-swe-agent", [f], strict=True)
+    msgs[2]["extra"] = {"response": {"usage": {"prompt_tokens": 5, "completion_tokens": 1}}}
+    f.write_text(json.dumps({"instance_id": "x", "messages": msgs}))
+    with pytest.raises(ConvertError, match=r"lacks extra\.timestamp or extra\.response\.created"):
+        convert_inputs("mini-swe-agent", [f], strict=True)
