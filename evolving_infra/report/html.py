@@ -101,7 +101,7 @@ _LABELS = {k: label for k, label, _, _ in HEADLINE_METRICS} | {
     "cached_tokens_total": "Cached prompt tokens",
     "completion_tokens_total": "Completion tokens",
     "prefill_queue_samples": "Requests reporting queue time",
-    "split_changes": "Split points after launch (one per node step)",
+    "split_changes": "Splits served after launch (intermediate included)",
     "split_decisions": "Planner split decisions",
     "final_split": "Final split",
     "switch_drain_mean_s": "Drain time per switch",

@@ -370,7 +370,7 @@ def summarize(
 
 def split_decisions(report: Mapping[str, Any]) -> int | None:
     """Planner split decisions of a report (:meth:`RunTimeline.split_decisions` of its ``timeline``), for display
-    next to ``switches`` (node phase switches) and ``split_changes`` (split points, one per node step); derived
+    next to ``switches`` (node phase switches) and ``split_changes`` (changes of the split served); derived
     from ``report["timeline"]``, not a ``report.json`` key. None without a timeline."""
     tl = report.get("timeline")
     if not isinstance(tl, Mapping):
@@ -395,7 +395,13 @@ def timeline_metrics(timeline: RunTimeline | None, *, start: float | None = None
       ``applied_at`` in ``[start, end]`` when given;
     * ``switch_time_mean_s``: mean ``switch_s`` (decision → serving the new
       phase, drain included) over those switches;
-    * ``split_changes``: split points after the first (in the window);
+    * ``split_changes``: changes of the split served after the launch split (in
+      the window): timeline points whose ``split`` differs from the point
+      before, so intermediate splits count (a decision whose 3 nodes finish
+      their drains at 3 instants is 3: 4P2D → 3P3D → 2P4D → 1P5D), nodes that
+      change at one instant count once (a 0-s drain moving 4 nodes is 1), and
+      points that only mark a node draining (``switching``; the split is
+      unchanged until it serves its new phase) do not count;
     * ``split_timeline``: ``[[t, split], ...]`` in time order (all points);
     * ``final_split``: the split in force at ``end`` (or the last one).
 
@@ -413,7 +419,7 @@ def timeline_metrics(timeline: RunTimeline | None, *, start: float | None = None
     hi = math.inf if end is None else end
     sw = [s for s in timeline.switches if lo <= s.applied_at <= hi]
     points = timeline.split_timeline
-    changes = sum(1 for p in points[1:] if lo <= p.t <= hi)
+    changes = sum(1 for a, b in zip(points, points[1:]) if b.split != a.split and lo <= b.t <= hi)
     final = timeline.split_at(hi) if end is not None else (points[-1] if points else None)
     return {
         "switches": len(sw),

@@ -116,7 +116,7 @@ def test_report_compare_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert rows["switches"]["values"] == [3, None] and rows["switches"]["ratios"] == [None, None]
     assert rows["switches"]["label"] == "Node phase switches"
     assert rows["split_decisions"]["values"] == [2, None] and rows["split_decisions"]["label"] == "Planner split decisions"
-    assert rows["split_changes"]["label"] == "Split points after launch (one per node step)"
+    assert rows["split_changes"]["label"] == "Splits served after launch (intermediate included)"
     assert "Planner split decisions" in text and "Split changes" not in text
 
 
