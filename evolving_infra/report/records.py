@@ -6,15 +6,32 @@ One record per line in ``requests.jsonl`` next to ``report.json``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 
+def _always(factory: Callable[[], Any]) -> Any:
+    """A field default that ``omit_defaults`` never leaves out: msgspec omits a field at its default
+    only for defaults given by value (and empty-collection factories), so a field made by another
+    factory is written whatever its value (``tests/unit/report/test_records_schema.py`` holds it)."""
+    return msgspec.field(default_factory=factory)
+
+
 class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Measurements of one request (send → first token → last token)."""
+    """Measurements of one request (send → first token → last token).
+
+    One JSON object per line of ``requests.jsonl``, the same schema from the simulator and a live
+    replay (``evolving_infra/report/README.md``, "requests.jsonl"): the outcome and the counters an
+    analyst filters or averages (``ok``, ``status``, ``branch_kind``, ``admission_wait_s``, the token
+    counts, ``cached_tokens``, ``fetched_tokens``, ``retries``, ``retry_wait_s``) are always written,
+    0 included, so that a mean over the file counts every request; the optional measurements (None:
+    not known, not measured) and an empty ``fetch_sources`` are left out, which a reader takes as
+    missing (pandas: NaN), not as 0.
+    """
 
     id: str
     """Trace request id."""
@@ -28,23 +45,23 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     was accepted: find it by ``x_request_id`` in the router's ``request rejected`` line)."""
     agent: str
     branch: str
-    branch_kind: str = "main"
+    branch_kind: str = _always(lambda: "main")
     sent_at: float
     """Simulated time the request was sent."""
-    ok: bool = True
-    status: int = 200
+    ok: bool = _always(lambda: True)
+    status: int = _always(lambda: 200)
     error: str | None = None
     ttft_s: float | None = None
     """Send → first token, plus the agent's admission wait on its first request."""
     e2e_s: float | None = None
     """Send → last token, plus the admission wait on the agent's first request."""
-    admission_wait_s: float = 0.0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
+    admission_wait_s: float = _always(float)
+    prompt_tokens: int = _always(int)
+    completion_tokens: int = _always(int)
+    cached_tokens: int = _always(int)
     """Prompt tokens served from KV cache (any tier), as reported in usage."""
-    expected_prompt_tokens: int = 0
-    expected_completion_tokens: int = 0
+    expected_prompt_tokens: int = _always(int)
+    expected_completion_tokens: int = _always(int)
     prefill_node: str | None = None
     decode_node: str | None = None
     finished_at: float | None = None
@@ -74,19 +91,19 @@ class RequestRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Nodes the prefill node fetched this request's prefix KV from (peer fetch while queued,
     paper §4.2), sorted; empty when it fetched nothing. Live: the router's fetch plan for the
     attempt that produced the first token (``ei.fetch_sources``); simulated: the same plan."""
-    fetched_tokens: int = 0
+    fetched_tokens: int = _always(int)
     """Prompt tokens whose KV came from those peers and was used (part of ``cached_tokens``;
     ``TokenChunk.fetched_tokens`` / ``TokensOut.fetched_tokens``); 0 without a fetch."""
     fetch_s: float | None = None
     """Peer fetch time: fetch start → blocks in the prefill node's L2 (s), when it fetched."""
     exposed_fetch_s: float | None = None
     """The part of ``fetch_s`` that outlasted the queue wait (s), when it fetched."""
-    retries: int = 0
+    retries: int = _always(int)
     """Live: times the replayer sent the request again after it was refused before any answer (429 / 503, a
     connection refused or reset before the first byte: ``evolving_infra.replay.retry``); ``ok`` and ``error`` are the
     last send's, ``sent_at``, TTFT and E2E count from the first (the waits included, as the agent waited). 0 when
     the first send was answered (or simulated)."""
-    retry_wait_s: float = 0.0
+    retry_wait_s: float = _always(float)
     """Live, a retried request: local s (simulated, as ``ttft_s``) from its first send to its last one, the refused
     sends and the waits between them (``Retry-After``, backoff), part of ``ttft_s`` and ``e2e_s`` (the agent waited) but
     neither the router's control plane nor its node's TTFT: the report's ``ttft_control_plane_*`` and TTFT

@@ -35,7 +35,8 @@ def test_a_peer_fetch_shows_its_sources_tokens_and_time_in_requests_jsonl(tmp_pa
     for line, r in zip(lines, recs):
         if r.fetch_s is None:
             assert r.fetch_sources == [] and r.fetched_tokens == 0 and r.exposed_fetch_s is None
-            assert not {"fetch_sources", "fetched_tokens", "fetch_s", "exposed_fetch_s"} & set(line)
+            assert not {"fetch_sources", "fetch_s", "exposed_fetch_s"} & set(line)
+            assert line["fetched_tokens"] == 0  # a counter: always written, so that a mean counts every request
 
 
 def test_a_run_without_fetches_shows_none(tmp_path):
@@ -43,4 +44,5 @@ def test_a_run_without_fetches_shows_none(tmp_path):
     lines, recs = _lines(tmp_path, "strand", res.records)
     assert recs and all(r.ok for r in recs)
     assert all(r.fetch_sources == [] and r.fetched_tokens == 0 and r.fetch_s is None and r.exposed_fetch_s is None for r in recs)
-    assert not any({"fetch_sources", "fetched_tokens", "fetch_s", "exposed_fetch_s"} & set(line) for line in lines)
+    assert not any({"fetch_sources", "fetch_s", "exposed_fetch_s"} & set(line) for line in lines)
+    assert all(line["fetched_tokens"] == 0 for line in lines)
