@@ -103,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         profile=args.profile,
         gpus_per_node=args.gpus_per_node,
         host_capacity_tokens=args.host_capacity_tokens,
+        gpu_kv_tokens=args.gpu_kv_tokens,
         block_size=args.block_size,
         policy=args.policy,
         split=args.split,
@@ -310,7 +311,7 @@ def _simulate_held(args: argparse.Namespace, cfg: SimConfig, requests: Any, bs: 
     """The run (or sweep) of :func:`_cmd_simulate` once it holds ``out``; returns the exit code."""
     from evolving_infra.report.write import print_summary, report_line, write_report
     from evolving_infra.replay.core import ReplayError
-    from evolving_infra.sim.config import SimConfigError
+    from evolving_infra.sim.config import SimConfigError, seed_unused_note
     from evolving_infra.sim.planners import ComponentMissing
     from evolving_infra.sim.run import simulate, warmup_outlasted, warmup_outlasted_note, write_decisions
 
@@ -325,6 +326,8 @@ def _simulate_held(args: argparse.Namespace, cfg: SimConfig, requests: Any, bs: 
         except OSError as e:  # an item's report could not be written (disk full, ...)
             print(f"error: {out}: cannot write: {e}", file=sys.stderr)
             return 2
+    if unused := seed_unused_note([cfg]):
+        print(f"note: {unused}", file=sys.stderr)
     try:
         res = simulate(cfg, requests, bs, meta=prov, setup_wall_s=setup, progress=True, leave_for_exit=True)
     except (SimConfigError, ComponentMissing, ReplayError) as e:  # a component's bad option (--planner-opt ...) names itself
@@ -394,7 +397,12 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--profile", default="gb300-glm52", help="node profile name or TOML path (default gb300-glm52)")
     c.add_argument("--split", default=None, help="initial split xPyD (default: the policy set's, else round(2N/3) prefill); "
                    "one other than a static:xPyD set's own is served and names the set (static:5P1D --split 3P1D: static:3P1D)")
-    c.add_argument("--host-capacity-tokens", type=int, default=None, help="per-node L2 capacity in tokens (default: the profile's)")
+    c.add_argument("--host-kv-tokens", "--host-capacity-tokens", dest="host_capacity_tokens", type=int, default=None, metavar="N",
+                   help="per-node L2 (host) KV capacity in tokens, the profile's memory.host_kv_tokens overridden (default: "
+                   "the profile's); --host-kv-tokens as 'up' names it, --host-capacity-tokens the same flag; >= the GPU KV capacity")
+    c.add_argument("--gpu-kv-tokens", type=int, default=None, metavar="N",
+                   help="per-node L1 (GPU) KV capacity in tokens, the profile's memory.gpu_kv_tokens overridden (default: the "
+                   "profile's); with a small --host-kv-tokens, a small trace fills both tiers and exercises eviction")
     c.add_argument("--block-size", type=int, default=None,
                    help="simulation block size in tokens; the trace is converted (e.g. 512 for speed; default: the profile's)")
     c.add_argument("--partitions", type=int, default=1, help="partitions (paper D.2): agents bound by hash, one cluster slice each (default 1)")
@@ -430,7 +438,12 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--trace-arrivals", action="store_true", help="agents start at their recorded arrival_s")
     a.add_argument("--duration", type=float, default=None, help="stop at this simulated second (default: when the input is exhausted)")
     a.add_argument("--warmup", type=float, default=0.0, help="leave requests sent before this second out of the metrics")
-    a.add_argument("--seed", type=int, default=0, help="seed of the arrival process and seeded policies (default 0)")
+    a.add_argument("--seed", type=int, default=0,
+                   help="seed of what draws at random (default 0): the open loop's arrival times (--arrival-rate), the "
+                   "agents' order under --agent-order shuffled, and dynamo-kv routing with --routing-opt dynamo_temperature>0. "
+                   "In a closed loop or with --trace-arrivals, agents in trace order and no such routing it moves nothing: every "
+                   "seed gives the same run (only meta.seed differs; a note says so). The evolving planner's fit reservoir "
+                   "takes --planner-opt seed=N instead")
     a.add_argument("--agent-order", choices=("trace", "shuffled"), default="trace",
                    help="order in which the input's agents enter (closed and open loops): as in the trace (default), "
                    "or shuffled by --seed (another sample of sessions, for run-to-run spread)")

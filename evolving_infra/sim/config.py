@@ -63,7 +63,12 @@ class SimConfig:
     """Must equal the profile's ``gpus_per_node`` (a profile is one node; write a new
     profile for another node size)."""
     host_capacity_tokens: int | None = None
-    """Per-node L2 capacity override (tokens); ≥ the profile's L1 capacity."""
+    """Per-node L2 capacity override (tokens, the profile's ``memory.host_kv_tokens``); ≥ the node's L1
+    capacity (``simulate --host-kv-tokens``, alias ``--host-capacity-tokens``)."""
+    gpu_kv_tokens: int | None = None
+    """Per-node L1 (GPU KV) capacity override (tokens, the profile's ``memory.gpu_kv_tokens``;
+    ``simulate --gpu-kv-tokens``): with ``host_capacity_tokens``, a small trace can fill both tiers
+    and exercise eviction."""
     block_size: int | None = None
     """Simulation block size (tokens); the trace is converted (``rechunk_request``)."""
     policy: str = "static"
@@ -160,6 +165,45 @@ class SimConfig:
         raise SimConfigError(f"arrival must be closed, open or trace, got {self.arrival!r}")
 
 
+def seed_draws(cfg: SimConfig) -> list[str]:
+    """What ``cfg.seed`` (``simulate --seed``) moves in this run: the open loop's arrival times
+    (``arrival == "open"``), the order agents enter in (``agent_order == "shuffled"``, closed and
+    open loops) and the ``dynamo-kv`` router's choice among equal costs (its
+    ``dynamo_temperature`` option > 0). Empty when none applies: a closed loop, ``trace``
+    arrivals or a schedule, agents in trace order, no randomized routing; then any seed gives
+    the same run (only ``meta.seed`` differs). The evolving planner's fit reservoir is seeded by
+    ``--planner-opt seed=N``, not by this.
+
+    Returns:
+        One short description per seeded part (``[]``: the seed moves nothing).
+    """
+    out: list[str] = []
+    if not cfg.schedule and cfg.arrival == "open":
+        out.append("the open loop's arrival times (--arrival-rate)")
+    if not cfg.schedule and cfg.arrival in ("closed", "open") and cfg.agent_order == "shuffled":
+        out.append("the agents' order (--agent-order shuffled)")
+    routing: str | None
+    try:
+        routing = cfg.routing or policy_set(cfg.policy).routing
+    except PolicyError:  # resolve() says so, naming the flag
+        routing = cfg.routing
+    temperature = cfg.routing_options.get("dynamo_temperature", 0.0)
+    if routing == "dynamo-kv" and isinstance(temperature, (int, float)) and temperature > 0:
+        out.append("the dynamo-kv router's ties (dynamo_temperature > 0)")
+    return out
+
+
+def seed_unused_note(cfgs: list[SimConfig]) -> str | None:
+    """A note for a non-default ``--seed`` that moves nothing in any of ``cfgs`` (a run, or a
+    sweep's items; :func:`seed_draws`), else None."""
+    if not cfgs or cfgs[0].seed == 0 or any(seed_draws(c) for c in cfgs):
+        return None
+    return (f"--seed {cfgs[0].seed} changes nothing in this run: nothing in it draws at random (a closed loop or "
+            "recorded arrivals, agents in trace order, no randomized routing), so every seed gives the same "
+            "requests.jsonl; the seed moves --arrival-rate's arrivals, --agent-order shuffled and dynamo-kv "
+            "routing with --routing-opt dynamo_temperature>0")
+
+
 class Resolved(FrozenValue):
     """A run's concrete components (what ``report.json`` records under ``meta.sim``)."""
 
@@ -200,13 +244,24 @@ def _profile(cfg: SimConfig) -> Profile:
         if cfg.block_size < 1:
             raise SimConfigError("--block-size must be >= 1")
         top["block_size"] = cfg.block_size
+    memory = p.memory
+    if cfg.gpu_kv_tokens is not None:
+        if cfg.gpu_kv_tokens < 1:
+            raise SimConfigError(f"--gpu-kv-tokens must be >= 1, not {cfg.gpu_kv_tokens}")
+        memory = msgspec.structs.replace(memory, gpu_kv_tokens=cfg.gpu_kv_tokens)
     if cfg.host_capacity_tokens is not None:
-        if cfg.host_capacity_tokens < p.memory.gpu_kv_tokens:
-            raise SimConfigError(
-                f"--host-capacity-tokens {cfg.host_capacity_tokens} is below the node's GPU KV capacity "
-                f"({p.memory.gpu_kv_tokens} tokens): L2 is written through and must hold L1"
-            )
-        top["memory"] = msgspec.structs.replace(p.memory, host_kv_tokens=cfg.host_capacity_tokens)
+        memory = msgspec.structs.replace(memory, host_kv_tokens=cfg.host_capacity_tokens)
+    if memory.host_kv_tokens < memory.gpu_kv_tokens:
+        gpu = f"--gpu-kv-tokens {cfg.gpu_kv_tokens}" if cfg.gpu_kv_tokens is not None else f"profile {p.name!r}"
+        host = (f"--host-kv-tokens {cfg.host_capacity_tokens}" if cfg.host_capacity_tokens is not None
+                else f"profile {p.name!r}'s host KV capacity ({memory.host_kv_tokens} tokens)")
+        raise SimConfigError(
+            f"{host} is below the node's GPU KV capacity ({memory.gpu_kv_tokens} tokens, {gpu}): L2 is written "
+            "through and must hold L1; lower --gpu-kv-tokens too, or raise --host-kv-tokens (alias "
+            "--host-capacity-tokens)"
+        )
+    if memory is not p.memory:
+        top["memory"] = memory
     return msgspec.structs.replace(p, **top) if top else p
 
 

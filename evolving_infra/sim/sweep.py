@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from evolving_infra.sim.config import SimConfig, SimConfigError
+from evolving_infra.sim.config import SimConfig, SimConfigError, seed_unused_note
 from evolving_infra.sim.policies import PolicyError, policy_set, serving
 from evolving_infra.sim.pool import fork_pool
 from evolving_infra.traces.schema import TraceRequest
@@ -148,7 +149,9 @@ def fit_planner_options(items: list[tuple[str, SimConfig]]) -> tuple[list[tuple[
             if dropped:
                 kept = {k: v for k, v in c.planner_options.items() if k not in dropped}
                 c = replace(c, planner_options=kept)
-                notes.append(f"{label}: --planner-opt {', '.join(dropped)} not given (planner {planner!r} does not take it)")
+                notes.append(f"{label}: --planner-opt {', '.join(dropped)} not given (planner {planner!r} does not take it; "
+                             "the sweep gives each item the options its planner takes, where a single run of "
+                             f"{label} refuses them)")
         out.append((label, c))
     return out, notes
 
@@ -199,9 +202,32 @@ def _simulate_item(
         raise
     row = {k: res.report.get(k) for k in SUMMARY_KEYS}
     row.update(label=label, dir=str(dest), elsewhere=dest != d, simulated_s=res.report["simulated_s"],
+               planner=res.resolved.policy.planner, initial_split=res.resolved.split,
                warmup_outlasted_until_s=warmup_outlasted(res.stats.planner_decisions, res.report["simulated_s"],
                                                           res.report.get("switches") or 0))
     return row
+
+
+ADAPTIVE_BASELINES = ("dynamo", "arrow")
+"""Planners that change the split as the load moves, with no warm-up of their own (the evolving planner's
+is :func:`~evolving_infra.sim.run.warmup_outlasted`'s)."""
+
+
+def never_adapted_note(row: dict[str, Any]) -> str | None:
+    """One line (no ``note:`` prefix) for a sweep item whose adaptive baseline planner (:data:`ADAPTIVE_BASELINES`)
+    switched no node in the whole run: it served its initial split throughout, so it measured that static
+    split, not the policy adapting (a short run: its load never crossed the planner's thresholds); None
+    otherwise (other planners, or a run with switches).
+
+    Args:
+        row: a sweep summary row (``planner``, ``initial_split``, ``switches``, ``simulated_s``, ``label``).
+    """
+    if row.get("planner") not in ADAPTIVE_BASELINES or row.get("switches"):
+        return None
+    split = row.get("initial_split")
+    return (f"{row['label']} never changed its split in {row['simulated_s']:,.0f} s (its {row['planner']} planner "
+            f"switched no node): it served {split} throughout, as static:{split} does, so it measured that "
+            "static split, not the policy adapting; run longer (--duration, more agents) to see it adapt")
 
 
 def _item_line(row: dict[str, Any]) -> str:
@@ -246,6 +272,8 @@ def run_sweep(
     items, notes = fit_planner_options(sweep_items(cfg, spec))
     for note in notes:
         print(f"note: {note}", flush=True)
+    if unused := seed_unused_note([c for _, c in items]):
+        print(f"note: {unused}", file=sys.stderr, flush=True)
     sizes = {resolve(c).profile.block_size for _, c in items}  # fails before any run
     from evolving_infra.out_folder import OutFolderError, check_previous_run, recover_set_aside
 
@@ -295,6 +323,8 @@ def run_sweep(
     for r in rows:
         if late := warmup_outlasted_note(r["label"], r["warmup_outlasted_until_s"], r["simulated_s"]):
             print(f"note: {late}")
+        elif still := never_adapted_note(r):
+            print(f"note: {still}")
     print(f"best by throughput: {best['label']} ({best['throughput_rps'] or 0:.3f} req/s)")
     print(f"sweep: {out / 'sweep.json'}")
     failed = 0

@@ -1,0 +1,103 @@
+"""``simulate`` flags a researcher's own small trace needs: ``--gpu-kv-tokens`` / ``--host-kv-tokens`` (alias
+``--host-capacity-tokens``) so that it can evict, what ``--seed`` moves (and a note when it moves nothing), and the
+sweep's notes (a ``--planner-opt`` left out of an item, a baseline planner that never adapted)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from evolving_infra.cli import build_parser, main
+from evolving_infra.sim.config import SimConfig, SimConfigError, resolve, seed_draws, seed_unused_note
+from evolving_infra.sim.sweep import fit_planner_options, never_adapted_note, sweep_items
+
+RUN = ["simulate", "--workload", "claude-code", "--agents", "12", "--nodes", "2", "--policy", "static:1P1D",
+       "--concurrency", "12", "--duration", "1500", "--no-plots"]
+
+
+def _report(out: Path) -> dict:
+    return json.loads((out / "report.json").read_text())
+
+
+def test_lower_gpu_and_host_kv_make_a_small_trace_evict(tmp_path: Path):
+    """12 generated agents on 2 default nodes never fill 2.06M tokens of GPU KV: no reuse lost. With
+    --gpu-kv-tokens 600000 and --host-kv-tokens 600000 (before: no GPU flag, and a host capacity below the
+    profile's GPU KV refused) they do, and the reuse lost is eviction's; both values reach report meta."""
+    assert main([*RUN, "--out", str(tmp_path / "big")]) == 0
+    big = _report(tmp_path / "big")
+    assert big["lost_kv_reuse"] == 0.0 and big["meta"]["gpu_kv_tokens"] == 2_060_000
+    assert main([*RUN, "--out", str(tmp_path / "small"), "--gpu-kv-tokens", "600000", "--host-kv-tokens", "600000"]) == 0
+    small = _report(tmp_path / "small")
+    assert small["meta"]["gpu_kv_tokens"] == 600_000 and small["meta"]["host_kv_tokens"] == 600_000
+    assert small["lost_kv_reuse"] > 0.05 and small["lost_kv_reuse_eviction_share"] > 0.9
+    assert small["requests_failed"] == 0
+
+
+def test_host_flag_names_and_the_error_naming_them(capsys: pytest.CaptureFixture[str]):
+    p = build_parser()
+    for flag in ("--host-kv-tokens", "--host-capacity-tokens"):
+        args = p.parse_args(["simulate", "--workload", "putnam", flag, "5000", "--gpu-kv-tokens", "4000"])
+        assert (args.host_capacity_tokens, args.gpu_kv_tokens) == (5000, 4000)
+    with pytest.raises(SystemExit):
+        p.parse_args(["simulate", "--help"])
+    helptext = capsys.readouterr().out
+    assert "--host-kv-tokens N, --host-capacity-tokens N" in helptext and "--gpu-kv-tokens N" in helptext
+    with pytest.raises(SimConfigError, match=r"--host-kv-tokens 40000 is below the node's GPU KV capacity \(2060000 "
+                       r"tokens, profile 'gb300-glm52'\).*lower --gpu-kv-tokens"):
+        resolve(SimConfig(host_capacity_tokens=40_000))
+    with pytest.raises(SimConfigError, match="--gpu-kv-tokens 9000000.*raise --host-kv-tokens"):
+        resolve(SimConfig(gpu_kv_tokens=9_000_000))
+    with pytest.raises(SimConfigError, match="--gpu-kv-tokens must be >= 1"):
+        resolve(SimConfig(gpu_kv_tokens=0, host_capacity_tokens=10))
+    mem = resolve(SimConfig(gpu_kv_tokens=30_000, host_capacity_tokens=40_000)).profile.memory
+    assert (mem.gpu_kv_tokens, mem.host_kv_tokens) == (30_000, 40_000)
+    small = SimConfig(nodes=3, gpu_kv_tokens=30_000, host_capacity_tokens=40_000)
+    for spec in (["policies", "dynamo,static:1P2D"], ["splits"]):  # every sweep item runs with them
+        for _label, c in sweep_items(small, spec):
+            mem = resolve(c).profile.memory
+            assert (mem.gpu_kv_tokens, mem.host_kv_tokens) == (30_000, 40_000)
+
+
+def test_what_the_seed_moves():
+    closed = SimConfig(seed=7)
+    assert seed_draws(closed) == [] and "--seed 7 changes nothing" in (seed_unused_note([closed]) or "")
+    assert seed_unused_note([replace(closed, seed=0)]) is None  # the default seed: nothing to say
+    assert seed_draws(replace(closed, arrival="trace", agent_order="shuffled")) == []  # recorded arrivals: no order drawn
+    assert len(seed_draws(replace(closed, arrival="open"))) == 1
+    assert len(seed_draws(replace(closed, agent_order="shuffled"))) == 1
+    assert seed_draws(replace(closed, routing="dynamo-kv")) == []  # temperature 0: no draw
+    hot = replace(closed, routing="dynamo-kv", routing_options={"dynamo_temperature": 0.5})
+    assert len(seed_draws(hot)) == 1
+    assert seed_unused_note([closed, hot]) is None  # a sweep in which one item draws
+
+
+def test_a_seed_that_moves_nothing_is_noted(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """--seed 0 and --seed 7 of a closed loop in trace order wrote the same requests.jsonl, saying nothing."""
+    short = [*RUN[:-3], "--duration", "120", "--no-plots"]
+    assert main([*short, "--out", str(tmp_path / "s0")]) == 0
+    assert "--seed" not in capsys.readouterr().err
+    assert main([*short, "--out", str(tmp_path / "s7"), "--seed", "7"]) == 0
+    assert "note: --seed 7 changes nothing in this run" in capsys.readouterr().err
+    assert (tmp_path / "s0" / "requests.jsonl").read_bytes() == (tmp_path / "s7" / "requests.jsonl").read_bytes()
+    assert main([*short, "--out", str(tmp_path / "s7s"), "--seed", "7", "--agent-order", "shuffled"]) == 0
+    assert "changes nothing" not in capsys.readouterr().err
+
+
+def test_sweep_notes_say_why_an_option_is_left_out_and_when_a_baseline_never_adapted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    single = ["simulate", "--workload", "claude-code", "--agents", "3", "--nodes", "3", "--duration", "30", "--no-plots"]
+    assert main([*single, "--policy", "static:1P2D", "--planner-opt", "t_learn_s=60", "--out", str(tmp_path / "x")]) == 2
+    assert "planner 'static' takes no parameters, got ['t_learn_s']" in capsys.readouterr().err  # a single run: refused
+    cfg = SimConfig(nodes=3, planner_options={"t_learn_s": 60})
+    _items, notes = fit_planner_options(sweep_items(cfg, ["policies", "evolving,static:1P2D"]))
+    assert notes == ["static:1P2D: --planner-opt t_learn_s not given (planner 'static' does not take it; the sweep "
+                     "gives each item the options its planner takes, where a single run of static:1P2D refuses them)"]
+    row = {"label": "dynamo", "planner": "dynamo", "initial_split": "2P1D", "switches": 0, "simulated_s": 300.0}
+    note = never_adapted_note(row) or ""
+    assert "dynamo never changed its split in 300 s" in note and "as static:2P1D does" in note
+    assert never_adapted_note(dict(row, switches=2)) is None
+    assert never_adapted_note(dict(row, planner="static")) is None
+    assert never_adapted_note(dict(row, label="evolving", planner="evolving")) is None  # its warm-up note says it
