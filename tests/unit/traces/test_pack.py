@@ -5,6 +5,7 @@ reason, and its requests are held to every rule a trace's lines are."""
 from __future__ import annotations
 
 import json
+import random
 import zlib
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import pytest
 from evolving_infra.cli import main
 from evolving_infra.traces import pack
 from evolving_infra.traces.compact import read_trace_compact
-from evolving_infra.traces.io import TraceError, iter_requests, iter_validate, read_trace, write_trace
+from evolving_infra.traces.io import TraceError, _Validator, iter_requests, iter_validate, read_trace, write_trace
+from evolving_infra.traces.schema import TraceRequest
 from tests.unit.traces.test_compact import BS, HEADER
 from tests.unit.traces.test_compact_text import STORE_ARRAYS, _random_requests
 
@@ -190,3 +192,52 @@ def test_cli_pack_to_a_path_it_cannot_write_says_so(tmp_path: Path, capsys) -> N
     with pytest.raises(OSError):  # ... and the .tmp written before it is removed
         pack.write_packed(dest / "o.eipack", read_trace_compact(src))
     assert sorted(p.name for p in dest.iterdir()) == ["o.eipack"]
+
+
+def _mutated(seed: int) -> list[TraceRequest]:
+    """A random trace (``_random_requests``) with about one request in four broken in one way a pack's
+    requests can be: a repeated id, another agent, a kind or parent set mid-branch, ``after`` naming an
+    unknown, repeated or other agent's request, a request after its branch ended."""
+    rng = random.Random(seed)
+    reqs = _random_requests(seed)
+    out: list[TraceRequest] = []
+    for r in reqs:
+        if out and rng.random() < 0.25:
+            prev = rng.choice(out)
+            r = rng.choice((
+                lambda: msgspec.structs.replace(r, id=prev.id),
+                lambda: msgspec.structs.replace(r, agent=prev.agent if prev.agent != r.agent else r.agent + "x"),
+                lambda: msgspec.structs.replace(r, kind="fork"),
+                lambda: msgspec.structs.replace(r, parent_branch=prev.branch),
+                lambda: msgspec.structs.replace(r, after=["nope"]),
+                lambda: msgspec.structs.replace(r, after=[prev.id]),
+                lambda: msgspec.structs.replace(r, after=[prev.id, prev.id]),
+                lambda: msgspec.structs.replace(r, branch=prev.branch),
+                lambda: msgspec.structs.replace(r, input_tokens=r.input_tokens + BS),
+                lambda: msgspec.structs.replace(r, ends_branch=not r.ends_branch),
+            ))()
+        out.append(r)
+    return out
+
+
+def test_check_all_is_feed_checked_of_each_request() -> None:
+    # read_packed's loop (Validator.check_all takes the usual request itself): the same problems,
+    # and the same ids, lines and branches after, as feed_checked request by request
+    broken = 0
+    for seed in range(400):
+        reqs = _mutated(seed)
+        counts = [r.input_tokens // BS + (seed % 7 == 3 and i % 5 == 1) for i, r in enumerate(reqs)]
+        one, all_ = _Validator(), _Validator()
+        for v in (one, all_):
+            v.header, v.block_size = HEADER, BS
+        for i, (r, nb) in enumerate(zip(reqs, counts)):
+            one.feed_checked(i + 2, r, nb)
+        all_.check_all(reqs, counts)
+        for v in (one, all_):
+            v.finish(len(reqs) + 1)
+        assert all_.problems == one.problems, seed
+        assert (all_.ids, all_.id_line) == (one.ids, one.id_line), seed
+        assert ({b: (x.agent, x.first_line, x.last_line, x.ended_line) for b, x in all_.branches.items()}
+                == {b: (x.agent, x.first_line, x.last_line, x.ended_line) for b, x in one.branches.items()}), seed
+        broken += bool(one.problems)
+    assert 100 < broken < 400  # the mutations break many traces, not all
