@@ -542,7 +542,9 @@ def _simulate(
     try:
         reqs = convert_block_size(requests, trace_block_size, bs)
     except ValueError as e:
-        raise SimConfigError(f"--block-size {bs}: cannot convert the trace's {trace_block_size}-token blocks ({e})") from e
+        # name where the block size came from: the flag, else the profile (a `--profile tiny` run never gave --block-size)
+        given = f"--block-size {bs}" if cfg.block_size is not None else f"the profile {run.profile.name!r}'s block size {bs}"
+        raise SimConfigError(f"{given}: cannot convert the trace's {trace_block_size}-token blocks ({e})") from e
     blocks_of = None
     if isinstance(reqs, CompactTrace):  # stubs; their ids are rebuilt as each is sent
         blocks_of = reqs.blocks_of

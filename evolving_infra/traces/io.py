@@ -72,7 +72,7 @@ PACK_MAGIC = b"\x93EITPACK"
 _PACKED = "a packed trace (trace pack): simulate --trace reads it; the other commands read the .jsonl[.gz] it was packed from"
 _NOT_CANONICAL = ("not a canonical trace (its line 1 is the header {\"format\": \"" + FORMAT + "\", ...}); a raw public "
                   "trace is converted first: evolving-infra trace convert --from "
-                  "{azure,claude-code-weka,mini-swe-agent,mooncake} IN... -o OUT.jsonl.gz (docs/trace-format.md)")
+                  "{azure,claude-code-weka,mini-swe-agent,mooncake,openai-chat} IN... -o OUT.jsonl.gz (docs/trace-format.md)")
 """Appended to an invalid line-1 header: a raw WEKA Claude Code file given to ``simulate --trace`` read only
 'invalid trace header: Object missing required field `format`', naming neither the cause nor the command."""
 _HEADER_DECODER = msgspec.json.Decoder(TraceHeader)

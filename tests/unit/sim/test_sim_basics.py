@@ -139,3 +139,14 @@ def test_every_policy_set_serves_everything(policy):
     res = simulate(SimConfig(nodes=3, profile="tiny", policy=policy, concurrency=6), reqs, BS)
     assert res.report["requests_completed"] == len(reqs) and res.report["requests_failed"] == 0
     assert res.report["meta"]["policy"]["name"] == policy
+
+
+def test_block_size_error_names_where_the_size_came_from():
+    """A trace whose blocks cannot be converted names the flag only when it was given, else the profile: a newcomer's
+    `simulate --profile tiny` on a 48-token trace read "--block-size 4: ..." though they never passed --block-size."""
+    reqs = chain_agent("a", 1)
+    odd = BS * 2 + 1  # neither divides the profile's size nor is divided by it
+    with pytest.raises(SimConfigError, match=r"^the profile 'tiny''s block size \d+: cannot convert the trace's "):
+        simulate(tiny(), reqs, odd)
+    with pytest.raises(SimConfigError, match=r"^--block-size 8: cannot convert the trace's "):
+        simulate(tiny(block_size=8), reqs, odd)
