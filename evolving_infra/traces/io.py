@@ -33,6 +33,7 @@ from __future__ import annotations
 import gc
 import gzip
 import os
+import re
 import zlib
 from bisect import bisect_right
 from collections import deque
@@ -76,6 +77,19 @@ _NOT_CANONICAL = ("not a canonical trace (its line 1 is the header {\"format\": 
 """Appended to an invalid line-1 header: a raw WEKA Claude Code file given to ``simulate --trace`` read only
 'invalid trace header: Object missing required field `format`', naming neither the cause nor the command."""
 _HEADER_DECODER = msgspec.json.Decoder(TraceHeader)
+_STR_FIELD = re.compile(rb'"(id|branch|agent)"\s*:\s*("(?:[^"\\]|\\.)*")')
+"""A request line's ``"id"``/``"branch"``/``"agent"`` string pairs, found in a line that is not JSON
+(:meth:`_Validator._remember_unreadable`)."""
+
+
+def _json_str(raw: bytes) -> str | None:
+    """The string a JSON string literal (quotes included) stands for; None when it is not one."""
+    try:
+        v = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    return v if isinstance(v, str) else None
+
 
 def trace_identity(header: TraceHeader, requests: Sequence[Any]) -> dict[str, Any]:
     """``meta`` keys that name a run's input trace by its content, whichever file held it (a ``.jsonl.gz`` or the
@@ -585,10 +599,14 @@ class _Validator:
         return None
 
     def _remember_unreadable(self, line: int, raw: bytes) -> None:
+        """Take the ``id``, ``branch`` and ``agent`` of a line that is no valid request as known, so that the
+        lines after it that name them report no problems of their own ("after references unknown request",
+        "first request of branch ... must set kind"): one bad line, one problem. A line that is not even JSON
+        (cut short, say) gives them by a string match of its top-level ``"id": "..."`` style pairs."""
         try:
             obj = _ANY_DECODER.decode(raw)
         except msgspec.DecodeError:
-            return
+            obj = {k.decode(): _json_str(v) for k, v in _STR_FIELD.findall(raw)[::-1]}  # the first of a key wins
         if not isinstance(obj, dict):
             return
         rid, br, agent = obj.get("id"), obj.get("branch"), obj.get("agent")
@@ -616,6 +634,7 @@ class _Validator:
             ids_checked = False
         except msgspec.DecodeError as e:
             self._bad(line, f"invalid JSON: {_short(e)}")
+            self._remember_unreadable(line, raw)
             return None
         n_before = len(self.problems)
         self._check_request(line, req, ids_checked=ids_checked)

@@ -308,3 +308,21 @@ def test_a_utf8_bom_before_the_header_is_skipped_by_every_reader(tmp_path: Path)
     path = _write_lines(tmp_path / "mid.jsonl", _good_lines())
     path.write_bytes(path.read_bytes().replace(b'{"id": "s0"', b'\xef\xbb\xbf{"id": "s0"'))
     assert [p.line for p in iter_validate(path)][:1] == [3]
+
+
+def test_a_line_cut_short_names_its_request_so_nothing_cascades(tmp_path: Path) -> None:
+    """One line that is not JSON (a request cut short) is one problem: the lines after it that name its id as their
+    predecessor, or continue the branch it opened, report nothing of their own (a newcomer's truncated line 61 gave
+    '62: after references unknown request' and '62: first request of branch ... must set kind' besides)."""
+    sub = _req("s0", branch="a:sub", kind="subagent", parent_branch="a:main", after=["r0"])
+    cut = json.dumps(sub)[:-25]  # the line cut inside its last fields: its "id", "agent" and "branch" are still there
+    lines = [
+        HEADER,  # 1
+        _req("r0", kind="main"),  # 2
+        cut,  # 3 bad JSON, opening branch a:sub
+        _req("s1", branch="a:sub", after=["s0"], ends_branch=True),  # 4 continues a:sub after s0: no problem of its own
+        _req("r1", after=["r0"], ends_branch=True),  # 5
+    ]
+    assert '"id": "s0"' in cut and '"branch": "a:sub"' in cut and '"agent": "a"' in cut, cut
+    problems = list(iter_validate(_write_lines(tmp_path / "cut.jsonl", lines)))
+    assert [(p.line, p.reason.split(":")[0]) for p in problems] == [(3, "invalid JSON")], problems
