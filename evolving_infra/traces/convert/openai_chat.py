@@ -47,9 +47,11 @@ Conversion:
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import math
+import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -76,9 +78,13 @@ _TIME_KEYS = ("timestamp", "start_time", "startTime", "created", "request_time")
 _END_KEYS = ("end_time", "endTime", "completed_at")
 _OUT_KEYS = ("response.usage.completion_tokens", "usage.completion_tokens", "completion_tokens", "usage.output_tokens")
 _PROMPT_KEYS = ("response.usage.prompt_tokens", "usage.prompt_tokens", "prompt_tokens")
-_SESSION_KEYS = ("session_id", "session", "conversation_id", "metadata.session_id")
+_SESSION_KEYS = ("session_id", "session", "conversation_id", "metadata.session_id", "trace_id")
+_USER_KEYS = ("user", "end_user")
 _CALLER_KEYS = ("agent_id", "metadata.agent_id")
+_FAILED = ("failure", "error", "failed")
 _KINDS = ("main", "fork", "subagent")
+#: send times above this look like milliseconds (1e11 s is the year 5138)
+_MS_LIKE = 1e11
 
 
 def _get(d: dict[str, Any], dotted: str) -> Any:
@@ -91,6 +97,7 @@ def _get(d: dict[str, Any], dotted: str) -> Any:
 
 
 def _first(d: dict[str, Any], keys: Sequence[str]) -> Any:
+    """The first of ``keys`` present with a value other than None or "" (0 counts)."""
     for k in keys:
         v = _get(d, k)
         if v is not None and v != "":
@@ -99,23 +106,32 @@ def _first(d: dict[str, Any], keys: Sequence[str]) -> Any:
 
 
 def _time(v: Any, what: str) -> float:
+    """Unix seconds of ``v`` (a number, a numeric string or ISO 8601; no zone = UTC).
+
+    Raises:
+        ConvertError: not a time, or not finite (nan, inf).
+    """
     if isinstance(v, bool):
         raise ConvertError(f"{what} {v!r} is not a time")
+    t: float | None = None
     if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, str):
+        t = float(v)
+    elif isinstance(v, str):
         try:
-            return float(v)
+            t = float(v)
         except ValueError:
-            pass
-        try:
-            t = _dt.datetime.fromisoformat(v.replace("Z", "+00:00"))
-        except ValueError:
-            raise ConvertError(f"{what} {v!r} is neither unix seconds nor ISO 8601") from None
-        if t.tzinfo is None:
-            t = t.replace(tzinfo=_dt.timezone.utc)
-        return t.timestamp()
-    raise ConvertError(f"{what} {v!r} is not a time")
+            try:
+                d = _dt.datetime.fromisoformat(v.replace("Z", "+00:00"))
+            except ValueError:
+                raise ConvertError(f"{what} {v!r} is neither unix seconds nor ISO 8601") from None
+            if d.tzinfo is None:
+                d = d.replace(tzinfo=_dt.timezone.utc)
+            t = d.timestamp()
+    if t is None:
+        raise ConvertError(f"{what} {v!r} is not a time")
+    if not math.isfinite(t):
+        raise ConvertError(f"{what} {v!r} is not a finite time")
+    return t
 
 
 def _headers(d: dict[str, Any]) -> dict[str, str]:
@@ -126,50 +142,83 @@ def _headers(d: dict[str, Any]) -> dict[str, str]:
     return {}
 
 
+def _part(p: Any) -> Any:
+    """A content part as a template renders it: a text part is its text; any other part
+    keeps its fields but not ``cache_control`` (a provider hint no template renders)."""
+    if not isinstance(p, dict):
+        return p
+    if p.get("type") == "text":
+        return {"type": "text", "text": p.get("text")}
+    return {k: v for k, v in p.items() if k != "cache_control"}
+
+
 def _norm(m: Any) -> bytes:
-    """A message's identity for prefix matching: its role, content and tool fields."""
+    """A message's identity for prefix matching: what a chat template renders of it (role,
+    content, name, tool calls, tool call id), with content parts reduced by :func:`_part`."""
     if not isinstance(m, dict):
         raise ConvertError(f"a message is a {type(m).__name__}, not an object")
     keep = {k: m[k] for k in ("role", "content", "name", "tool_calls", "tool_call_id") if m.get(k) is not None}
+    if isinstance(keep.get("content"), list):
+        keep["content"] = [_part(p) for p in keep["content"]]
     return msgspec.json.encode(keep, order="sorted")
 
 
-class _Line:
-    __slots__ = ("branch_hdr", "caller", "end", "kind_hdr", "line", "msgs", "n_out", "n_prompt", "parent_hdr",
-                 "raw", "session", "t", "tools", "model")
+def _prefix_hashes(msgs: list[Any]) -> list[bytes]:
+    """``h[k]`` = a 128-bit digest of messages ``0..k`` (chained: O(the messages' bytes))."""
+    out: list[bytes] = []
+    h = b""
+    for m in msgs:
+        n = _norm(m)
+        h = hashlib.blake2b(h + len(n).to_bytes(8, "little") + n, digest_size=16).digest()
+        out.append(h)
+    return out
 
-    def __init__(self, d: dict[str, Any], line: int, default_session: str, counts: Counter[str]) -> None:
+
+class _Line:
+    __slots__ = ("branch_hdr", "caller", "end", "fi", "has_session", "kind_hdr", "line", "n_out", "n_prompt",
+                 "parent_hdr", "path", "ph", "raw", "session", "t", "tools", "model")
+
+    def __init__(self, d: dict[str, Any], path: Path, fi: int, line: int, default_session: str, counts: Counter[str]) -> None:
         body: dict[str, Any] = d
         for k in ("request", "body"):
             if isinstance(d.get(k), dict):
                 body = d[k]
                 break
+        mp = d.get("model_parameters")  # LiteLLM's StandardLoggingPayload: the request's other parameters
+        params: dict[str, Any] = mp if isinstance(mp, dict) else {}
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise ConvertError("no 'messages' list (in 'request', 'body' or the line itself)")
         self.raw = msgs
-        self.msgs = [_norm(m) for m in msgs]
-        tools = body.get("tools")
+        self.ph = _prefix_hashes(msgs)
+        tools = body.get("tools") or params.get("tools")
         self.tools = tools if isinstance(tools, list) and tools else None
         self.model = str(body.get("model") or d.get("model") or "") or None
         t = _first(d, _TIME_KEYS)
         if t is None:
             raise ConvertError(f"no send time (one of {', '.join(_TIME_KEYS)})")
         self.t = _time(t, "send time")
+        if self.t > _MS_LIKE:
+            counts["send_times_over_1e11"] += 1
         e = _first(d, _END_KEYS)
         self.end = _time(e, "end time") if e is not None else None
         out = _first(d, _OUT_KEYS)
-        if out is None and body.get("max_tokens") is not None:
-            out = body.get("max_tokens")
-            counts["output_tokens_from_max_tokens"] += 1
-        if out is None or isinstance(out, bool) or not isinstance(out, (int, float)) or out < 0:
+        if out is None:
+            out = _first(body, ("max_tokens", "max_completion_tokens")) if body is not d else None
+            if out is None:
+                out = _first(d, ("max_tokens", "max_completion_tokens", "model_parameters.max_tokens",
+                                 "model_parameters.max_completion_tokens"))
+            if out is not None:
+                counts["output_tokens_from_max_tokens"] += 1
+        if out is None or isinstance(out, bool) or not isinstance(out, (int, float)) or not 0 <= out < math.inf:
             raise ConvertError(f"no completion token count ({', '.join(_OUT_KEYS)}, or the request's max_tokens)")
         self.n_out = int(out)
         p = _first(d, _PROMPT_KEYS)
-        self.n_prompt = int(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else None
+        self.n_prompt = int(p) if isinstance(p, (int, float)) and not isinstance(p, bool) and math.isfinite(p) else None
         h = _headers(d)
-        sess = _first(d, _SESSION_KEYS) or h.get("x-agent-id") or d.get("user") or default_session
-        self.session = str(sess)
+        sess = _first(d, _SESSION_KEYS)
+        if sess is None:
+            sess = h.get("x-agent-id") or _first(d, _USER_KEYS)
         caller = _first(d, _CALLER_KEYS)
         self.caller = str(caller) if caller is not None else ""
         self.branch_hdr = h.get("x-branch-id") or (str(d["branch_id"]) if d.get("branch_id") else None)
@@ -177,79 +226,125 @@ class _Line:
         self.kind_hdr = h.get("x-branch-kind") or (str(d["branch_kind"]) if d.get("branch_kind") else None)
         if self.kind_hdr is not None and self.kind_hdr not in _KINDS:
             raise ConvertError(f"branch kind {self.kind_hdr!r} is not one of {', '.join(_KINDS)}")
+        # a line with branch headers but no session id belongs to its file's session
+        self.has_session = sess is not None or self.branch_hdr is not None
+        self.session = str(sess) if sess is not None else default_session
+        self.path = path
+        self.fi = fi
         self.line = line
 
 
 class _Branch:
-    __slots__ = ("caller", "children", "first_msg", "id", "last", "last_msgs", "parent", "reqs")
+    __slots__ = ("caller", "children", "first", "id", "kind", "last", "last_hash", "last_n", "last_tokens", "parent")
 
-    def __init__(self, bid: str, caller: str, parent: str | None) -> None:
+    def __init__(self, bid: str, caller: str, parent: str | None, kind: BranchKind) -> None:
         self.id = bid
         self.caller = caller
         self.parent = parent
-        self.last: str | None = None
-        self.last_msgs: list[bytes] = []
-        self.first_msg: bytes | None = None
+        self.kind = kind
+        self.last: str | None = None  # id of its latest request
+        self.last_hash = b""  # prefix hash of that request's messages
+        self.last_n = 0  # its message count
+        self.last_tokens = 0  # its rendered length
+        self.first = b""  # hash of the first message of its latest request
         self.children: list[str] = []  # opened since this branch's last request, not joined yet
-        self.reqs: list[tuple[str, list[bytes]]] = []
 
 
-def _extends(prefix: list[bytes], msgs: list[bytes]) -> bool:
-    return len(prefix) <= len(msgs) and msgs[: len(prefix)] == prefix
+#: (branch, kind of a new branch or None, after, compaction)
+_Place = tuple[_Branch, "BranchKind | None", list[str], bool]
 
 
 class _Session:
-    def __init__(self, agent: str, t0: float) -> None:
+    """One agent of the trace: its branches and the indexes that place a request in O(its messages)."""
+
+    def __init__(self, agent: str) -> None:
         self.agent = agent
-        self.t0 = t0
+        self.t0 = 0.0
         self.branches: dict[str, _Branch] = {}
-        self.last_branch: str | None = None
+        self.main_caller: str | None = None  # the caller of the session's first request
+        self.caller_latest: dict[str, str] = {}  # caller -> its branch with the latest request
+        self.caller_line: dict[str, str] = {}  # caller -> the same among its main / fork branches (not sub-agents)
+        self.by_last: dict[tuple[str, bytes], str] = {}  # (caller, hash of a branch's last request) -> branch
+        self.by_req: dict[tuple[str, bytes], tuple[str, str]] = {}  # (caller, hash of any request) -> (branch, request)
         self.n = 0
         self.done: dict[str, float] = {}  # request id -> end (or send) time
         self.last_req: dict[str, TraceRequest] = {}  # branch -> its latest request (ends_branch set at the end)
-        self.order: dict[str, int] = {}  # branch -> number of its latest request in the session
 
-    def place(self, ln: _Line, counts: Counter[str]) -> tuple[_Branch, BranchKind | None, list[str], bool]:
-        """(branch, kind of a new branch or None, after, compaction) of a line."""
+    def main_latest(self) -> str | None:
+        """The main / fork branch of the session's main caller that had the latest request (a new
+        branch's default parent: sub-agents without their own ``agent_id`` share the caller)."""
+        if self.main_caller is None:
+            return None
+        return self.caller_line.get(self.main_caller) or self.caller_latest.get(self.main_caller)
+
+    def extension(self, ln: _Line, min_fork: int) -> _Place | None:
+        """Continue the caller's branch whose last request's messages ``ln`` starts with (the longest);
+        else fork after the caller's longest earlier request (≥ ``min_fork`` messages) that ``ln`` extends."""
+        ph = ln.ph
+        for k in range(len(ph), 0, -1):
+            bid = self.by_last.get((ln.caller, ph[k - 1]))
+            if bid is not None:
+                return self.branches[bid], None, [], False
+        for k in range(len(ph), min_fork - 1, -1):
+            hit = self.by_req.get((ln.caller, ph[k - 1]))
+            if hit is not None:
+                return self._open(self._new_id(), ln.caller, hit[0], "fork"), "fork", [hit[1]], False
+        return None
+
+    def place(self, ln: _Line, n_tokens: int, counts: Counter[str]) -> _Place:
+        """Where a line of a session goes (docs/trace-format.md §7.5, Branches).
+
+        Raises:
+            ConvertError: a header names a fork / sub-agent in a session without an earlier branch.
+        """
         if ln.branch_hdr is not None:
             bid = f"{self.agent}:{ln.branch_hdr}"
             b = self.branches.get(bid)
             if b is not None:
-                return b, None, [], not _extends(b.last_msgs, ln.msgs)
-            parent = f"{self.agent}:{ln.parent_hdr}" if ln.parent_hdr else self.last_branch
+                ext = b.last_n <= len(ln.ph) and ln.ph[b.last_n - 1] == b.last_hash
+                return b, None, [], not ext
+            parent = f"{self.agent}:{ln.parent_hdr}" if ln.parent_hdr else self.main_latest()
             if parent is not None and parent not in self.branches:
                 counts["parent_branch_unknown"] += 1
-                parent = self.last_branch
+                parent = self.main_latest()
             kind = cast(BranchKind, ln.kind_hdr or ("main" if parent is None else "subagent"))
             if kind == "main":
                 parent = None
             elif parent is None:
                 raise ConvertError(f"branch {ln.branch_hdr!r} is a {kind} but its session has no earlier branch")
-            return self._open(bid, ln.caller, parent), kind, [], False
-        mine = [b for b in self.branches.values() if b.caller == ln.caller]
-        best: _Branch | None = None
-        for b in mine:
-            if _extends(b.last_msgs, ln.msgs) and (best is None or len(b.last_msgs) >= len(best.last_msgs)):
-                best = b
-        if best is not None:
-            return best, None, [], False
+            return self._open(bid, ln.caller, parent, kind), kind, [], False
         if not self.branches:
-            return self._open(f"{self.agent}:main", ln.caller, None), "main", [], False
-        if not mine:
-            assert self.last_branch is not None
-            return self._open(self._new_id(), ln.caller, self.last_branch), "subagent", [], False
-        fork_of: tuple[_Branch, str, int] | None = None
-        for b in mine:
-            for rid, msgs in b.reqs[:-1]:
-                if len(msgs) > 1 and _extends(msgs, ln.msgs) and (fork_of is None or len(msgs) > fork_of[2]):
-                    fork_of = (b, rid, len(msgs))
-        if fork_of is not None:
-            return self._open(self._new_id(), ln.caller, fork_of[0].id), "fork", [fork_of[1]], False
-        latest = max(mine, key=lambda b: self.order[b.id])
-        if latest.first_msg is not None and ln.msgs[0] == latest.first_msg:
-            return latest, None, [], True
-        assert self.last_branch is not None
-        return self._open(self._new_id(), ln.caller, self.last_branch), "subagent", [], False
+            return self._open(f"{self.agent}:main", ln.caller, None, "main"), "main", [], False
+        got = self.extension(ln, 2)
+        if got is not None:
+            return got
+        # a compaction: the caller's latest main / fork branch (else its latest) again, after its last
+        # answer, its first (system) message kept, shorter than that last request (the harness summarised)
+        for cand in dict.fromkeys((self.caller_line.get(ln.caller), self.caller_latest.get(ln.caller))):
+            if cand is None:
+                continue
+            lb = self.branches[cand]
+            assert lb.last is not None
+            if ln.ph[0] == lb.first and n_tokens < lb.last_tokens and ln.t >= self.done[lb.last]:
+                return lb, None, [], True
+        return self._open(self._new_id(), ln.caller, self.main_latest(), "subagent"), "subagent", [], False
+
+    def record(self, ln: _Line, branch: _Branch, rid: str, n_tokens: int) -> None:
+        """``rid`` (line ``ln``) is now ``branch``'s latest request."""
+        if branch.last is not None and self.by_last.get((branch.caller, branch.last_hash)) == branch.id:
+            del self.by_last[(branch.caller, branch.last_hash)]
+        branch.last = rid
+        branch.last_hash = ln.ph[-1]
+        branch.last_n = len(ln.ph)
+        branch.last_tokens = n_tokens
+        branch.first = ln.ph[0]
+        self.by_last[(branch.caller, branch.last_hash)] = branch.id
+        self.by_req[(branch.caller, branch.last_hash)] = (branch.id, rid)
+        self.caller_latest[ln.caller] = branch.id
+        if branch.kind != "subagent":
+            self.caller_line[ln.caller] = branch.id
+        if self.main_caller is None:
+            self.main_caller = ln.caller
 
     def _new_id(self) -> str:
         k = len(self.branches)
@@ -257,16 +352,20 @@ class _Session:
             k += 1
         return f"{self.agent}:b{k}"
 
-    def _open(self, bid: str, caller: str, parent: str | None) -> _Branch:
-        b = _Branch(bid, caller, parent)
+    def _open(self, bid: str, caller: str, parent: str | None, kind: BranchKind) -> _Branch:
+        b = _Branch(bid, caller, parent, kind)
         self.branches[bid] = b
         if parent is not None:
             self.branches[parent].children.append(bid)
         return b
 
 
-def _convert_file(path: Path, tok: Any, bs: int, counts: Counter[str], skipped: Skipped,
-                  taken: set[str]) -> list[tuple[float, int, TraceRequest, _Session]]:
+def _read_file(path: Path, fi: int, counts: Counter[str], skipped: Skipped, lines: list[_Line]) -> None:
+    """Append the convertible lines of ``path`` to ``lines`` (bad ones named and skipped; failed calls counted).
+
+    Raises:
+        ConvertError: the file cannot be read; with ``skipped.strict``, a bad line.
+    """
     import gzip
 
     try:
@@ -276,7 +375,6 @@ def _convert_file(path: Path, tok: Any, bs: int, counts: Counter[str], skipped: 
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         raise ConvertError(f"{path}: cannot read: {e}") from None
     default = path.name.split(".")[0]
-    lines: list[_Line] = []
     for i, text in enumerate(raw.splitlines(), 1):
         if not text.strip():
             continue
@@ -284,43 +382,74 @@ def _convert_file(path: Path, tok: Any, bs: int, counts: Counter[str], skipped: 
             d = msgspec.json.decode(text)
             if not isinstance(d, dict):
                 raise ConvertError("not a JSON object")
-            lines.append(_Line(d, i, default, counts))
+            if d.get("status") in _FAILED:  # a failed call (LiteLLM: status "failure"): no answer, no request
+                counts["failed_calls_skipped"] += 1
+                continue
+            lines.append(_Line(d, path, fi, i, default, counts))
         except (msgspec.DecodeError, ConvertError) as e:
             skipped.row(path, i, str(e))
-    skipped.end_file(path)
-    lines.sort(key=lambda ln: ln.t)  # stable: file order on ties
+
+
+def _template_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions of a chat template that mean "this line's messages cannot be rendered"."""
+    errs: tuple[type[BaseException], ...] = (TypeError, ValueError, KeyError, IndexError)
+    try:
+        from jinja2.exceptions import TemplateError
+    except ImportError:
+        return errs
+    return (*errs, TemplateError)  # raise_exception(...) of a model's template, its sandbox's refusals
+
+
+def _convert_lines(lines: list[_Line], tok: Any, bs: int, counts: Counter[str],
+                   skipped: Skipped) -> tuple[list[TraceRequest], list[_Session]]:
+    """Place every line (all files, in send order) and build its request."""
+    errors = _template_errors()
+    lines.sort(key=lambda ln: (ln.t, ln.fi, ln.line))
+    taken = {ln.session for ln in lines if ln.has_session}
     sessions: dict[str, _Session] = {}
-    out: list[tuple[float, int, TraceRequest, _Session]] = []
+    loose: dict[bytes, _Session] = {}  # hash of a session-less request's messages -> its agent
+    loose_n: Counter[str] = Counter()
+    out: list[TraceRequest] = []
     for ln in lines:
-        s = sessions.get(ln.session)
-        if s is None:
-            agent = ln.session
-            if agent in taken:  # the same session id in another file: ids must stay unique in one trace
-                k = 2
-                while f"{agent}#{k}" in taken:
-                    k += 1
-                agent = f"{agent}#{k}"
-                counts["sessions_renamed_duplicate_id"] += 1
-            taken.add(agent)
-            s = sessions[ln.session] = _Session(agent, ln.t)
         try:
             ids = tok.apply_chat_template(ln.raw, ln.tools)
-        except (TypeError, ValueError, KeyError) as e:  # a message the chat template cannot render
-            skipped.row(path, ln.line, f"the chat template cannot render the messages: {e}")
+        except errors as e:  # a message the chat template cannot render, or its raise_exception
+            skipped.row(ln.path, ln.line, f"the chat template cannot render the messages: {type(e).__name__}: {e}")
             continue
         if not ids:
-            skipped.row(path, ln.line, "the messages render to no tokens")
+            skipped.row(ln.path, ln.line, "the messages render to no tokens")
             continue
-        try:
-            branch, kind, after, compaction = s.place(ln, counts)
-        except ConvertError as e:
-            skipped.row(path, ln.line, str(e))
-            continue
+        got: _Place | None = None
+        if ln.has_session:
+            s = sessions.get(ln.session)
+            if s is None:
+                s = sessions[ln.session] = _Session(ln.session)
+            try:
+                got = s.place(ln, len(ids), counts)
+            except ConvertError as e:
+                skipped.row(ln.path, ln.line, str(e))
+                continue
+        else:  # no session id: its own agent, unless it extends an earlier session-less request
+            earlier = next((loose[h] for h in reversed(ln.ph) if h in loose), None)
+            if earlier is not None:
+                got = earlier.extension(ln, 1)
+            if earlier is not None and got is not None:
+                s = earlier
+            else:
+                k = loose_n[ln.session] + 1
+                while f"{ln.session}.{k}" in taken:  # not a session id of the log
+                    k += 1
+                loose_n[ln.session] = k
+                s = sessions[f"{ln.session}.{k}"] = _Session(f"{ln.session}.{k}")
+                taken.add(s.agent)
+                got = s.place(ln, len(ids), counts)
+            loose[ln.ph[-1]] = s
+        branch, kind, after, compaction = got
         rid = f"{s.agent}:{s.n}"
         if kind is None:
             assert branch.last is not None
             after = [branch.last]
-            for c in branch.children:
+            for c in branch.children:  # a join: the sub-agents / forks opened since it went on
                 cb = s.branches[c]
                 if cb.last is not None and cb.last != after[0]:
                     after.append(cb.last)
@@ -348,18 +477,13 @@ def _convert_file(path: Path, tok: Any, bs: int, counts: Counter[str], skipped: 
             counts["provider_prompt_tokens"] += ln.n_prompt
         counts["input_tokens"] += len(ids)
         s.done[rid] = ln.end if ln.end is not None else ln.t
-        s.order[branch.id] = s.n
         s.n += 1
-        branch.last = rid
-        branch.last_msgs = ln.msgs
-        if branch.first_msg is None or compaction:
-            branch.first_msg = ln.msgs[0]
-        branch.reqs.append((rid, ln.msgs))
-        s.last_branch = branch.id
+        s.record(ln, branch, rid, len(ids))
         s.last_req[branch.id] = req
-        out.append((ln.t, len(out), req, s))
-    counts["sessions"] += len(sessions)
-    return out
+        out.append(req)
+    live = [s for s in sessions.values() if s.n]
+    counts["sessions"] += len(live)
+    return out, live
 
 
 def convert(
@@ -367,6 +491,9 @@ def convert(
     tokenizer: str = "sim",
 ) -> Conversion:
     """Convert OpenAI-chat request logs (JSONL files, or folders of ``*.jsonl[.gz]``) to a canonical trace.
+
+    All lines of all inputs are read first (a session split across rotated files stays one
+    agent), then taken in send order.
 
     Args:
         block_size: tokens per block id (default 64).
@@ -388,19 +515,22 @@ def convert(
     files = expand_inputs(inputs, PATTERNS)
     counts: Counter[str] = Counter()
     skipped = Skipped(strict)
-    taken: set[str] = set()
 
     def gen() -> Iterator[TraceRequest]:
-        rows: list[tuple[float, int, int, TraceRequest, _Session]] = []
+        lines: list[_Line] = []
         for fi, p in enumerate(progress_iter(files, enabled=progress, desc=KIND)):
-            got = skipped.call(p, partial(_convert_file, p, tok, block_size, counts, skipped, taken))
-            rows.extend((t, fi, i, r, s) for t, i, r, s in got or [])
-        if not rows:
+            skipped.call(p, lambda p=p, fi=fi: _read_file(p, fi, counts, skipped, lines))  # type: ignore[misc]
+        if counts["send_times_over_1e11"]:
+            print(f"warning: {counts['send_times_over_1e11']} send time(s) are over 1e11 s (after the year 5000): "
+                  "milliseconds? the converter reads unix seconds", file=sys.stderr)
+        reqs, sessions = _convert_lines(lines, tok, block_size, counts, skipped)
+        for p in files:
+            skipped.end_file(p)
+        if not reqs:
             skipped.none_converted()
             raise ConvertError(f"no request in {', '.join(str(p) for p in files)}")
-        ends = {id(r) for s in {id(s): s for *_, s in rows}.values() for r in s.last_req.values()}
-        rows.sort(key=lambda x: (x[0], x[1], x[2]))  # send order across files (stable within one)
-        for _, _, _, r, _ in rows:
+        ends = {id(r) for s in sessions for r in s.last_req.values()}
+        for r in reqs:
             yield msgspec.structs.replace(r, ends_branch=True) if id(r) in ends else r
 
     def header():  # type: ignore[no-untyped-def]
