@@ -334,7 +334,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     c.add_argument(
         "--strict",
         action="store_true",
-        help="stop at the first file (and, for mooncake / azure, the first row) that cannot be converted (default: "
+        help="stop at the first file (and, for mooncake / azure / openai-chat, the first row) that cannot be converted (default: "
         "name it with the reason, skip it, go on and report how many were skipped)",
     )
     c.add_argument("--infer-sessions", action="store_true", help="mooncake: link rows that extend an earlier row's path into agents")

@@ -1,47 +1,66 @@
 """OpenAI-chat request logs (JSONL) → canonical trace (spec: docs/trace-format.md §7.5).
 
 Bring your own trace: one JSON object per line, one line per chat request as an agent
-harness or an OpenAI-compatible proxy (LiteLLM, our router) logs it. Fields (the first
-name found is used; ``a.b`` is a nested key; header names are matched case-insensitively):
+harness or an OpenAI-compatible proxy (e.g. LiteLLM's StandardLoggingPayload) logs it.
+Fields (the first name found is used; ``a.b`` is a nested key; header names are matched
+case-insensitively):
 
 * the request body: ``request`` or ``body``, else the line itself: ``messages`` (required),
-  ``tools``, ``model``;
+  ``tools`` (else ``model_parameters.tools``), ``model``;
 * send time: ``timestamp``, ``start_time``, ``startTime``, ``created``, ``request_time``
-  (unix seconds, or an ISO 8601 string); optional ``end_time`` / ``endTime`` /
+  (unix seconds, or an ISO 8601 string; finite); optional ``end_time`` / ``endTime`` /
   ``completed_at`` (when the answer was complete);
 * completion tokens of the answer: ``response.usage.completion_tokens``,
   ``usage.completion_tokens``, ``completion_tokens``, ``usage.output_tokens``, else
-  ``max_tokens`` of the request (counted as ``output_tokens_from_max_tokens``);
+  ``max_tokens`` / ``max_completion_tokens`` of the request (or of ``model_parameters``;
+  counted as ``output_tokens_from_max_tokens``);
+* a line with ``status`` ``failure`` (LiteLLM), ``error`` or ``failed`` is a failed call: not
+  a request (counted ``failed_calls_skipped``);
 * session (the trace's agent): ``session_id``, ``session``, ``conversation_id``,
-  ``metadata.session_id``, header ``X-Agent-Id``, ``user``; none: the file's name;
+  ``metadata.session_id``, ``trace_id`` (LiteLLM's, from ``litellm_session_id``), header
+  ``X-Agent-Id``, ``user``, ``end_user``; none: see "no session" below;
 * the caller inside a session (a sub-agent has its own): ``agent_id``,
   ``metadata.agent_id``;
 * branch headers where the harness sends them: ``X-Branch-Id``, ``X-Parent-Branch-Id``,
   ``X-Branch-Kind`` in ``headers`` (or ``request_headers``, ``metadata.headers``), or
   ``branch_id`` / ``parent_branch_id`` / ``branch_kind`` on the line.
 
-Conversion:
+Conversion (all lines of all inputs, in send order, so a session split across rotated files
+stays one agent):
 
 * **Tokens and blocks.** ``messages`` (+ ``tools``) are rendered with the tokenizer's chat
   template (``sim`` by default: ChatML, words hashed to ids; ``hf:<path>`` for a model's
   own) and the tokens hashed into chained ids with
   :func:`evolving_infra.traces.tokens.blocks_from_tokens`; ``input_tokens`` is the rendered
   length (the provider's ``prompt_tokens``, when logged, is summed in ``meta.counts``).
+  A line the template cannot render (its ``raise_exception`` included) is a bad row.
+* **Message identity** (for "extends"): role, content, name, tool calls, tool call id; a
+  content part without ``cache_control`` (a text part: its type and text).
 * **Branches** from headers when a line has ``X-Branch-Id``; otherwise inferred per session
   and caller (``agent_id``): a request whose messages start with all the messages of the
   last request of one of the caller's branches continues that branch (the longest such);
-  the first request of a session opens its ``main`` branch; the first request of another
-  caller opens a ``subagent`` branch whose parent is the branch of the session's previous
-  request; a request that extends an earlier (not the last) request of a branch opens a
-  ``fork`` of that branch; one that extends nothing but keeps the first (system) message of
-  its caller's latest branch is a **compaction** of that branch (``compaction: true``, same
-  branch); anything else opens a ``subagent`` branch.
+  the first request of a session opens its ``main`` branch; a request that extends an
+  earlier (not the last) request (of more than one message) of the caller opens a ``fork``
+  after it; one that extends nothing, keeps the first (system) message of the caller's
+  latest main/fork branch (else its latest branch), is shorter (in tokens) than that
+  branch's last request and is sent after its answer is a **compaction** of that branch
+  (``compaction: true``, same branch); anything else (another caller's first request
+  included) opens a ``subagent`` branch whose parent is the latest main/fork branch of the
+  session's main caller (the caller of its first request).
+* **No session.** A line without a session id (and without branch headers) is its own
+  agent (``FILE.N``, FILE = the file's name up to its first dot) unless its messages start
+  with all the messages of an earlier such request: it then continues that request's
+  branch, or forks after it when the branch went on.
 * **Order.** ``after`` = the branch's previous request, plus (a join) the last request of
-  every child branch of it that was opened since and whose last request came before; a new
-  fork / sub-agent branch waits on its parent branch's latest request. ``pause_s`` = send
-  time − the latest end (``end_time``, else send time) of the ``after`` requests, clipped
-  at 0; ``t_s`` from the session's first request; ``arrival_s`` = that request's time.
-  Lines are ordered by send time (file order on ties); every branch's last request ends it.
+  every child branch of it that was opened since and has a request; a new fork / sub-agent
+  branch waits on its parent branch's latest request (a fork: the request it extends).
+  ``pause_s`` = send time − the latest end (``end_time``, else send time) of the ``after``
+  requests, clipped at 0; ``t_s`` from the session's first request; ``arrival_s`` = that
+  request's time. Lines are ordered by send time (input order, then line order on ties);
+  every branch's last request ends it.
+
+Placement costs O(a request's messages): branches are indexed by the chained hash of their
+last request's messages, forks by the hashes of all earlier requests.
 """
 
 from __future__ import annotations
