@@ -186,7 +186,9 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         float, Meta(ge=0, description="wall seconds between asks to each owning router (route.held) which of this node's "
                     "requests it no longer has in flight (a router SIGKILLed or restarted sends no abort): those are "
                     "dropped and their KV freed; a router that answered no responders (missing, restarting) is asked again "
-                    "every min(this, 0.25 s), so a restarted one drops its predecessor's requests right after it subscribes; "
+                    "every min(this, 0.25 s), so a restarted one drops its predecessor's requests ~1 s after it subscribes "
+                    "(a 'not in flight' answer is acted on when the same answer comes 1 s later: a router's answer may "
+                    "overtake the abort it sends when it ends a request itself); "
                     "0 = never ask")
     ] = 2.0
     owner_gone_after_s: Annotated[

@@ -10,7 +10,9 @@ work queued behind (measured before this: a 90,000-token prefill of a killed rou
 on for ~60 s of wall time at ``--speedup 0.05`` and a new request queued behind it timed out,
 504). So every ``--owner-check-interval-s`` the node asks each owner, on
 ``route.held.<router>``, which of the requests it holds the router no longer has in flight
-(``HeldQuery`` → ``HeldReply.dropped``): those it drops at once (the owner answered). When
+(``HeldQuery`` → ``HeldReply.dropped``): those it drops when a query sent ``OWNER_RECHECK_S`` (1 s) later is
+answered so too (``services/worker/service.py``: a router that ends a request itself publishes the nodes' abort just
+after, and its answer may overtake that abort; the abort ends it first, not counted lost). When
 nobody serves ``route.held.<router>`` (NATS "no responders": the router is gone) for
 ``gone_after_s`` wall seconds in a row, every request of that router is dropped. A timeout or
 another bus error decides nothing (NATS down, a busy router): the requests are kept; but a timeout
@@ -23,14 +25,15 @@ cut off from NATS, which looks the same as a dead one (nobody serves its subject
 streams may still complete after it reconnects (``req.*.out.*`` is reliable), and a NATS restart,
 after which a live router may subscribe again a moment after the node. A router restarted under
 the same ``--instance`` answers for its predecessor's requests (it has none of them in flight: all
-dropped) at the first query that reaches it. While a router is missing (its streak runs) the node asks
+dropped) at the first query that reaches it, and again 1 s later. While a router is missing (its streak runs) the node asks
 it again every :data:`SILENT_RETRY_S` (not only every ``--owner-check-interval-s``), so that query
 comes at most ``min(interval, SILENT_RETRY_S)`` after the new router subscribes.
 
-Bound (wall seconds, from the moment the owner no longer has the request in flight; plus one
-``route.held`` round trip): a live router that lost the request (finished, aborted, failed, superseded
-attempt), or one restarted before this node noticed it missing: ``--owner-check-interval-s``; a router
-restarted after this node found it missing: its restart time + ``min(interval, SILENT_RETRY_S)``; a
+Bound (wall seconds, from the moment the owner no longer has the request in flight; plus two
+``route.held`` round trips): a live router that lost the request (finished, aborted, failed, superseded
+attempt), or one restarted before this node noticed it missing: ``--owner-check-interval-s`` + ``OWNER_RECHECK_S``;
+a router restarted after this node found it missing: its restart time + ``min(interval, SILENT_RETRY_S)`` +
+``OWNER_RECHECK_S``; a
 router that does not come back: ``--owner-gone-after-s`` after the first "no responders" (+ up to one
 interval). Before the re-ask, a restarted router's predecessor's requests waited for the next full
 check: under ``evolving-infra up --engine torch`` (1P1D, tiny model on CPU, ~450 tokens/s) the router

@@ -127,6 +127,15 @@ the rest of them in one summary warning: a router that dies with thousands of st
 OWNER_DROP_LOG_RIDS = 32
 """Request ids the summary warning of ``WorkerService._log_owner_drops`` names (its count names them all)."""
 
+OWNER_RECHECK_S = 1.0
+"""Wall seconds after a router's first "not in flight" answer about a request (``route.held``) before a query whose
+same answer drops it (``WorkerService._check_owners_once``). A router that ends a request itself (its client left, a
+stop at the router, a re-dispatch) marks it done, then publishes the nodes' abort from a task it spawns; an owner
+check answered in between hears "not in flight" (core NATS) before the abort (JetStream) arrives: acted on at once,
+a request its router ended on purpose was counted lost with its router. The abort normally comes within
+milliseconds and ends the request first (counted an abort); a restarted router's answer is the same a second
+later, and its predecessor's requests run on that much longer."""
+
 ENGINES: dict[str, type[SimEngine]] = {"sim": SimEngine}
 """Engine kinds by ``WorkerConfig.engine`` (``torch``: :func:`make_torch_engine`)."""
 
@@ -464,6 +473,10 @@ class WorkerService:
         """rid → attempt, output offset and owning router of every request on this node."""
         self._leases = OwnerLeases(cfg.owner_gone_after_s)
         """No-responder streaks of owning routers (``route.held``): a router gone drops its requests here."""
+        self._not_in_flight: dict[str, tuple[int, str, float]] = {}
+        """rid → (attempt, router, monotonic s) of a held request its router first answered "not in flight" about
+        then: dropped when a query sent :data:`OWNER_RECHECK_S` later is answered so too (its own abort, if the
+        router ended it, comes first). Only requests in :attr:`_owners` (pruned at each check)."""
         self._traces = WorkerTraces(cfg.node, clock.speedup)
         """Spans of traced requests (empty unless tracing is on and requests carry ``traceparent``)."""
         self.kvpool: HostKvPool | None = None  # HostKvPool with --kv-pool real (imported lazily: Mooncake is optional)
@@ -994,12 +1007,14 @@ class WorkerService:
         while True:
             now = time.monotonic()
             wake = min(next_full, now + retry) if self._leases.silent() else next_full
+            if self._not_in_flight:  # re-ask about those answered "not in flight" once OWNER_RECHECK_S has passed
+                wake = min(wake, min(t for _, _, t in self._not_in_flight.values()) + OWNER_RECHECK_S)
             await asyncio.sleep(max(0.0, wake - now))
             only: set[str] | None = None
             if time.monotonic() >= next_full:
                 next_full = time.monotonic() + interval
             else:
-                only = set(self._leases.silent())
+                only = set(self._leases.silent()) | {r for _, r, _ in self._not_in_flight.values()}
             try:
                 await self._check_owners_once(only)
             except Exception as e:  # never let a bad reply stop the checks
@@ -1010,12 +1025,17 @@ class WorkerService:
         """One owner check; ``only``: ask just these routers (a re-ask of missing ones), None = all."""
         held = [(rid, o.router_id, o.attempt) for rid, o in self._owners.items() if rid in self.core.requests]
         self._leases.forget(r for _, r, _ in held)
+        for rid, (attempt, router, _) in list(self._not_in_flight.items()):
+            o = self._owners.get(rid)
+            if o is None or o.attempt != attempt or o.router_id != router:  # ended (its abort came), or replaced
+                del self._not_in_flight[rid]
         if only is not None:
             held = [h for h in held if h[1] in only]
         for router, rids, attempts in OwnerLeases.queries(held):
             if not self.bus.nc.is_connected:
                 return
             timeout = max(0.05, min(2.0, self.cfg.owner_check_interval_s))
+            sent = time.monotonic()
             try:
                 rep = await self.bus.request(ROUTE_HELD, m.HeldQuery(node=self.node, rids=rids, attempts=attempts), timeout=timeout, router=router)
             except BusError as e:
@@ -1033,8 +1053,7 @@ class WorkerService:
                 self.counters["owners.router_gone"] += 1
             else:
                 self._leases.answered(router)
-                asked = dict(zip(rids, attempts))
-                gone = [(rid, asked[rid]) for rid in rep.dropped if rid in asked]
+                gone = self._not_in_flight_twice(router, rids, attempts, rep.dropped, sent)
                 why = f"router {router} no longer has the request in flight"
                 kind = "not_in_flight"
             dropped: list[tuple[str, int, int]] = []
@@ -1042,13 +1061,38 @@ class WorkerService:
                 o = self._owners.get(rid)
                 if o is None or o.attempt != attempt or o.router_id != router:
                     continue  # finished, aborted or replaced since the query
+                self._not_in_flight.pop(rid, None)
                 r = self.core.requests.get(rid)
-                done = r.generated if r is not None else 0  # read before the drop forgets it
+                done = o.offset + (r.generated if r is not None else 0)  # read before the drop forgets it; a
+                # re-dispatched request's output before this node too (the abort chunk's index counts it so)
                 if await self._drop(rid, why):
                     self.counters["owners.dropped"] += 1
                     self.counters[f"owners.dropped.{kind}"] += 1
                     dropped.append((rid, attempt, done))
             self._log_owner_drops(router, kind, why, dropped)
+
+    def _not_in_flight_twice(self, router: str, rids: list[str], attempts: list[int], dropped: list[str],
+                             sent: float) -> list[tuple[str, int]]:
+        """``(rid, attempt)`` of a ``route.held`` answer of ``router`` (``dropped``, to the query of ``rids`` at
+        ``attempts`` sent at monotonic ``sent``) to drop now: those answered "not in flight" already by an answer
+        that came :data:`OWNER_RECHECK_S` or more before ``sent``. The others answered so are remembered
+        (:attr:`_not_in_flight`), and those the router has in flight forgotten: a router's answer may overtake the
+        abort it publishes when it ends a request itself (:data:`OWNER_RECHECK_S`), which ends the request first."""
+        asked = dict(zip(rids, attempts))
+        now = time.monotonic()
+        out: list[tuple[str, int]] = []
+        for rid in dropped:
+            if rid not in asked:
+                continue
+            seen = self._not_in_flight.get(rid)
+            if seen is not None and seen[:2] == (asked[rid], router):
+                if sent - seen[2] >= OWNER_RECHECK_S:
+                    out.append((rid, asked[rid]))
+            else:
+                self._not_in_flight[rid] = (asked[rid], router, now)
+        for rid in asked.keys() - set(dropped):
+            self._not_in_flight.pop(rid, None)
+        return out
 
     def _log_owner_drops(self, router: str, kind: str, why: str, dropped: list[tuple[str, int, int]]) -> None:
         """One warning per request an owner check dropped (``dropped``: ``(rid, attempt, output tokens done)``), so a

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import structlog
 
 from shared import messages as m
-from shared.subjects import ROUTE_HELD, WORK_PREFILL, Subjects
+from services.worker.service import OWNER_RECHECK_S
+from shared.subjects import ROUTE_HELD, WORK_ABORT, WORK_PREFILL, Subjects
 from tests.integration.polling import until
 from tests.integration.test_worker_live import Client, prompt, workers
 
@@ -75,7 +77,8 @@ async def test_a_router_back_after_a_no_responders_answer_is_asked_again_at_once
     router missing (no responders) at a check; the new router subscribes right after. Before, the node
     asked it again only at the next full check (``--owner-check-interval-s``, 3 s here): the request ran
     on for nobody that long (under ``up --engine torch`` a 900-token decode of the tiny model ended
-    first). Now a missing router is asked again every ``SILENT_RETRY_S`` (0.25 s): dropped within ~0.3 s."""
+    first). Now a missing router is asked again every ``SILENT_RETRY_S`` (0.25 s), and its "not in flight" answer
+    acted on when a query ``OWNER_RECHECK_S`` (1 s) later is answered so too: dropped within ~1.3 s."""
     c = await Client.connect(nats_url)
     spec = {"node": "w0", "speedup": 0.02, "owner_check_interval_s": 3.0, "owner_gone_after_s": 30.0}
     async with workers(nats_url, spec):
@@ -94,8 +97,71 @@ async def test_a_router_back_after_a_no_responders_answer_is_asked_again_at_once
         await c.bus.flush()
         await until(lambda: c.finished("lost-1"), 2.5, "the lost request dropped before the next full check", every=0.02)
         took = asyncio.get_running_loop().time() - back
-        assert took < 1.0, f"dropped {took:.2f} s after the router came back"
+        assert took < OWNER_RECHECK_S + 1.0, f"dropped {took:.2f} s after the router came back"
         assert c.chunks["lost-1"][-1].finish_reason == "abort" and "no longer has the request in flight" in c.chunks["lost-1"][-1].error
-        assert [q.rids for q in asked] == [["lost-1"]] and await counter("owners.dropped") == 1
+        assert [q.rids for q in asked] == [["lost-1"], ["lost-1"]] and await counter("owners.dropped") == 1
         assert await counter("owners.router_gone") == 0
     await c.bus.close()
+
+
+async def test_a_router_answer_that_overtakes_its_own_abort_drops_nothing_as_lost(nats_url):
+    """A router ends a request itself (its client left, a stop at the router, a re-dispatch): it marks it done, then
+    publishes the nodes' abort from a task it spawns (``RouterService._abandon``). A node's owner check answered
+    in between hears "not in flight" (core NATS) before the abort (JetStream) arrives. Before, the node dropped the
+    request at that first answer and counted it lost with its router (``owners.dropped.not_in_flight``, a warning
+    "its stream is lost", alert ``EIStreamsLostWithRouter``) although its router had ended it on purpose. Now a
+    "not in flight" answer is acted on only when a query sent ``OWNER_RECHECK_S`` later gets it too: the abort
+    comes first and ends the request, counted an abort, nothing lost."""
+    c = await Client.connect(nats_url)
+    spec = {"node": "w0", "speedup": 0.1, "owner_check_interval_s": 0.2, "owner_gone_after_s": 30.0}
+    async with workers(nats_url, spec):
+        counter = await _stream_owned(c, "ended-1", "r3")
+        asked: list[m.HeldQuery] = []
+
+        async def abort_later() -> None:  # the router's spawned abort, right after its answer went out
+            await asyncio.sleep(0.05)
+            await c.bus.publish(WORK_ABORT, m.RequestAbort(rid="ended-1", reason="client disconnected", router="r3"), node="w0")
+
+        async def ended_here(q: m.HeldQuery, _subject: str) -> m.HeldReply:
+            asked.append(q)
+            if len(asked) == 1:
+                tasks.append(asyncio.create_task(abort_later()))
+            return m.HeldReply(dropped=list(q.rids))
+
+        tasks: list[asyncio.Task[None]] = []
+        await c.bus.serve(ROUTE_HELD, ended_here, router="r3")
+        await c.bus.flush()
+        await until(lambda: c.finished("ended-1"), 5.0, "the request ended", every=0.02)
+        await asyncio.gather(*tasks)
+        last = c.chunks["ended-1"][-1]
+        assert last.finish_reason == "abort" and last.error == "client disconnected", last
+        assert await counter("requests.aborted") == 1
+        assert await counter("owners.dropped") == 0 and await counter("owners.dropped.not_in_flight") == 0
+    await c.bus.close()
+
+
+async def test_the_drop_warning_counts_the_output_a_redispatched_request_had_before_this_node(nats_url):
+    """``tokens_done`` of the drop warning is the request's output position (what its client had received, at
+    most): a re-dispatched request continuing at ``output_offset`` 500 counts those 500 too. Before, only the
+    tokens generated on this node (the abort chunk's index, ``owner.offset + ...``, already counted them)."""
+    c = await Client.connect(nats_url)
+    spec = {"node": "w0", "speedup": 0.1, "owner_check_interval_s": 0.2, "owner_gone_after_s": 30.0}
+    with structlog.testing.capture_logs() as logs:
+        async with workers(nats_url, spec):
+            base = prompt("cont-1", [1, 2], tail=1, max_tokens=200)
+            work = m.PrefillWork(**{f: getattr(base, f) for f in ("rid", "prompt_tokens", "max_tokens", "block_size", "block_hashes")},
+                                 router="r4", output_offset=500, attempt=1)
+            await c.bus.publish(WORK_PREFILL, work, node="w0")
+            await until(lambda: len(c.chunks["cont-1"]) >= 2, what="the request to stream")
+
+            async def restarted(q: m.HeldQuery, _subject: str) -> m.HeldReply:
+                return m.HeldReply(dropped=list(q.rids))
+
+            await c.bus.serve(ROUTE_HELD, restarted, router="r4")
+            await c.bus.flush()
+            await until(lambda: c.finished("cont-1"), 5.0, "the lost request dropped", every=0.02)
+            last = c.chunks["cont-1"][-1]
+    await c.bus.close()
+    drops = [x for x in logs if x["event"] == "request dropped: its owning router no longer wants it (its stream is lost)"]
+    assert len(drops) == 1 and drops[0]["rid"] == "cont-1" and drops[0]["cause"] == "not_in_flight", drops
+    assert 700 >= drops[0]["tokens_done"] >= last.index >= 502, (drops, last)  # 500 + at most its 200 tokens
