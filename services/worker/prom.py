@@ -42,8 +42,15 @@ name                                       type     meaning
 ``ei_node_requests_dropped_owner_gone_total{node,reason}`` (counter): requests the owner check dropped because their
 router no longer wants them, a stream lost with its router: ``router_gone`` (nobody served ``route.held.<router>``
 for ``--owner-gone-after-s``: a router SIGKILLed, OOM-killed or cut off) or ``not_in_flight`` (the router, or one
-restarted under its ``--instance``, does not have it in flight); each one also a warning in the worker's log naming
-its rid, its router and the output tokens it had (``owners.py``; alert ``EIStreamsLostWithRouter``).
+restarted under its ``--instance``, answered twice ``OWNER_RECHECK_S`` apart that it does not have it in flight: a
+router restarted, or a request whose end never reached this node, e.g. an abort lost on the bus); each one also a
+warning in the worker's log naming its rid, its router and the output tokens it had (``owners.py``; alert
+``EIStreamsLostWithRouter``). A lower bound: a stream that ends on this node after its router died but before the
+check's verdict (a restart takes seconds; gone takes ``--owner-gone-after-s``) lost its tail to nobody, but the node
+then holds nothing to drop, and it cannot tell that stream from one its router received just before dying (it knows
+when it published the end, not whether the router read it): not counted. Each request counts on the one node holding
+it (a PD prefill leaves its node's core before its hand-off is published), except one re-dispatched as its router
+died: its old attempt on one node and its new one on another both count.
 """
 
 from __future__ import annotations
@@ -122,8 +129,10 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
         "ei_node_requests_dropped_owner_gone",
         "Requests dropped because their owning router no longer wants them (a stream lost with its router): router_gone "
         "(nobody served route.held.<router> for --owner-gone-after-s: SIGKILLed, OOM-killed, cut off) or not_in_flight "
-        "(the router, or one restarted under its --instance, does not have the request in flight); each one a warning "
-        "in the worker's log naming its rid",
+        "(the router, or one restarted under its --instance, answered twice 1 s apart that it does not have the request "
+        "in flight: a restart, or a request whose end never reached this node); each one a warning in the worker's log "
+        "naming its rid. A lower bound: a stream that ended here after its router died, before the check's verdict, "
+        "lost its tail uncounted (the node cannot tell it from one the router read just before dying)",
         {(n, k): float(svc.counters[f"owners.dropped.{k}"]) for k in OWNER_DROP_REASONS}, ["node", "reason"],
     )
     yield gauge_family("ei_node_count_syncing", "1 while the node's counts await a kv.countsync snapshot", {(n,): float(svc.counts.syncing)}, ["node"])
