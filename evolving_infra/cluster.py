@@ -330,6 +330,8 @@ class _Child:
     """``time.monotonic()`` of each exit counted against ``max_restarts`` (those within ``restart_window_s``)."""
     last_beat: float | None = None
     """``time.monotonic()`` of the latest heartbeat from the running process (its pid); None: none since its start."""
+    killed: bool = False
+    """The supervisor SIGKILLed the running process (silent too long) and waits, pass by pass, for it to exit."""
     env: dict[str, str] | None = None
     """Variables set over the launcher's environment for this process (None: the launcher's as is)."""
     pass_fds: tuple[int, ...] = ()
@@ -512,6 +514,28 @@ BUS_SILENT_AFTER_S = 5.0
 """Wall seconds after the launcher's NATS connection last answered a PING past which the services' heartbeats
 cannot be seen (the bus is down or hung): no service is judged silent then."""
 
+LIVENESS_MIN_S = 10.0
+"""The least ``liveness_timeout_s`` other than 0 (off) ``up`` accepts: a service beats every second, one round of the
+supervisor's probes (:meth:`LocalCluster._probe`: nats-server's INFO line, up to 2 x :data:`NATS_PROBE_TIMEOUT_S`, a
+PING up to one more, then a 1-s sleep) takes up to ~7 s under load, and a service closing its NATS connection drains
+up to 5 s: a shorter timeout SIGKILLs healthy processes."""
+
+SUPERVISE_GAP_S = 3.0
+"""Wall seconds between two supervision passes (one every 0.2 s) past which the supervisor itself was not running
+(``up`` stopped by Ctrl-Z, a paused VM, a blocked event loop): after such a gap every liveness clock starts again
+(nothing is judged silent for a time nobody watched), as after a start."""
+
+CRASH_LOOP_WINDOW_S = 3600.0
+"""The hour over which :meth:`LocalCluster.supervise_once` counts a service's exits for its crash-loop warning."""
+
+CRASH_LOOP_WARN_AT = 5
+"""Exits of one service (or nats-server) within :data:`CRASH_LOOP_WINDOW_S` from which a "crash loop" warning line is
+logged (again every :data:`CRASH_LOOP_WARN_EVERY_S` while it lasts): a loop too slow for ``max_restarts`` within
+``restart_window_s`` to give up is still seen in ``up``'s output."""
+
+CRASH_LOOP_WARN_EVERY_S = 600.0
+"""Wall seconds between two crash-loop warning lines of one service."""
+
 
 async def nats_info_probe(port: int, timeout_s: float = NATS_PROBE_TIMEOUT_S) -> bool:
     """Whether a nats-server answers on ``127.0.0.1:port`` within ``timeout_s``: it sends a new connection its
@@ -593,6 +617,19 @@ class LocalCluster:
     _nats_exits: list[float] = field(default_factory=list)
     _nats_last_ok: float | None = None
     """``time.monotonic()`` of nats-server's latest answered liveness probe (:func:`nats_info_probe`)."""
+    _nats_tried_at: float | None = None
+    """``time.monotonic()`` at the start of nats-server's latest liveness probe that has come to an end (answered or
+    not): its silence is judged only up to then, never up to a moment no probe had the time to look at."""
+    _nats_watch_from: float = 0.0
+    """Since when nats-server's liveness has been watched without a gap (its start, or the end of a supervision gap)."""
+    _nats_killed: bool = False
+    """The supervisor SIGKILLed the running nats-server (silent too long) and waits, pass by pass, for it to exit."""
+    _last_pass: float | None = None
+    """``now`` of the previous :meth:`supervise_once` (a longer gap than :data:`SUPERVISE_GAP_S`: liveness clocks restart)."""
+    _hour_exits: dict[str, list[float]] = field(default_factory=dict)
+    """Service (or ``nats-server``) -> times of its exits counted within :data:`CRASH_LOOP_WINDOW_S`."""
+    _loop_warned: dict[str, float] = field(default_factory=dict)
+    """Service (or ``nats-server``) -> when its latest crash-loop warning line was logged."""
     _bus_last_ok: float | None = None
     """``time.monotonic()`` of the latest PING the launcher's NATS connection had answered."""
     _bus_ok_since: float | None = None
@@ -878,8 +915,10 @@ class LocalCluster:
         for :meth:`supervise_once`'s liveness decisions."""
         while True:
             if self.nats is not None and self.nats.alive() and self.nats.port is not None:
+                tried = time.monotonic()
                 if await nats_info_probe(self.nats.port):
                     self._nats_last_ok = time.monotonic()
+                self._nats_tried_at = tried
             if self._bus is not None:
                 try:
                     await asyncio.wait_for(self._bus.nc.flush(), NATS_PROBE_TIMEOUT_S)
@@ -906,6 +945,7 @@ class LocalCluster:
         child.started_at = time.monotonic()
         child.restart_at = None
         child.last_beat = None
+        child.killed = False
 
     def _log_tail(self, child: _Child, chars: int = 1500) -> str:
         """The end of ``child``'s log, at most ``chars`` characters, from the first whole line in them (a last line
@@ -926,6 +966,14 @@ class LocalCluster:
         :func:`liveness_overdue`; one warning line naming it, its pid and its silence), schedule restarts of exited
         services (a killed one included, in a later pass: counted and backed off as any crash), start those that are due.
 
+        Nothing here waits: a killed process is reaped by a later pass (it was blocking ``up``'s event loop up to 5 s).
+        A pass more than :data:`SUPERVISE_GAP_S` after the previous one (the supervisor itself was not running) starts
+        every liveness clock again. nats-server's silence is counted only up to the start of its latest probe that came
+        to an end (:meth:`_probe`), the services' only up to the latest PING the launcher's own connection had answered.
+        A service's exit that counts against ``max_restarts`` (not a clean exit after ``stable_s`` up) also counts
+        within :data:`CRASH_LOOP_WINDOW_S`: from :data:`CRASH_LOOP_WARN_AT` such exits on, a "crash loop" warning line
+        (again every :data:`CRASH_LOOP_WARN_EVERY_S`) names it, a loop too slow to give up included.
+
         Args:
             now: ``time.monotonic()`` (defaults to the current one).
 
@@ -933,34 +981,46 @@ class LocalCluster:
             Names of what was (re)started in this pass (``nats-server`` for the bus).
 
         Raises:
-            ClusterError: a service exited more than ``max_restarts`` times within ``restart_window_s``, or
-                nats-server could not be started again within as many tries.
+            ClusterError: a service (or nats-server) exited more than ``max_restarts`` times within
+                ``restart_window_s``, or nats-server could not be started again within as many tries.
         """
         s = self.spec
         now = time.monotonic() if now is None else now
         started: list[str] = []
         window = f"{s.restart_window_s:g} s"
+        if self._last_pass is not None and now - self._last_pass > SUPERVISE_GAP_S:
+            # nobody watched during the gap: the silences in it say nothing about the processes (up was stopped)
+            log.warning(f"supervision paused {now - self._last_pass:.0f} s (up itself was stopped or blocked); liveness "
+                        "clocks start again", gap_s=round(now - self._last_pass, 1))
+            self._nats_watch_from = now
+            self._bus_ok_since = None
+        self._last_pass = now
         if self.nats is not None:
             if self.nats.alive():
                 if self._nats_streak and now - self._nats_started > s.stable_s:
                     self._nats_streak = 0
-                silent = liveness_overdue(now, started_at=self._nats_started, last_ok=self._nats_last_ok, watch_from=self._nats_started,
-                                          timeout_s=s.liveness_timeout_s, start_timeout_s=s.ready_timeout_s)  # fmt: skip
+                seen_until = min(now, self._nats_tried_at) if self._nats_tried_at is not None else None
+                silent = None if seen_until is None or self._nats_killed else liveness_overdue(
+                    seen_until, started_at=self._nats_started, last_ok=self._nats_last_ok, watch_from=self._nats_watch_from,
+                    timeout_s=s.liveness_timeout_s, start_timeout_s=s.ready_timeout_s)  # fmt: skip
                 if silent is not None and self.nats.proc is not None:
                     log.warning(f"nats-server silent for {silent:.0f} s (no INFO on its port); killing it to restart",
                                 service="nats-server", pid=self.nats.pid, silent_s=round(silent, 1))
-                    self.nats.proc.kill()
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        self.nats.proc.wait(timeout=5.0)
+                    self.nats.proc.kill()  # reaped by this or a later pass (alive() polls it)
+                    self._nats_killed = True
             if not self.nats.alive() and self._nats_restart_at is None:
+                self._nats_killed = False
                 self._nats_streak += 1
-                n = count_exit(self._nats_exits, now, s.restart_window_s)
+                code = self.nats.returncode
+                clean_after_stable = code == 0 and now - self._nats_started > s.stable_s
+                n = len(self._nats_exits) if clean_after_stable else count_exit(self._nats_exits, now, s.restart_window_s)
                 if n > s.max_restarts:
                     raise ClusterError(f"nats-server exited {n} times in {window}; giving up", service="nats-server",
                                        reason=f"nats-server exited {n} times in {window} (restarts gave up)")
+                if not clean_after_stable:
+                    self._note_crash_loop("nats-server", now, "nats.log in the log folder")
                 delay = restart_delay(self._nats_streak, 0.1, s.restart_backoff_max_s)
                 self._nats_restart_at = now + delay
-                code = self.nats.returncode
                 log.warning("nats-server exited; restarting on the same port", code=code, port=self.nats.port,
                             exit=exit_text(code), restart=self.nats_restarts + 1, backoff_s=delay)
             elif self._nats_restart_at is not None and now >= self._nats_restart_at:
@@ -987,6 +1047,8 @@ class LocalCluster:
             if c.proc is None:
                 continue
             if c.proc.poll() is None:
+                if c.killed:  # SIGKILLed by an earlier pass, not reaped yet (uninterruptible I/O): a later pass sees it exit
+                    continue
                 if c.streak and now - c.started_at > s.stable_s:
                     c.streak = 0
                 silent = liveness_overdue(seen_until, started_at=c.started_at, last_ok=c.last_beat, watch_from=self._bus_ok_since,
@@ -996,9 +1058,8 @@ class LocalCluster:
                 log.warning(f"{c.name} silent for {silent:.0f} s (no heartbeat); killing it to restart", service=c.name,
                             pid=c.proc.pid, silent_s=round(silent, 1))
                 c.proc.kill()  # a stopped (SIGSTOP) process dies of SIGKILL too
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    c.proc.wait(timeout=5.0)
-                if c.proc.poll() is None:  # not reaped yet (a process in uninterruptible I/O): a later pass sees it exit
+                c.killed = True
+                if c.proc.poll() is None:  # not dead yet: a later pass reaps it (no wait here: up's event loop runs this)
                     continue
             if c.restart_at is None:
                 c.streak += 1
@@ -1011,6 +1072,8 @@ class LocalCluster:
                         service=c.name,
                         reason=f"{c.name} exited {n} times in {window} (last: {last}; restarts gave up)",
                     )
+                if not clean_after_stable:
+                    self._note_crash_loop(c.name, now, str(c.log_path))
                 # a clean exit (0: the service stopped on SIGTERM, e.g. a rolling restart's, after its drain) is no crash
                 # to slow down: the first is restarted at once, in this pass (its clients wait for it: the router's 0.5 s
                 # backoff was a quarter of its restart gap); one that comes again before a stable run backs off one step
@@ -1026,6 +1089,18 @@ class LocalCluster:
                 started.append(c.name)
                 log.warning("service restarted", service=c.name, pid=c.proc.pid, restarts=c.restarts)
         return started
+
+    def _note_crash_loop(self, name: str, now: float, log_at: str) -> None:
+        """Count an exit of ``name`` at ``now`` within :data:`CRASH_LOOP_WINDOW_S`; from :data:`CRASH_LOOP_WARN_AT` of
+        them on, log one "crash loop" warning line, again every :data:`CRASH_LOOP_WARN_EVERY_S` while it lasts."""
+        k = count_exit(self._hour_exits.setdefault(name, []), now, CRASH_LOOP_WINDOW_S)
+        last = self._loop_warned.get(name)
+        if k >= CRASH_LOOP_WARN_AT and (last is None or now - last >= CRASH_LOOP_WARN_EVERY_S):
+            self._loop_warned[name] = now
+            s = self.spec
+            log.warning(f"{name} has restarted {k} times in the last hour (crash loop); up gives up only past "
+                        f"{s.max_restarts} exits within {s.restart_window_s:g} s; see {log_at}",
+                        service=name, exits_last_hour=k)
 
     async def _supervise(self, interval_s: float = 0.2) -> None:
         while True:

@@ -63,7 +63,7 @@ from evolving_infra.cli import UsageError, command_name
 from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
 from evolving_infra.stdio_args import folder, shown, stdin_file
 from evolving_infra.cluster import (
-    THREAD_ENV, WILDCARD_HOSTS, ClusterConfigError, ClusterError, ClusterSpec, LocalCluster, ServiceStopped, worker_placement, write_json,
+    LIVENESS_MIN_S, THREAD_ENV, WILDCARD_HOSTS, ClusterConfigError, ClusterError, ClusterSpec, LocalCluster, ServiceStopped, worker_placement, write_json,
 )
 from evolving_infra.replay.retry import RetryPolicy
 from shared.auth import redact_argv, redact_url
@@ -358,7 +358,11 @@ def _add_cluster_args(
         default=10,
         help="restarts of one service (or nats-server) within --restart-window-s before the cluster gives up, as systemd's "
         "StartLimitBurst within StartLimitIntervalSec (default 10): a crash, a liveness kill or a quick clean exit counts; "
-        "a clean exit (code 0, a SIGTERM's stop: a rolling restart) after 60 s up does not",
+        "a clean exit (code 0, a SIGTERM's stop: a rolling restart) after 60 s up does not. With the defaults up gives "
+        "up on a service exiting more than 10 times in 10 min (more often than about once a minute); a slower crash "
+        "loop is restarted on, and from its 5th counted exit within an hour one warning line says '<service> has "
+        "restarted K times in the last hour (crash loop)', again every 10 min while it lasts (and --metrics' "
+        "process_start_time_seconds feeds the EIServiceCrashLoop alert of deploy/prometheus/alerts.yml)",
     )
     g.add_argument(
         "--restart-window-s",
@@ -372,12 +376,15 @@ def _add_cluster_args(
         type=float,
         default=30.0,
         metavar="S",
-        help="a service that hangs without exiting (SIGSTOP, a deadlock) is SIGKILLed and restarted as after a crash once it "
-        "has been silent this long (wall s; default 30; 0 = off; not with --no-restart): a service's sign of life is its "
-        "heartbeat over NATS, sent every second by the event loop that serves it (judged only while up's own NATS "
-        "connection answers a PING), nats-server's the INFO line it sends a new connection on its port; a process that "
-        "has not answered since its start gets --ready-timeout if that is longer; one warning line names it, its pid "
-        "and its silence",
+        help="a service whose process is stopped (SIGSTOP) or whose event loop is blocked is SIGKILLed and restarted as "
+        "after a crash once it has been silent this long (wall s; default 30; 0 = off; else at least "
+        f"{LIVENESS_MIN_S:g}; not with --no-restart): a service's sign of life is its heartbeat over NATS, sent every "
+        "second by its own asyncio task (judged only while up's own NATS connection answers a PING), nats-server's the "
+        "INFO line it sends a new connection on its port (judged up to up's latest probe that came to an end). A hang "
+        "that leaves the event loop running is not seen: a handler awaiting a lock, a wedged HTTP server, a hung engine "
+        "thread (a worker's own 300-s step watchdog covers that one). A process that has not answered since its start "
+        "gets --ready-timeout if that is longer; after a pause of up itself (Ctrl-Z, a paused VM) every process gets a "
+        "full timeout again; one warning line names it, its pid and its silence",
     )
     add_policy_args(p, live=True)
 
@@ -1131,6 +1138,13 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
                                ("--restart-window-s", getattr(args, "restart_window_s", 600.0), None)):
         if not math.isfinite(value) or (value < least if least is not None else value <= 0):
             raise UsageError(f"error: {flag} {value:g}: wall seconds, a number {'>= 0 (0 = off)' if least is not None else '> 0'}")
+    liveness = getattr(args, "liveness_timeout_s", 30.0)
+    if 0 < liveness < LIVENESS_MIN_S:  # healthy processes would be SIGKILLed: their signs of life come that slowly
+        raise UsageError(
+            f"error: --liveness-timeout-s {liveness:g}: 0 (off) or at least {LIVENESS_MIN_S:g} wall s: a service beats "
+            "every second, a round of up's probes (nats-server's INFO line, a PING) takes up to ~7 s under load and a "
+            "service's NATS drain at a stop up to 5 s, so a shorter timeout kills healthy processes"
+        )
     base = getattr(args, "metrics_base_port", None)
     if getattr(args, "metrics_host", None) is not None and not args.metrics and base is None:
         # no metrics port listens without them: the flag did nothing, silently

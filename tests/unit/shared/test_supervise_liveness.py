@@ -1,8 +1,10 @@
 """The supervisor's liveness watch and crash-loop limit on a fake clock (``supervise_once(now)``), on real child
-processes (``sleep``) without NATS: a service silent past ``liveness_timeout_s`` is SIGKILLed and restarted as after
-a crash, never before its first sign of life within its start timeout, nor while its beats cannot be seen; and
-``max_restarts`` counts the restarts within ``restart_window_s`` (systemd's StartLimitBurst/IntervalSec), so a
-service crashing every ~61 s gives up instead of looping forever."""
+processes (``sleep``) and, for nats-server's own watch, a real nats-server: a service silent past
+``liveness_timeout_s`` is SIGKILLed and restarted as after a crash, never before its first sign of life within its
+start timeout, nor while its beats cannot be seen, nor for a time the supervisor itself did not run (``up`` stopped);
+nats-server only up to its latest probe that came to an end; ``max_restarts`` counts the restarts within
+``restart_window_s`` (systemd's StartLimitBurst/IntervalSec), so a service crashing every ~61 s gives up where that
+many in the window are too many, and a slower loop is named in a "crash loop" warning line."""
 
 from __future__ import annotations
 
@@ -61,6 +63,25 @@ def _close(child: _Child) -> None:
         child.log_file.close()
 
 
+def _walk(c: LocalCluster, child: _Child, t_from: float, t_to: float, *, bus: bool = True) -> float:
+    """Supervision passes every second (as ``up``'s, without a gap: :data:`SUPERVISE_GAP_S`) from ``t_from`` to
+    ``t_to``, the launcher's NATS answering each (``bus``) or not; none may kill or start anything. Returns ``t_to``."""
+    t = t_from
+    while True:
+        if bus:
+            c._bus_last_ok = t
+        assert c.supervise_once(t) == [] and child.proc is not None and child.proc.poll() is None, t
+        if t >= t_to:
+            return t
+        t = min(t + 1.0, t_to)
+
+
+def _reaped(child: _Child) -> None:
+    """Let the SIGKILLed process die (a pass does not wait for it; the next one reaps it)."""
+    assert child.proc is not None and child.killed
+    os.waitid(os.P_PID, child.proc.pid, os.WEXITED | os.WNOWAIT)  # dead, left for the supervisor's poll to reap
+
+
 def test_a_silent_service_is_killed_and_restarted_as_after_a_crash(tmp_path, capsys):
     c = _cluster(tmp_path)
     child = c.children[0]
@@ -70,18 +91,19 @@ def test_a_silent_service_is_killed_and_restarted_as_after_a_crash(tmp_path, cap
         c._bus_last_ok = t0  # the launcher's NATS answers: the beats can be seen
         assert c.supervise_once(t0) == [] and c._bus_ok_since == t0
         _beat(c, child, t0 + 1.0)
-        for t in (t0 + 2.0, t0 + 20.0, t0 + 31.0):
-            c._bus_last_ok = t
-            assert c.supervise_once(t) == [] and child.proc.poll() is None
+        _walk(c, child, t0 + 1.0, t0 + 31.0)
         first = child.proc.pid
         c._bus_last_ok = t0 + 31.5
         assert c.supervise_once(t0 + 31.5) == []  # silent 30.5 s since its beat at +1: killed, restart scheduled
+        _reaped(child)
+        assert c.supervise_once(t0 + 31.6) == []  # reaped by the next pass: counted as a crash, backed off
         assert child.proc.returncode == -signal.SIGKILL
-        assert child.restart_at == pytest.approx(t0 + 32.0)  # a crash's backoff (0.5 s)
+        assert child.restart_at == pytest.approx(t0 + 32.1)  # a crash's backoff (0.5 s)
         out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)  # the console renderer's colours
         assert "svc silent for 30 s (no heartbeat); killing it to restart" in out and f"pid={first}" in out, out
-        assert c.supervise_once(t0 + 32.1) == ["svc"] and child.proc.pid != first and c.restarts() == {"svc": 1}
-        assert child.exits == [t0 + 31.5]  # counted like an exit
+        assert out.count("silent for") == 1, out  # one line: the pass that waits for its death does not kill again
+        assert c.supervise_once(t0 + 32.2) == ["svc"] and child.proc.pid != first and c.restarts() == {"svc": 1}
+        assert child.exits == [t0 + 31.6]  # counted like an exit
     finally:
         _close(child)
 
@@ -91,19 +113,18 @@ def test_no_kill_while_starting_within_the_start_timeout_nor_while_the_bus_is_si
     child = c.children[0]
     try:
         t0 = child.started_at
-        for t in (t0 + 31.0, t0 + 59.0):  # no beat yet: it is starting (ready_timeout_s 60 > liveness 30)
-            c._bus_last_ok = t
-            assert c.supervise_once(t) == [] and child.proc.poll() is None
+        _walk(c, child, t0, t0 + 59.0)  # no beat yet: it is starting (ready_timeout_s 60 > liveness 30)
         _beat(c, child, t0 + 59.5)
         # the launcher's NATS stops answering (nats-server down or hung): the beats cannot come; no one is judged
-        for t in (t0 + 95.0, t0 + 200.0):
-            assert c.supervise_once(t) == [] and child.proc.poll() is None
-        c._bus_last_ok = t0 + 300.0  # NATS back at +300: the service gets a full timeout from then
+        _walk(c, child, t0 + 60.0, t0 + 299.0, bus=False)
+        # NATS back at +300: the service gets a full timeout from then
+        c._bus_last_ok = t0 + 300.0
         assert c.supervise_once(t0 + 300.0) == [] and c._bus_ok_since == t0 + 300.0
-        c._bus_last_ok = t0 + 329.0
-        assert c.supervise_once(t0 + 329.0) == [] and child.proc.poll() is None
+        _walk(c, child, t0 + 300.0, t0 + 330.0)
         c._bus_last_ok = t0 + 331.0
-        assert c.supervise_once(t0 + 331.0) == [] and child.proc.returncode == -signal.SIGKILL
+        assert c.supervise_once(t0 + 331.0) == []
+        _reaped(child)
+        assert c.supervise_once(t0 + 331.2) == [] and child.proc.returncode == -signal.SIGKILL
     finally:
         _close(child)
 
@@ -116,14 +137,35 @@ def test_a_silence_is_counted_only_up_to_the_buses_last_answer(tmp_path):
     child = c.children[0]
     try:
         t0 = child.started_at
-        c._bus_last_ok = t0
-        c.supervise_once(t0)
+        _walk(c, child, t0, t0 + 3.0)
         _beat(c, child, t0 + 3.0)
-        c._bus_last_ok = t0 + 30.0  # its last answer
-        assert c.supervise_once(t0 + 30.0) == [] and child.proc.poll() is None
-        assert c.supervise_once(t0 + 34.0) == [] and child.proc.poll() is None  # 31 s since the beat; 27 s seen
+        _walk(c, child, t0 + 3.0, t0 + 30.0)  # its last answer at +30
+        _walk(c, child, t0 + 31.0, t0 + 34.0, bus=False)  # 31 s since the beat; 27 s seen
         assert c._bus_ok_since == t0
         assert c.supervise_once(t0 + 36.0) == [] and c._bus_ok_since is None  # the bus is silent: nothing judged
+    finally:
+        _close(child)
+
+
+def test_a_stall_of_up_itself_kills_nothing(tmp_path, capsys):
+    """``up`` stopped 12 s (Ctrl-Z / fg, a paused VM) with a 8-s timeout: its own loop did not run, so nobody watched.
+    On its return the launcher's PING may be answered before the buffered beats are read: the service was killed (its
+    silence counted across the stall) before; now every liveness clock starts again after a gap of passes."""
+    c = _cluster(tmp_path, liveness_timeout_s=8.0)
+    child = c.children[0]
+    try:
+        t0 = child.started_at
+        _beat(c, child, t0 + 1.0)
+        _walk(c, child, t0, t0 + 2.0)
+        # stalled from +2 to +14: the first pass after it sees the PING answered at +14, the beats not read yet
+        _walk(c, child, t0 + 14.0, t0 + 17.0)
+        out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+        assert "supervision paused 12 s" in out and "silent for" not in out, out
+        # still silent 8 s after the stall (a hang that began in it): killed then
+        _walk(c, child, t0 + 17.0, t0 + 22.0)
+        c._bus_last_ok = t0 + 22.5
+        c.supervise_once(t0 + 22.5)
+        assert child.killed
     finally:
         _close(child)
 
@@ -235,3 +277,118 @@ def test_up_flags_reach_the_spec_and_bad_values_are_refused(tmp_path):
     for flag, value in (("--liveness-timeout-s", "-1"), ("--liveness-timeout-s", "nan"), ("--restart-window-s", "0")):
         with pytest.raises(UsageError, match=f"{flag} "):
             spec(flag, value)
+    # a timeout shorter than the signs of life come kills healthy processes: refused with the least and why
+    for value in ("1", "9.5"):
+        with pytest.raises(UsageError, match=rf"--liveness-timeout-s {value}: 0 \(off\) or at least 10 wall s: a service beats every second"):
+            spec("--liveness-timeout-s", value)
+    assert spec("--liveness-timeout-s", "10").liveness_timeout_s == 10.0
+
+
+def _with_nats(tmp_path, **kw) -> LocalCluster:
+    from shared.natsserver import EmbeddedNatsServer
+
+    spec = dict(restart=True, stable_s=60.0, liveness_timeout_s=8.0, ready_timeout_s=5.0)
+    c = LocalCluster(ClusterSpec(**{**spec, **kw}))
+    c.log_dir = tmp_path
+    c.nats = EmbeddedNatsServer(jetstream=False).start()
+    c._nats_started = c._nats_watch_from = 0.0
+    return c
+
+
+def test_nats_server_is_judged_only_up_to_its_latest_finished_probe(tmp_path, capsys):
+    """A probe in flight (up's loop slow, or stopped mid-probe) is no silence of nats-server: before, its silence ran
+    to ``now`` and a healthy server was SIGKILLed 8 s after its last answer although no probe had looked since; now
+    it is judged up to the start of its latest probe that came to an end, answered or not (a real nats-server)."""
+    c = _with_nats(tmp_path)
+    try:
+        first = c.nats.pid
+        for t in range(0, 3):  # answered at 0, 1, 2
+            c._nats_last_ok = c._nats_tried_at = float(t)
+            assert c.supervise_once(float(t)) == []
+        for t in range(3, 20):  # a probe started at 3 has not come to an end: nothing is judged past 2
+            assert c.supervise_once(float(t)) == [] and c.nats.alive()
+        c._nats_tried_at = 10.0  # probes that came to an end unanswered: silent from 2 up to 10, not past 8
+        assert c.supervise_once(20.0) == [] and c.nats.alive()
+        c._nats_tried_at = 10.5
+        c.supervise_once(20.2)
+        c.nats.proc.wait(10)
+        assert c.supervise_once(20.4) == []  # reaped: a crash, restart scheduled (0.1 s)
+        assert c.supervise_once(20.6) == ["nats-server"] and c.nats.pid != first and c._nats_exits == [20.4]
+        out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+        assert out.count("nats-server silent for 8 s (no INFO on its port); killing it to restart") == 1, out
+    finally:
+        c.nats.stop()
+
+
+def test_a_clean_exit_of_nats_server_after_a_stable_run_is_not_counted(tmp_path):
+    """``--max-restarts``' help says a clean exit (code 0) after 60 s up does not count; nats-server's were counted all
+    the same (a real nats-server: SIGTERM makes it exit 0). A quick clean exit still counts."""
+    c = _with_nats(tmp_path, max_restarts=1)
+    try:
+        t = 0.0
+        for _ in range(3):  # SIGTERMed after 61 s up, three times: none counted
+            t += 61.0
+            c.nats.proc.send_signal(signal.SIGTERM)
+            assert c.nats.proc.wait(10) == 0
+            c.supervise_once(t)
+            t += 1.0
+            assert c.supervise_once(t) == ["nats-server"]
+        assert c._nats_exits == []
+        for _ in range(2):  # quick ones count: the second past max_restarts 1
+            t += 5.0
+            c.nats.proc.send_signal(signal.SIGTERM)
+            c.nats.proc.wait(10)
+            if _ == 1:
+                with pytest.raises(ClusterError, match="nats-server exited 2 times in 600 s; giving up"):
+                    c.supervise_once(t)
+            else:
+                c.supervise_once(t)
+                t += 1.0
+                assert c.supervise_once(t) == ["nats-server"]
+    finally:
+        c.nats.stop()
+
+
+def test_a_slow_crash_loop_goes_on_but_is_named_in_a_warning_line(tmp_path, capsys):
+    """Under the defaults (10 exits within 600 s give up: a crash more often than about once a minute) a service
+    crashing every 61 s is restarted on, as before; but from its 5th exit within an hour one warning line names the
+    loop, again every 10 min while it lasts (before: only "service exited; restarting" lines, 40 restarts in 41 min)."""
+    c = _cluster(tmp_path, max_restarts=10, restart_window_s=600.0)
+    child = c.children[0]
+    try:
+        t = child.started_at
+        warned_at: list[int] = []
+        for i in range(1, 41):
+            t += 61.0
+            c.supervise_once(t)
+            _end(child, -9)
+            c.supervise_once(t)
+            if "crash loop" in capsys.readouterr().out:
+                warned_at.append(i)
+            t += 0.5
+            assert c.supervise_once(t) == ["svc"]
+            child.started_at = t
+        assert c.restarts() == {"svc": 40}  # no give-up: slower than 10 in 600 s
+        assert warned_at == [5, 15, 25, 35]  # the 5th exit within the hour, then every 600 s (~10 exits of 61.5 s)
+    finally:
+        _close(child)
+
+
+def test_the_crash_loop_line_says_how_often_and_the_give_up_limit(tmp_path, capsys):
+    c = _cluster(tmp_path, max_restarts=10, restart_window_s=600.0)
+    child = c.children[0]
+    try:
+        t = child.started_at
+        for _ in range(5):
+            t += 100.0
+            c.supervise_once(t)
+            _end(child, 1)
+            c.supervise_once(t)
+            t += 1.0
+            assert c.supervise_once(t) == ["svc"]
+            child.started_at = t
+        out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+        assert (f"svc has restarted 5 times in the last hour (crash loop); up gives up only past 10 exits within 600 s; "
+                f"see {child.log_path}") in out, out
+    finally:
+        _close(child)
