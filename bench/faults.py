@@ -111,8 +111,13 @@ class FaultRun:
         return pid
 
     def thaw(self, service: str, pid: int) -> None:
-        """SIGCONT ``pid`` (``service``'s frozen process) and add the freeze's length to :attr:`frozen_s`."""
-        os.kill(pid, signal.SIGCONT)
+        """SIGCONT ``pid`` (``service``'s frozen process) and add the freeze's length to :attr:`frozen_s`. A process
+        gone meanwhile (``up``'s liveness watch SIGKILLed it: ``--liveness-timeout-s`` shorter than the freeze) is
+        counted in ``notes["thaw_gone"]``, not raised (it aborted the whole ``python bench/faults.py`` run)."""
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            self.notes["thaw_gone"] = int(self.notes.get("thaw_gone", 0)) + 1  # type: ignore[call-overload]
         t = self._stopped_at.pop(service, None)
         if t is not None:
             self.frozen_s[service] = self.frozen_s.get(service, 0.0) + time.monotonic() - t
@@ -131,7 +136,8 @@ def _kill(service: str) -> Injector:
 
 def _stop(service: str, hold_s: float) -> Injector:
     """SIGSTOP ``service`` (a hung process: it neither dies nor answers), SIGCONT it ``hold_s`` wall s later.
-    Nothing restarts: recovery is the router's ``/healthz`` 200 after the SIGCONT, so its time includes ``hold_s``."""
+    Nothing restarts while ``up``'s liveness watch is off or longer than the freeze (:data:`UP_LIVENESS_S`): recovery
+    is the router's ``/healthz`` 200 after the SIGCONT, so its time includes ``hold_s``."""
 
     async def inject(run: FaultRun) -> str | None:
         run.kill(service, signal.SIGSTOP)
@@ -140,6 +146,33 @@ def _stop(service: str, hold_s: float) -> Injector:
         finally:
             run.thaw(service, run.signalled[service])
         return None
+
+    return inject
+
+
+def _stop_watched(service: str, hold_s: float) -> Injector:
+    """SIGSTOP ``service`` and let ``up``'s liveness watch (:data:`UP_LIVENESS_S`, shorter than ``hold_s``) SIGKILL and
+    restart it: polled every 50 ms until cluster.json names a new pid (at most ``hold_s`` wall s), then SIGCONT (a
+    process gone is :meth:`FaultRun.thaw`'s ``thaw_gone``). Recovery is the restart (from the SIGSTOP: the watch's
+    timeout included); ``notes["watch_kill_s"]``: wall s from the SIGSTOP to the new pid, or ``"no restart"``."""
+
+    async def inject(run: FaultRun) -> str | None:
+        pid = run.kill(service, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            while time.monotonic() - t0 < hold_s:
+                try:
+                    if run.pid(service) != pid:
+                        run.notes["watch_kill_s"] = round(time.monotonic() - t0, 3)
+                        break
+                except (OSError, ValueError, KeyError):
+                    pass  # cluster.json being rewritten
+                await asyncio.sleep(0.05)
+            else:
+                run.notes["watch_kill_s"] = "no restart"
+        finally:
+            run.thaw(service, pid)
+        return service
 
     return inject
 
@@ -410,6 +443,7 @@ FAULTS: dict[str, Injector] = {
     "router-stop": _stop("router", 8.0),
     "router-stop-long": _stop("router", 40.0),
     "directory-stop-long": _stop("kvdirectory", 40.0),
+    "router-stop-watched": _stop_watched("router", 40.0),
     "switch-worker-kill": _in_split("1P3D", _kill("worker-w1"), settle_s=0.0),
     "nats-kill-twice": _then(_kill("nats-server"), "nats-server", 0.6),
     "nats-store-lost-twice": _then(_kill_wiping_store(), "nats-server", 0.6),
@@ -437,7 +471,19 @@ streams wait; the workers must not drop its requests as a router gone); ``switch
 moment ``split set 1P3D`` returned (its switch from prefill to decode in flight); ``nats-kill-twice`` /
 ``nats-store-lost-twice``: nats-server SIGKILLed (its store removed) and its restarted process SIGKILLed again 0.6 s
 later (or once ``up`` has restarted it, if later), while every service's reconnect check (and stream wait) of the
-first restart runs. ``a-then-b``'s recovery is timed from b's kill."""
+first restart runs; ``router-stop-watched``: the one router hung as in ``router-stop-long``, under ``up
+--liveness-timeout-s 10``: ``up`` SIGKILLs it after 10 s of silence and restarts it (recovery: its restart). ``a-then-b``'s
+recovery is timed from b's kill."""
+
+UP_LIVENESS_S = {
+    **dict.fromkeys(("nats-stop-long", "decode-worker-stop-long", "lone-decode-stop-long", "planner-stop-long",
+                     "router-stop-long", "directory-stop-long"), 0.0),
+    "router-stop-watched": 10.0,
+}
+"""Fault -> ``up --liveness-timeout-s`` (absent: ``up``'s default, 30 s). The ``*-stop-long`` faults measure a 40-s
+freeze that the other services must fence and outlive (the router's, the planner's, the workers' own timeouts), not
+``up``'s restart: their watch is off (its default 30 s SIGKILLed the frozen process mid-fault). ``router-stop-watched``
+measures the watch itself."""
 
 SIM_POOL_SLOT_BYTES = 4096
 """``--kv-pool real`` with the sim engine: bytes per pool slot (``up --kv-pool-slot-bytes``). The pool mirrors the
@@ -451,7 +497,7 @@ that a decode node killed 3 s in holds streams mid-decode."""
 STOP_GRACE_S = {"router": 50.0}
 """docker-compose.yml's ``stop_grace_period`` where it is not 30 s: the router's (its SIGTERM drains first)."""
 
-LOSSY = frozenset({"router-kill", "router-kill-parked", "router-term"})
+LOSSY = frozenset({"router-kill", "router-kill-parked", "router-term", "router-stop-watched"})
 """Faults whose victim's clients lose requests by design (its open streams, what they send while it is down): they
 pass with requests lost as long as the replay ends (no hang: ``lost`` is -1 when it did not end in time)."""
 
@@ -503,12 +549,14 @@ class FaultResult:
 
 def up_argv(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0,
             model_dir: Path | None = None, policy: str | None = None, kv_pool: str = "off",
-            routing_opts: tuple[str, ...] = (), routing: str | None = None, routers: int = 1) -> list[str]:
+            routing_opts: tuple[str, ...] = (), routing: str | None = None, routers: int = 1,
+            liveness_timeout_s: float | None = None) -> list[str]:
     """The ``evolving-infra up`` command line of a run (router on a free port, ``--metrics``); with ``model_dir``,
     its workers run ``--engine torch`` on that Hugging Face folder (CPU); with ``policy``, ``up --policy policy``;
     with ``kv_pool`` ``real``, ``up --kv-pool real`` (the sim's slots :data:`SIM_POOL_SLOT_BYTES`, a torch worker's
     its page); ``routing``: ``up --routing`` (over the policy's); each of ``routing_opts`` (``K=V``) as ``up --routing-opt``;
-    ``routers`` > 1: ``up --routers N`` (router processes on the one port)."""
+    ``routers`` > 1: ``up --routers N`` (router processes on the one port); ``liveness_timeout_s``: ``up
+    --liveness-timeout-s`` (None: its default)."""
     argv = [sys.executable, "-m", "evolving_infra.cli", "up", "--port", "0", "--nodes", str(nodes), "--split", split,
             "--speedup", repr(speedup), "--log-dir", str(log_dir), "--ready-timeout", str(timeout_s), "--metrics"]
     if routers != 1:
@@ -523,19 +571,23 @@ def up_argv(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s:
         argv += ["--routing", routing]
     for opt in routing_opts:
         argv += ["--routing-opt", opt]
+    if liveness_timeout_s is not None:
+        argv += ["--liveness-timeout-s", repr(liveness_timeout_s)]
     return argv
 
 
 def start_up(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0,
              model_dir: Path | None = None, policy: str | None = None, kv_pool: str = "off",
-             routing_opts: tuple[str, ...] = (), routing: str | None = None, routers: int = 1) -> FaultRun:
+             routing_opts: tuple[str, ...] = (), routing: str | None = None, routers: int = 1,
+             liveness_timeout_s: float | None = None) -> FaultRun:
     """Start ``evolving-infra up`` (:func:`up_argv`) and wait for its READY line.
 
     Raises:
         RuntimeError: when ``up`` exits or prints no READY line within ``timeout_s``.
     """
     argv = up_argv(log_dir, speedup=speedup, nodes=nodes, split=split, timeout_s=timeout_s, model_dir=model_dir, policy=policy,
-                   kv_pool=kv_pool, routing_opts=routing_opts, routing=routing, routers=routers)
+                   kv_pool=kv_pool, routing_opts=routing_opts, routing=routing, routers=routers,
+                   liveness_timeout_s=liveness_timeout_s)
     out = open(log_dir / "up.out", "wb")
     proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=out, start_new_session=True)
     assert proc.stdout is not None
@@ -699,7 +751,7 @@ async def run_fault(
     res.kv_pool = kv_pool
     res.routers = routers
     run = start_up(log_dir, speedup=speedup, nodes=nodes, split=split, model_dir=model_dir, policy=policy, kv_pool=kv_pool,
-                   routing_opts=routing_opts, routing=routing, routers=routers)
+                   routing_opts=routing_opts, routing=routing, routers=routers, liveness_timeout_s=UP_LIVENESS_S.get(fault))
     try:
         requests, block, model, vocab = trace.requests, trace.header.block_size, "evolving-infra-sim", None
         if model_dir is not None:

@@ -222,3 +222,35 @@ def test_then_waits_again_when_the_restarted_process_is_gone_and_gives_up_bounde
     monkeypatch.setattr(faults.os, "kill", stuck._os_kill)
     assert asyncio.run(faults._then(_kill_first(stuck), "nats-server", 0.6, new_pid_wait_s=2.0)(stuck)) == "nats-server"
     assert stuck.sent == [100] and stuck.notes["second_kill"] == "no new pid" and stuck.t_fault == 1.0
+
+
+def test_stop_long_faults_run_without_ups_liveness_watch_and_thaw_tolerates_a_process_gone(tmp_path):
+    """``up``'s liveness watch (default 30 s) SIGKILLed the six ``*-stop-long`` faults' 40-s frozen process, and the
+    SIGCONT's ProcessLookupError ended ``python bench/faults.py`` (every fault). Those faults measure a freeze the
+    other services must outlive: ``up`` runs them with the watch off; a thaw of a process gone is counted, not raised."""
+    import subprocess
+
+    long = [n for n in faults.FAULTS if n.endswith("-stop-long")]
+    assert len(long) == 6 and all(faults.UP_LIVENESS_S[n] == 0.0 for n in long)
+    for name in long:
+        argv = faults.up_argv(tmp_path, speedup=50.0, nodes=4, split="2P2D", liveness_timeout_s=faults.UP_LIVENESS_S[name])
+        assert argv[argv.index("--liveness-timeout-s") + 1] == "0.0"
+    assert "--liveness-timeout-s" not in faults.up_argv(tmp_path, speedup=50.0, nodes=4, split="2P2D")
+    assert faults.UP_LIVENESS_S["router-stop-watched"] == 10.0 and "router-stop-watched" in faults.LOSSY
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process
+    run = faults.FaultRun(proc=gone, info={}, log_dir=tmp_path)  # type: ignore[arg-type]
+    run._stopped_at["router"] = 0.0
+    run.thaw("router", gone.pid)
+    assert run.notes["thaw_gone"] == 1 and run.frozen_s["router"] > 0
+
+
+def test_stop_watched_returns_the_victim_once_up_restarted_it(monkeypatch):
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    run = _Restarting([41, 42], polls=3, alive={41, 42})
+    run.frozen, run.frozen_s, run._stopped_at = set(), {}, {}  # type: ignore[attr-defined]
+    run.kill = lambda service, sig: faults.FaultRun.kill(run, service, sig)  # type: ignore[attr-defined]
+    run.thaw = lambda service, pid: faults.FaultRun.thaw(run, service, pid)  # type: ignore[attr-defined]
+    assert asyncio.run(faults.FAULTS["router-stop-watched"](run)) == "router"  # type: ignore[arg-type]
+    assert sent == [(41, signal.SIGSTOP), (41, signal.SIGCONT)] and isinstance(run.notes["watch_kill_s"], float)
