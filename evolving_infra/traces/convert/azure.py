@@ -11,7 +11,6 @@ prefix information: every block gets a fresh id (no sharing, h* = 0).
 from __future__ import annotations
 
 import csv
-import gzip
 import heapq
 import io
 from collections import Counter
@@ -19,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
-from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, inputs_meta, make_header, source_line
+from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, inputs_meta, make_header, read_input, source_line
 from evolving_infra.traces.schema import TraceRequest
 
 KIND = "azure"
@@ -55,12 +54,10 @@ def _read(path: Path, skipped: Skipped) -> list[tuple[float, int, int, int]]:
     Raises:
         ConvertError: the file cannot be read or lacks the columns; with ``strict``, a malformed row.
     """
+    raw = read_input(path)
     try:
-        raw = path.read_bytes()
-        if raw[:2] == b"\x1f\x8b":
-            raw = gzip.decompress(raw)
         text = raw.decode("utf-8-sig")
-    except (OSError, EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
         raise ConvertError(f"{path}: cannot read: {e}") from None
     reader = csv.DictReader(io.StringIO(text))
     need = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"}

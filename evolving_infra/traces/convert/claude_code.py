@@ -60,7 +60,6 @@ Rules (each checked on the 530 shared sessions; see docs/trace-format.md):
 
 from __future__ import annotations
 
-import gzip
 import heapq
 import itertools
 import re
@@ -82,6 +81,7 @@ from evolving_infra.traces.convert.common import (
     lcp,
     make_header,
     progress_iter,
+    read_input,
 )
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import PrivateIds, rechunk_blocks
@@ -288,13 +288,9 @@ class _Converter:
         return ns
 
     def _load(self, path: Path) -> _Session:
+        raw = read_input(path)
         try:
-            raw = path.read_bytes()
-            if raw[:2] == b"\x1f\x8b":
-                raw = gzip.decompress(raw)
             return _DECODER.decode(raw)
-        except (OSError, EOFError, gzip.BadGzipFile) as e:
-            raise ConvertError(f"{path}: cannot read: {e}") from None
         except msgspec.DecodeError as e:
             raise ConvertError(f"{path}: not a WEKA Claude Code trace: {e}") from None
 

@@ -9,6 +9,7 @@ import shutil
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from pathlib import Path
 from typing import IO, Any
@@ -58,6 +59,21 @@ def source_line(kind: str, inputs: Sequence[str | os.PathLike[str]]) -> str:
 
 class ConvertError(ValueError):
     """A raw input cannot be converted; the message names the file and the reason."""
+
+
+def read_input(path: Path) -> bytes:
+    """The bytes of a converter's input file, gunzipped when they start with gzip's magic bytes (whatever the
+    file's name).
+
+    Raises:
+        ConvertError: ``"{path}: cannot read: {reason}"``: missing or unreadable, or a gzip stream that is cut
+            short or corrupt (``zlib.error`` included: a damaged deflate stream is no ``BadGzipFile``).
+    """
+    try:
+        raw = path.read_bytes()
+        return gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise ConvertError(f"{path}: cannot read: {e}") from None
 
 
 class Skipped:

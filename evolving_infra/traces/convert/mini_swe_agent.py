@@ -36,7 +36,6 @@ append-only (system, task, then assistant / tool turns), one request per
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import heapq
 import re
@@ -50,7 +49,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, inputs_meta, make_header, progress_iter, source_line
+from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, inputs_meta, make_header, progress_iter, read_input, source_line
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import PRIVATE_ID_BASE
 
@@ -149,12 +148,10 @@ class _Stream:
 
 
 def _load(path: Path) -> dict[str, Any]:
+    raw = read_input(path)
     try:
-        raw = path.read_bytes()
-        if raw[:2] == b"\x1f\x8b":
-            raw = gzip.decompress(raw)
         d = msgspec.json.decode(raw)
-    except (OSError, EOFError, gzip.BadGzipFile, msgspec.DecodeError) as e:
+    except msgspec.DecodeError as e:
         raise ConvertError(f"{path}: cannot read trajectory: {e}") from None
     if not isinstance(d, dict) or not isinstance(d.get("messages"), list):
         raise ConvertError(f"{path}: not a mini-swe-agent trajectory (no 'messages' list)")

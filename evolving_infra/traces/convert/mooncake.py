@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, inputs_meta, make_header, progress_iter, source_line
+from evolving_infra.traces.convert.common import Conversion, ConvertError, Skipped, expand_inputs, inputs_meta, make_header, progress_iter, read_input, source_line
 from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import rechunk_blocks
 
@@ -90,14 +90,7 @@ def _read_rows(path: Path, skipped: Skipped) -> list[_Row]:
     Raises:
         ConvertError: the file cannot be read or decompressed; with ``strict``, a malformed row.
     """
-    import gzip
-
-    try:
-        raw = path.read_bytes()
-        if raw[:2] == b"\x1f\x8b":
-            raw = gzip.decompress(raw)
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
-        raise ConvertError(f"{path}: cannot read: {e}") from None
+    raw = read_input(path)
     rows: list[_Row] = []
     for n, line in enumerate(raw.splitlines(), start=1):
         if not line.strip():

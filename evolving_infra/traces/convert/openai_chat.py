@@ -84,6 +84,7 @@ from evolving_infra.traces.convert.common import (
     inputs_meta,
     make_header,
     progress_iter,
+    read_input,
     source_line,
 )
 from evolving_infra.traces.schema import BranchKind, TraceRequest
@@ -385,14 +386,7 @@ def _read_file(path: Path, fi: int, counts: Counter[str], skipped: Skipped, line
     Raises:
         ConvertError: the file cannot be read; with ``skipped.strict``, a bad line.
     """
-    import gzip
-
-    try:
-        raw = path.read_bytes()
-        if raw[:2] == b"\x1f\x8b":
-            raw = gzip.decompress(raw)
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
-        raise ConvertError(f"{path}: cannot read: {e}") from None
+    raw = read_input(path)
     default = path.name.split(".")[0]
     for i, text in enumerate(raw.splitlines(), 1):
         if not text.strip():

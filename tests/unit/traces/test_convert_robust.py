@@ -178,3 +178,16 @@ def test_convert_progress_is_whole_lines_when_stderr_is_not_a_terminal(capsys):
     assert err.splitlines()[0].startswith("claude-code-weka: 0 of 4 files, ") and "\r" not in err, err
     assert len(err.splitlines()) == 4
     assert progress_iter(items, enabled=False, desc="x") is items
+
+
+@pytest.mark.parametrize("kind,name", [("mooncake", "m.jsonl.gz"), ("azure", "a.csv.gz"), ("openai-chat", "o.jsonl.gz"),
+                                       ("claude-code-weka", "trace_1.json.gz"), ("mini-swe-agent", "x.traj.json.gz")])
+def test_a_corrupt_gzip_stream_is_a_named_skip_not_a_traceback(tmp_path, kind, name):
+    """A .gz whose deflate stream is damaged raises ``zlib.error``, which is no ``BadGzipFile``: every converter let
+    it out as a traceback (``error: Error -3 while decompressing data``) instead of skipping and naming the file."""
+    raw = bytearray(gzip.compress(b'{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n' * 2000))
+    raw[30:60] = b"\xff" * 30  # inside the deflate stream: the header still reads as gzip
+    bad = tmp_path / name
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(ConvertError, match=rf"{name}: cannot read: .*decompressing data"):
+        convert_inputs(kind, [bad])
