@@ -344,10 +344,12 @@ class _Pending:
     """Output tokens in :attr:`queue` its response has not taken yet (``--max-buffered-output-tokens``)."""
     slow: bool = False
     """Aborted because its client did not take its output (``_abort_slow``): counted ``slow_client_aborts`` once."""
-    end_sent: bool = False
-    """Its stream's last event (the chunk with its ``finish_reason``, or an error event) was handed to the
-    connection: a send that stalls after it is the trailer's (usage chunk, ``[DONE]``, the empty last send), and
-    its request is counted as it ended (:meth:`RouterService._send_stalled`)."""
+    response_on: bool = False
+    """Its stream's response is on: from its start until its ASGI call returned (its last send, the empty one after
+    ``[DONE]``, done). An end decided meanwhile is counted then (:meth:`RouterService._close_stream`), not when its
+    body ends (:meth:`RouterService._forget`): until the last send returned its client may not have it all (uvicorn
+    waits for the socket to drain before it writes a message, so a send that stalls holds its predecessor unsent),
+    and a stall counts the request as a too-slow-client abort (:meth:`RouterService._send_stalled`)."""
     reset: Callable[[], bool] | None = None
     """Resets its client's connection (a stream's, ``ingress.RESET_EXTENSION``) while its response is on, and says
     whether it did (a no-op once the response is complete or the connection closing); None: not a stream, or no
@@ -1590,19 +1592,23 @@ class RouterService(WatchedService):
         a short grace raced the cap's own abort). One aborted at the cap already keeps the grace its abort gave it
         (:meth:`_shed_slow_clients`).
 
-        A request whose end is settled is not aborted nor counted again (``slow_client_aborts`` counts requests that
-        ended, or would have, because of their client), only its connection reset (``slow_client_resets``) and
-        counted as it ended: its response's last event went out (``_Pending.end_sent``: the stall is on the usage
-        chunk, ``[DONE]`` or the empty last send; its body all handed over, its request forgotten, too), its end is
-        counted already (the router's own ``stop``), or it had failed (a timeout, a fence, its node's error: its
-        error event is what waits). Before, a stall on ``[DONE]`` counted ``abort`` and a slow-client abort while
-        one on the empty send after it counted ``length``; a request ended by its timeout was counted a slow-client
-        abort too, and ``abort`` instead of ``error``."""
+        A stall on any send before the response is complete is such an abort, the usage chunk's, ``[DONE]``'s and the
+        empty last send's too (its request's end not counted until then: ``_Pending.response_on``): uvicorn (0.55,
+        ``h11_impl`` ``send``) waits for the socket to drain before it writes a message, so the message before the
+        stalled one (for a stall after the finish chunk, the finish chunk or what follows it) is still in the write
+        buffer, and the reset drops it: its client has a cut stream. Only a request that had already failed (a
+        timeout, a fence, its node's error: its error event is what waits) is not counted again (``slow_client_aborts``
+        counts requests that ended, or would have, because of their client): its connection is reset
+        (``slow_client_resets``) and it stays counted once as it failed (``error``). One the router ended at a stop
+        string or stop token id was counted ``finished.stop`` at the match (:meth:`_end_at_stop`) and stays so,
+        counted once: it then shows ``finished.stop`` and one ``slow_client_aborts``, its client cut. Before
+        (2c62a96), a stall after the finish chunk was handed to the connection only reset it and counted the request
+        as it ended (``finished.length``), although its client never got that chunk."""
         if p.slow:
             return
-        if (self._pending.get(p.rid) is not p or p.end_sent or p.counted is not None
-                or (p.done and p.end_reason in ("error", "abort"))):
-            self.log.info("stream send stalled once its request had ended; connection reset", rid=p.rid,
+        failed = (p.counted or p.end_reason) in ("error", "abort") and p.done
+        if failed:
+            self.log.info("stream send stalled once its request had failed; connection reset", rid=p.rid,
                           stalled_s=self.cfg.stream_stall_timeout_s, finish_reason=p.counted or p.end_reason)
             self._reset_slow_client(p)
             return
@@ -2638,7 +2644,7 @@ class RouterService(WatchedService):
         (:meth:`_failed_after_end`: a 500 in the output path, a client too slow), counted ``error`` / ``abort``
         (before, a stream that ended with a 500 error event was counted ``finished.stop`` when its node's end had
         come first)."""
-        if p.counted is None and self._pending.get(p.rid) is p:
+        if p.counted is None and (self._pending.get(p.rid) is p or p.response_on):
             p.end_reason = reason
         else:
             self._count_end(p, reason)
@@ -3593,6 +3599,7 @@ class RouterService(WatchedService):
                 headers["x-ei-decode-node"] = p.decode_node
             watcher.cancel()  # the SSE response watches the connection itself
             p.reset = request.scope.get("extensions", {}).get(RESET_EXTENSION)
+            p.response_on = True  # its end is counted when the response's call returns (_close_stream)
             gen = self._stream(
                 p, rreq, chat, created, include_usage, continuous_usage, self._output_text(req), api.logprobs_asked(req), echo,
                 api.reply_role(req) if chat else "assistant", toolcalls.HermesStream() if chat and self._parses_tools(req) else None,
@@ -3779,14 +3786,12 @@ class RouterService(WatchedService):
             while True:
                 if isinstance(item, _Failure):
                     yield sse(api.error_body(item.status, item.reason))
-                    p.end_sent = True
                     yield _SSE_DONE
                     completed = True
                     return
                 fail = self._chunk_failure(item) if item.finished else None
                 if fail is not None:
                     yield sse(api.error_body(fail.status, fail.reason))
-                    p.end_sent = True
                     yield _SSE_DONE
                     completed = True
                     return
@@ -3811,7 +3816,6 @@ class RouterService(WatchedService):
                     last = piece_obj(text, finish, stop_reason, calls)
                     last["ei"] = self._ei(p)
                     yield sse(last)
-                    p.end_sent = True
                     delivered()
                     break
                 if tools is not None:
@@ -3833,7 +3837,6 @@ class RouterService(WatchedService):
             self.log.error("unexpected error in a stream; ended with a 500 error event", rid=p.rid, error=repr(e), exc_info=e)
             self._failed_after_end(p, f"internal error in the router: {type(e).__name__}", "internal_error")
             yield sse(api.error_body(500, f"internal error in the router: {type(e).__name__}"))
-            p.end_sent = True
             yield _SSE_DONE
         finally:
             if not completed:
@@ -3848,10 +3851,13 @@ class RouterService(WatchedService):
         return self.tokenizer.decode([t], skip_special_tokens=False)
 
     def _close_stream(self, p: _Pending) -> None:
-        """After an SSE response: forget ``p`` if its body never ran (the client left before it started)."""
+        """After an SSE response (its ASGI call returned: its last send done, or the connection gone): count the end
+        decided while it was on (``_Pending.response_on``), and forget ``p`` if its body never ran (the client left
+        before it started)."""
+        p.response_on = False
         if self._pending.get(p.rid) is p:
             self._abandon(p, "client disconnected", "client_disconnect")
-            self._forget(p)
+        self._forget(p)
 
     def _in_flight(self, rid: str) -> bool:
         """A request with ``rid`` is pending, or being routed (not pending yet), here or on another router (its
@@ -3900,7 +3906,7 @@ class RouterService(WatchedService):
         """The HTTP side of ``p`` is over: forget it (remembering a client rid's last attempt); its
         end not counted yet (decided while its response was still running: :meth:`_end_decided`) is counted now, as
         its client saw it."""
-        if p.end_reason is not None:
+        if p.end_reason is not None and not p.response_on:  # a stream's: when its last send is done (_close_stream)
             self._count_end(p, p.end_reason)
         if p.unread:  # output its client never took
             self._unread -= p.unread

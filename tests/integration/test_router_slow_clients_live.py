@@ -46,10 +46,10 @@ watch bounded by GRACE_S raced its cap aborts, and aborted A first when B's requ
 
 
 async def _stalled_stream(
-    svc: RouterService, rid: str, max_tokens: int = STALLED_TOKENS, *, usage: bool = False
+    svc: RouterService, rid: str, max_tokens: int = STALLED_TOKENS, *, usage: bool = False, **extra: Any
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A stream request whose client does not read: a 4 KiB receive buffer, nothing read after the request
-    (``usage``: the stream's last chunk has its ``usage``).
+    (``usage``: the stream's last chunk has its ``usage``; ``extra``: more request fields).
 
     The router's end of its connection gets a 16 KiB send buffer: on loopback (64 KiB segments) the kernel's
     send-buffer autotuning took ~3.5 MB (57,000 of 60,000 tokens here) of a stalled stream before the
@@ -72,7 +72,7 @@ async def _stalled_stream(
     server_end().setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
     reader, writer = await asyncio.open_connection(sock=sock, limit=1024)  # it stops reading the socket at 2 KiB unread
     body = msgspec.json.encode({"prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True,
-                                **({"stream_options": {"include_usage": True}} if usage else {})})  # fmt: skip
+                                **({"stream_options": {"include_usage": True}} if usage else {}), **extra})  # fmt: skip
     head = (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             f"x-request-id: {rid}\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n")  # fmt: skip
     writer.write(head.encode() + body)
@@ -218,14 +218,46 @@ async def test_a_stalled_stream_under_the_cap_is_aborted_after_the_stall_timeout
         r = await env.http.post("/v1/completions", json={"prompt": [4, 5], "max_tokens": 50, "stream": True})
         assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
         assert svc.counters["slow_client_aborts"] == 1 and svc.counters["finish.abort"] == 1
-        # a response whose body was all handed over (its request forgotten, its end counted) and whose last send
-        # waits: its connection is reset, nothing aborted or counted again
+        # a request counted as it failed (this one, aborted) whose send waits again: its connection is reset,
+        # nothing aborted or counted again
         resets: list[int] = []
         ended = dataclasses.replace(stalled, slow=False, reset=lambda: resets.append(1) is None)
         svc._send_stalled(ended)
         assert resets == [1] and svc.counters["slow_client_resets"] == 2
         assert svc.counters["slow_client_aborts"] == 1 and svc.counters["finish.abort"] == 1
         writer.close()
+
+
+ECHO_TOKENS = 40_000
+"""Prompt tokens of the echoed stream: its one data chunk (prompt text and finish) is ~280 KB, far past the 64 KiB
+write buffer uvicorn pauses at, the 16 KiB send buffer and the 4 KiB window the client offers."""
+
+
+@pytest.mark.parametrize("usage", [False, True], ids=["done-stalls", "usage-stalls"])
+async def test_a_stall_after_the_finish_chunk_with_real_uvicorn_aborts_the_request_as_too_slow(nats_url, tmp_path, usage):
+    """The review's recipe (session 52), real uvicorn: a completion with ``echo``, a large prompt and ``max_tokens``
+    1, so its finish chunk is the one big data chunk, and a client that reads nothing. uvicorn writes that chunk
+    into its buffer and pauses; the next send (the usage chunk, or ``[DONE]``) waits for the drain before it writes,
+    past ``--stream-stall-timeout-s``; the reset drops the buffer: the client never gets the finish chunk nor
+    ``[DONE]``. Before (2c62a96), the request was counted ``finished.length`` with no slow-client abort, as if its
+    client had its end; now a too-slow-client abort (``slow_client_aborts`` 1, ``finish.abort`` 1)."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, slow_client_grace_s=30.0, stream_stall_timeout_s=0.5) as env:
+        svc, cluster = env.service, env.cluster
+        cluster.gpu_blocks = {"c0": 100_000}
+        await cluster.publish_states()
+        await _wait_for(lambda: svc.core.view.nodes["c0"].state.gpu_total_blocks == 100_000, what="states applied")
+        prompt = [10 + (k % 5000) for k in range(ECHO_TOKENS)]
+        reader, writer = await _stalled_stream(svc, "stall-echo", 1, usage=usage, prompt=prompt, echo=True)
+        try:
+            await _wait_for(lambda: svc.counters["slow_client_resets"] == 1, what="the connection reset", timeout=10)
+            await _wait_for(lambda: "stall-echo" not in svc._pending, what="the request forgotten")
+            c = dict(svc.counters)
+            assert c.get("slow_client_aborts") == 1 and c.get("finish.abort") == 1, c
+            assert "finished.length" not in c and svc.buffered_output_tokens == 0, c
+            raw, _ = await _read_rest(reader)  # what the kernel had taken, then the reset
+            assert b"[DONE]" not in raw and b'"finish_reason":"length"' not in raw, raw[-200:]
+        finally:
+            writer.close()
 
 
 @pytest.mark.parametrize(

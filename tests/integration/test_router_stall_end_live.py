@@ -1,16 +1,21 @@
 """Which send of a stream stalls does not change how its request is counted (``--stream-stall-timeout-s``), live.
 
 Real nats-server and router (``router_env``: workers played by ``FakeCluster``, which sends a request's whole
-output at once); the stream's ASGI ``send`` is the test's, which waits on one chosen message until the router
-resets the connection (as uvicorn's send waits for a socket that never drains; the reset makes it return, and the
-connection's ``receive`` then says ``http.disconnect``, as uvicorn's). Before, a stall on the ``[DONE]`` send
-aborted the request as too slow (``slow_client_aborts``, ``finish.abort``) while a stall on the empty last send
-after it only reset the connection (``finished.length``), and a request that had already ended by its timeout
-was counted a slow-client abort too, and ``abort`` instead of its ``error``. Now a stall once the response's last
-event (its finish chunk, or its error event) went out only resets the connection: the request counts as it ended.
-A stall before that still aborts it as too slow (its client did not get its output).
-"""
+output at once); the stream's ASGI ``send`` is the test's, modelled on uvicorn's (0.55, ``h11_impl.py``
+``send``): a send first waits for the socket to drain (its predecessor's bytes still in the write buffer) and only
+then writes its own message; so a send that waits until the router resets the connection (``transport.abort``
+drops the buffer) means its predecessor never reached the client either. The reset makes it return, and the
+connection's ``receive`` then says ``http.disconnect``, as uvicorn's.
 
+Every stall before the response is complete (the empty last send included) aborts the request as too slow
+(``slow_client_aborts``, ``finish.abort``): its client did not get the message before the stalled one, for a
+stall on the usage chunk or ``[DONE]`` the finish chunk. A request that had already failed (its timeout) stays
+counted once as ``error``; one the router ended at a stop counted ``finished.stop`` stays so, and
+``slow_client_aborts`` says its client was cut. Before (2c62a96), a stall after the finish chunk was handed to
+the connection only reset it and counted the request ``finished.length`` (the test's send then treated the
+stalled message's predecessors as delivered, the opposite of uvicorn); ``test_router_slow_clients_live``
+checks the same with real uvicorn and a client that reads nothing.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +28,7 @@ import pytest
 
 from services.router.ingress import RESET_EXTENSION
 from services.router.service import RouterService
-from tests.integration.test_router_live import _wait_for, router_env
+from tests.integration.test_router_live import _wait_for, output_token, router_env
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,12 +50,15 @@ STALLS: dict[str, Callable[[dict[str, Any]], bool]] = {
 """Which message's send waits (the first one it matches)."""
 
 
-async def _stalled_at(svc: RouterService, rid: str, stall: str) -> list[bytes]:
-    """One stream (5 tokens, usage asked) through the router's ASGI app whose send of the ``stall`` message waits
-    until the router resets the connection. Returns the bodies the router handed over (the stalled one included)."""
+async def _stalled_at(svc: RouterService, rid: str, stall: str, **extra: Any) -> list[bytes]:
+    """One stream (5 tokens, usage asked; ``extra``: more request fields) through the router's ASGI app whose send
+    of the ``stall`` message waits until the router resets the connection. Returns the bodies its client got: those
+    handed over before the stalled one's predecessor (which the reset dropped from the write buffer)."""
     reset, gone = asyncio.Event(), asyncio.Event()
     sent: list[bytes] = []
-    body = msgspec.json.encode({"prompt": [1, 2, 3], "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}})
+    body = msgspec.json.encode(
+        {"prompt": [1, 2, 3], "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}, **extra}
+    )
     stalled = False
 
     def reset_hook() -> bool:
@@ -62,9 +70,11 @@ async def _stalled_at(svc: RouterService, rid: str, stall: str) -> list[bytes]:
         nonlocal stalled
         if not stalled and STALLS[stall](message):
             stalled = True
+            if sent:
+                sent.pop()  # uvicorn waits for the drain before writing: the previous message is still buffered
             await asyncio.wait_for(reset.wait(), timeout=10)  # the socket never drains; uvicorn's send returns once reset
             return
-        if message["type"] == "http.response.body":
+        if message["type"] == "http.response.body" and not reset.is_set():  # uvicorn's send returns once disconnected
             sent.append(_body(message))
 
     requested = False
@@ -95,27 +105,29 @@ def _ends(svc: RouterService) -> dict[str, int]:
     return {k: v for k, v in svc.counters.items() if k.startswith(("finish", "slow_client", "aborts"))}
 
 
-@pytest.mark.parametrize("stall", ["usage-chunk", "done", "final-empty-send"])
-async def test_a_stall_after_the_finish_chunk_resets_and_counts_the_request_as_it_ended(nats_url, tmp_path, stall):
+@pytest.mark.parametrize("stall", ["finish-chunk", "usage-chunk", "done", "final-empty-send"])
+async def test_a_stall_before_the_response_is_complete_aborts_the_request_as_too_slow(nats_url, tmp_path, stall):
     async with router_env(nats_url, tmp_path, {"c0": "both"}, stream_stall_timeout_s=STALL_S, slow_client_grace_s=30.0) as env:
         svc = env.service
         t0 = time.monotonic()
         sent = await _stalled_at(svc, f"stall-{stall}", stall)
         assert time.monotonic() - t0 < 5 * STALL_S + 2
-        assert any(b'"finish_reason":"length"' in b for b in sent), sent  # its client was handed its end
-        c = _ends(svc)
-        assert c.get("finished.length") == 1 and "finish.abort" not in c, c
-        assert c.get("slow_client_aborts", 0) == 0 and c.get("slow_client_resets") == 1, c
-        assert "aborts.slow_client" not in c and svc.buffered_output_tokens == 0, c
-
-
-async def test_a_stall_on_the_finish_chunk_still_aborts_the_request_as_too_slow(nats_url, tmp_path):
-    async with router_env(nats_url, tmp_path, {"c0": "both"}, stream_stall_timeout_s=STALL_S, slow_client_grace_s=30.0) as env:
-        svc = env.service
-        sent = await _stalled_at(svc, "stall-finish", "finish-chunk")
-        assert not any(b'"finish_reason"' in b and b'"length"' in b for b in sent), sent
+        assert not any(b"[DONE]" in b for b in sent), sent  # the stalled message's predecessor never went out
+        if stall in ("finish-chunk", "usage-chunk"):
+            assert not any(b'"finish_reason":"length"' in b for b in sent), sent  # its client never saw its end
         c = _ends(svc)
         assert c.get("finish.abort") == 1 and "finished.length" not in c, c
+        assert c.get("slow_client_aborts") == 1 and c.get("slow_client_resets") == 1, c
+        assert svc.buffered_output_tokens == 0, c
+
+
+async def test_a_stop_counted_by_the_router_stays_counted_once_when_its_done_stalls(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, stream_stall_timeout_s=STALL_S, slow_client_grace_s=30.0) as env:
+        svc = env.service
+        await _stalled_at(svc, "stall-stop", "done", stop_token_ids=[output_token(2)])
+        c = _ends(svc)
+        # its end was counted when the router matched the stop; the stall says its client was cut
+        assert c.get("finished.stop") == 1 and "finish.abort" not in c and "finished.length" not in c, c
         assert c.get("slow_client_aborts") == 1 and c.get("slow_client_resets") == 1, c
 
 
