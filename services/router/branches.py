@@ -1,8 +1,8 @@
 """Branch table: which agent branches the router has announced, and which ended.
 
 Zero I/O. The shell turns the harness's headers into :meth:`BranchTable.observe`
-calls and ``POST /v1/branches/{id}/end`` into :meth:`BranchTable.end`, and
-publishes the returned ``BranchStart``/``BranchEnd`` on ``branch.events``.
+calls and ``POST /v1/branches/{id}/end`` into :meth:`BranchTable.check_end`, a ``BranchEnd`` published, then
+:meth:`BranchTable.end`, and publishes the returned ``BranchStart`` on ``branch.events``.
 
 Transitions (one branch id)::
 
@@ -10,7 +10,8 @@ Transitions (one branch id)::
     active  --observe--> active   (no event)
     active  --end------> ended    (emits BranchEnd)
     ended   --observe--> error BranchEnded        (HTTP 400, param X-Branch-Id)
-    ended   --end------> error BranchAlreadyEnded (HTTP 410 Gone; a tool call on it too)
+    ended   --end------> error BranchAlreadyEnded (the router answers an end 200 ``"already": true``, idempotent;
+                                                   a tool call on it: HTTP 410 Gone)
     unknown --end------> error UnknownBranch      (HTTP 404)
     unknown --observe with a parent that leads back to it--> error BranchCycle (HTTP 400, param X-Parent-Branch-Id)
 
@@ -78,8 +79,9 @@ class UnknownBranch(BranchError):
 
 
 class BranchAlreadyEnded(BranchError):
-    """``POST /v1/branches/{id}/end`` or ``/tool-call`` on a branch that was ended: 410 Gone (RFC 9110 §15.5.11),
-    since the path names the branch and it stays ended while remembered (a 409 was retried by the OpenAI SDK)."""
+    """``POST /v1/branches/{id}/end`` or ``/tool-call`` on a branch that was ended. A tool call's is a 410 Gone (RFC 9110
+    §15.5.11), since the path names the branch and it stays ended while remembered (a 409 was retried by the OpenAI
+    SDK); the router answers a repeated end 200 with ``"already": true`` (idempotent, so a retried end succeeds)."""
 
     status = 410
 
@@ -414,6 +416,19 @@ class BranchTable:
         self._evict_over_cap(now, branch_id)
         return BranchToolCall(branch_id=branch_id, outstanding=outstanding, expected_s=expected_s, ts=now if ts is None else ts)
 
+    def check_end(self, branch_id: str) -> None:
+        """Raise what :meth:`end` would raise for ``branch_id`` now, changing nothing: the router checks before it
+        publishes the ``BranchEnd``, and ends the branch here only once that went out.
+
+        Raises:
+            BranchAlreadyEnded: if it was ended before.
+            UnknownBranch: if no request of it was seen.
+        """
+        if branch_id in self._ended:
+            raise BranchAlreadyEnded(f"branch {branch_id!r} already ended")
+        if branch_id not in self._active and branch_id not in self._expired:
+            raise UnknownBranch(f"unknown branch {branch_id!r}: no request with X-Branch-Id {branch_id!r} was seen")
+
     def end(self, branch_id: str, now: float, *, ts: float | None = None) -> BranchEnd:
         """End ``branch_id`` (``now`` and ``ts`` as in :meth:`observe`).
 
@@ -424,10 +439,9 @@ class BranchTable:
             BranchAlreadyEnded: if it was ended before.
             UnknownBranch: if no request of it was seen.
         """
-        if branch_id in self._ended:
-            raise BranchAlreadyEnded(f"branch {branch_id!r} already ended")
-        if self._active.pop(branch_id, None) is None and self._expired.pop(branch_id, None) is None:
-            raise UnknownBranch(f"unknown branch {branch_id!r}: no request with X-Branch-Id {branch_id!r} was seen")
+        self.check_end(branch_id)
+        if self._active.pop(branch_id, None) is None:
+            self._expired.pop(branch_id, None)
         if self.max_ended:
             self._ended[branch_id] = now
             while len(self._ended) > self.max_ended:

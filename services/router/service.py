@@ -100,7 +100,7 @@ from shared.subjects import (
 
 from services.router import api, toolcalls
 from services.router.ingress import KEY_ID_SCOPE_KEY, RESET_EXTENSION, ApiKeyError, IngressGuard, guarded_h11, key_id, load_api_keys
-from services.router.branches import BranchError, BranchTable
+from services.router.branches import BranchAlreadyEnded, BranchError, BranchTable
 from services.router.config import LOOKUP_TIMEOUT_HINT, RouterConfig
 from services.router.core import DecodeBinding, NoRoute, RouteDecision, RouterCore
 from services.router.faults import continuation
@@ -2932,19 +2932,43 @@ class RouterService(WatchedService):
         )
 
     async def _end_branch(self, request: Request) -> Response:
+        """``POST /v1/branches/{id}/end``: publish the branch's ``BranchEnd``, then end it in the table; answers
+        ``{"branch_id", "ended": true}``. Idempotent: ending a branch already ended (while the table remembers it,
+        ``--max-ended-branches``) answers 200 with ``"already": true`` and publishes nothing, as a DELETE-like call does,
+        so an SDK's retry of an end whose answer it missed (a timeout) succeeds; before, a 410 its client raised. A
+        tool call on an ended branch stays 410, a generation request on it 400. An unknown branch is a 404, a bad id a
+        400.
+
+        The ``BranchEnd`` goes out first and the table ends the branch only after it did: a publish that fails
+        (``BusError``) answers 503, retried by the SDK, and leaves the branch as it was, so the retry ends it. Before,
+        the table ended it first: the retry got 410 "already ended" although no ``BranchEnd`` had gone out (the
+        directory kept its counts until its TTL). Two ends at once both publish (the directory counts the second a
+        ``duplicate_end``); the one that ends it in the table second answers ``already``; it is counted once
+        (``branches_ended``)."""
         branch_id = request.path_params["branch_id"]
+        already = {"branch_id": branch_id, "ended": True, "already": True}
         try:
             api.path_branch_id(branch_id, request.scope.get("raw_path"), self.cfg.max_id_len)
-            end = self.branches.end(branch_id, self.clock.local_now(), ts=self.clock.now())
+            self.branches.check_end(branch_id)
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
+        except BranchAlreadyEnded:
+            self.counters["branch_ends_repeated"] += 1
+            return self._json(already)
         except BranchError as e:
             return self._error(e.status, e.reason)
         try:
-            await self.bus.publish(BRANCH_EVENTS, end)
-        except BusError as e:
+            await self.bus.publish(BRANCH_EVENTS, m.BranchEnd(branch_id=branch_id, ts=self.clock.now()))
+        except BusError as e:  # as the app's bus_failed answers one: retry in a second
             self.counters["bus_errors"] += 1
-            return self._error(503, f"message bus unavailable: {e}")
+            return self._json(api.error_body(503, f"message bus unavailable, retry later: {e}"), 503, headers={"retry-after": "1"})
+        try:
+            self.branches.end(branch_id, self.clock.local_now())
+        except BranchAlreadyEnded:  # another end of it, at once, ended it while this one published
+            self.counters["branch_ends_repeated"] += 1
+            return self._json(already)
+        except BranchError as e:  # forgotten while it published (cannot happen while ids are remembered)
+            return self._error(e.status, e.reason)
         self.core.end_branch(branch_id, self.clock.now())
         self.counters["branches_ended"] += 1
         return self._json({"branch_id": branch_id, "ended": True})

@@ -140,7 +140,9 @@ async def test_the_readme_harness_commands_work_as_written_and_do_what_it_says(c
             assert again.status_code == 400 and again.json()["error"]["param"] == "X-Branch-Id"
             assert again.json()["error"]["message"] == (  # as quoted
                 "X-Branch-Id 'task-42-explore' names a branch that was ended; start a new branch id")
-            assert (await http.post("/v1/branches/task-42-explore/end")).status_code == 410
+            again_end = await http.post("/v1/branches/task-42-explore/end")  # idempotent, as the section says
+            assert again_end.status_code == 200 and again_end.json()["already"] is True, again_end.text
+            assert (await http.post("/v1/branches/task-42-explore/tool-call")).status_code == 410
             assert (await http.post("/v1/branches/never-seen/tool-call")).status_code == 404
             metrics = (await http.get("/metrics")).text
         assert 'ei_router_branch_parents_missing_total{reason="unknown"} 0.0' in metrics  # the section's parents are known

@@ -4,7 +4,8 @@
 ``POST /v1/branches/{id}/end``; ``GET /v1/cluster`` with a ``speedup`` only when given one (an older
 router's answer has none). Branch ids go through the router's own
 :class:`services.router.branches.BranchTable`: a request for a branch that was ended is
-answered with the router's status (400) and message, an end of an unknown or ended branch 404 / 410.
+answered with the router's status (400) and message, an end of an unknown branch 404, an end of an ended one
+200 with ``"already": true`` (idempotent, as the router's).
 Every request's path and agent headers are kept in ``seen``. ``faults`` scripts how the next completions
 are refused or broken (a retrying client's cases).
 """
@@ -125,8 +126,8 @@ class StubRouter:
                 self.branches.end(unquote(target[len("/v1/branches/"):-len("/end")]), 0.0)
             except UnknownBranch as e:
                 return 404, "application/json", json.dumps({"error": {"message": str(e)}}).encode()
-            except BranchAlreadyEnded as e:
-                return e.status, "application/json", json.dumps({"error": {"message": str(e)}}).encode()
+            except BranchAlreadyEnded:
+                return 200, "application/json", b'{"already": true}'
             return 200, "application/json", b"{}"
         if target == "/v1/completions":
             try:

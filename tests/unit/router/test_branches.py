@@ -29,8 +29,14 @@ def test_errors_with_http_status():
     with pytest.raises(UnknownBranch) as e:
         t.end("nope", 0.0)
     assert e.value.status == 404
+    with pytest.raises(UnknownBranch):
+        t.check_end("nope")
     t.observe("b", 0.0)
+    t.check_end("b")  # changes nothing: the router publishes the BranchEnd, then ends it here
+    assert t.is_active("b")
     t.end("b", 0.0)
+    with pytest.raises(BranchAlreadyEnded):
+        t.check_end("b")
     with pytest.raises(BranchAlreadyEnded) as e2:
         t.end("b", 0.0)
     assert e2.value.status == 410  # the path names the branch, and it is gone
