@@ -600,9 +600,12 @@ class NodeLoadView(Value):
     def no_candidate_reason(self, role: str, now: float) -> str:
         """Human-readable reason why no node of ``role`` (prefill|decode) is eligible: each node of the role (by its
         state or its split) and why it is not, ``"; "``-joined. A node not fenced yet whose last state is older than
-        half the fence time (a node reports at least every ``--idle-state-interval-s``, 1 s) has its silence added
-        (``w1: switching decode->both; no state for 2.4 wall s (fenced at 3.0 wall s if none comes)``): before, a
-        frozen node asked to switch was said to be switching, and nothing said it no longer answered."""
+        half the fence time (a node reports at least every ``--idle-state-interval-s``, 1 s) has its silence added in
+        parentheses (``w1: switching decode->both (no state for 2.4 wall s; fenced at 3.0 wall s if none comes)``):
+        before, a frozen node asked to switch was said to be switching, and nothing said it no longer answered; then
+        (4abf5da) the silence came after a ``"; "``, the separator between nodes, and read like another node's. Every
+        time in it has one unit: wall s on the live router (``wall_per_s``), else s (the fence time was "s" next to
+        "wall s" before)."""
         if self.clock is not None:
             now = self.clock()
         phases = PREFILL_PHASES if role == "prefill" else DECODE_PHASES
@@ -614,7 +617,7 @@ class NodeLoadView(Value):
             age = now - rec.last_seen if rec.last_seen is not None else 0.0
             if age <= self.fence_after / 2:
                 return ""
-            return f"; no state for {age * w:.1f} {unit} (fenced at {self.fence_after * w:.1f} {unit} if none comes)"
+            return f" (no state for {age * w:.1f} {unit}; fenced at {self.fence_after * w:.1f} {unit} if none comes)"
 
         for rec in sorted(self.nodes.values(), key=lambda r: r.node):
             if rec.phase not in phases and (rec.state is None or rec.state.phase not in phases):
@@ -627,7 +630,7 @@ class NodeLoadView(Value):
                     parts.append(f"{rec.node}: fenced (restarted: its state sequence went back; let back in at its next state)")
                 elif self.wall_per_s is not None:  # the live router: wall s, as /v1/cluster's fence_after_s
                     w = self.wall_per_s
-                    parts.append(f"{rec.node}: fenced (no state for {age * w:.1f} wall s, past the fence time of {self.fence_after * w:.1f} s)")
+                    parts.append(f"{rec.node}: fenced (no state for {age * w:.1f} wall s, past the fence time of {self.fence_after * w:.1f} wall s)")
                 else:
                     parts.append(f"{rec.node}: fenced (no state for {age:.1f} s, past the fence time of {self.fence_after:.1f} s)")
             elif not rec.state.accepting:

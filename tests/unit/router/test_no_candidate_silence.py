@@ -26,10 +26,15 @@ def _frozen_pair(wall_per_s: float | None = None) -> NodeLoadView:
 def test_a_switching_node_silent_past_half_the_fence_time_is_said_silent():
     v = _frozen_pair()
     why = v.no_candidate_reason("prefill", 12.4)
-    assert "w1: switching decode->both; no state for 2.4 s (fenced at 3.0 s if none comes)" in why, why
+    # in parentheses: "; " separates nodes (before, the silence after it read like another node)
+    assert "w1: switching decode->both;" not in why, why
+    assert "w0: fenced (no state for 12.4 s, past the fence time of 3.0 s); w1: switching decode->both (no state for 2.4 s; fenced at 3.0 s if none comes)" in why, why
     assert "w0: fenced (no state for 12.4 s" in why, why
     # in wall seconds on a live router (its clock runs at a speedup: wall_per_s wall s a state-clock s)
-    assert "no state for 4.8 wall s (fenced at 6.0 wall s if none comes)" in _frozen_pair(2.0).no_candidate_reason("prefill", 12.4)
+    live = _frozen_pair(2.0).no_candidate_reason("prefill", 12.4)
+    assert live.endswith("w0: fenced (no state for 24.8 wall s, past the fence time of 6.0 wall s); "
+                         "w1: switching decode->both (no state for 4.8 wall s; fenced at 6.0 wall s if none comes)"), live
+    assert " s)" not in live.replace("wall s)", ""), live  # one unit: wall s throughout (the fence time was "s")
 
 
 def test_a_node_that_reported_lately_is_not_said_silent():

@@ -175,7 +175,7 @@ def test_a_fenced_node_s_reason_says_restarted_or_silent_with_the_fence_time_in_
     ok, reason = v.routable(200.0)  # d silent since 42
     assert not ok and "d: fenced (no state for 158.0 s, past the fence time of 150.0 s)" in reason, reason
     v.wall_per_s = 1 / 50  # the live router's: wall s, as /v1/cluster's fence_after_s (3.0)
-    assert "d: fenced (no state for 3.2 wall s, past the fence time of 3.0 s)" in v.routable(200.0)[1]
+    assert "d: fenced (no state for 3.2 wall s, past the fence time of 3.0 wall s)" in v.routable(200.0)[1]
 
 
 def test_fence_after_must_be_positive():
