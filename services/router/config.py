@@ -223,8 +223,10 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
              "(uvicorn) pauses a send once its write buffer for the connection passes 64 KiB and resumes it below 16 KiB, "
              "so a send waits while ~48 KiB drain: the default aborts a client that took less than ~48 KiB in 120 s "
              "(under ~0.4 KB/s, beyond the kernel's socket buffers), such as one that keeps the connection open and "
-             "reads nothing; a client reading faster is served whole. 0 = never (such a stream stays pending while its "
-             "client holds the connection)"),
+             "reads nothing; a client reading faster is served whole. Every other response's sends too: a whole "
+             "generation body's stall aborts its request the same way, any other response's resets its connection "
+             "(e.g. one pipelined behind a big unread body on a keep-alive connection). 0 = never (such a stream "
+             "stays pending, such a response's task waits, while its client holds the connection)"),
     ] = 120.0
     max_prompt_tokens: Annotated[int, Meta(ge=1, description="longest accepted prompt (tokens)")] = 1_048_576
     max_output_tokens: Annotated[int, Meta(ge=1, description="largest accepted max_tokens (a default one is cut to it)")] = 131_072

@@ -345,8 +345,8 @@ class _Pending:
     slow: bool = False
     """Aborted because its client did not take its output (``_abort_slow``): counted ``slow_client_aborts`` once."""
     response_on: bool = False
-    """Its stream's response is on: from its start until its ASGI call returned (its last send, the empty one after
-    ``[DONE]``, done). An end decided meanwhile is counted then (:meth:`RouterService._close_stream`), not when its
+    """Its stream's response (or its whole body's, :class:`_WatchedResponse`) is on: from its start until its ASGI
+    call returned (its last send, for a stream the empty one after ``[DONE]``, done). An end decided meanwhile is counted then (:meth:`RouterService._close_stream`), not when its
     body ends (:meth:`RouterService._forget`): until the last send returned its client may not have it all (uvicorn
     waits for the socket to drain before it writes a message, so a send that stalls holds its predecessor unsent),
     and a stall counts the request as a too-slow-client abort (:meth:`RouterService._send_stalled`)."""
@@ -617,6 +617,27 @@ class _SendWatch:
             self._timer = None
 
 
+OWN_SEND_WATCH_SCOPE_KEY = "evolving_infra.own_send_watch"
+"""Set (True) in a request's scope by a handler whose response times its own sends (:class:`_SseResponse`,
+:class:`_WatchedResponse`: a generation request's, which counts its request as a too-slow-client abort):
+:class:`_SendStallGuard` then leaves a stall of it to that watch."""
+
+
+async def _call_watched(
+    call: Callable[[Scope, Receive, Send], Awaitable[None]], scope: Scope, receive: Receive, send: Send, *,
+    on_close: Callable[[], None], on_stall: Callable[[], None] | None, stall_s: float,
+) -> None:
+    """Run the response ``call`` with its sends timed (``on_stall`` once a send has waited ``stall_s`` wall s:
+    :class:`_SendWatch`; none when ``on_stall`` is None or ``stall_s`` 0), then ``on_close``, however it ended."""
+    watch = _SendWatch(send, stall_s, on_stall) if on_stall is not None and stall_s > 0 else None
+    try:
+        await call(scope, receive, send if watch is None else watch.send)
+    finally:
+        if watch is not None:
+            watch.close()
+        on_close()
+
+
 class _SseResponse(StreamingResponse):
     """A streaming response that calls ``on_close`` when it ends in any way (cancelled too),
     for the case where the body generator never started and so never ran its own ``finally``; with ``on_stall``,
@@ -632,13 +653,62 @@ class _SseResponse(StreamingResponse):
         self._stall_s = stall_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watch = _SendWatch(send, self._stall_s, self._on_stall) if self._on_stall is not None and self._stall_s > 0 else None
+        await _call_watched(super().__call__, scope, receive, send, on_close=self._on_close, on_stall=self._on_stall, stall_s=self._stall_s)
+
+
+class _WatchedResponse(Response):
+    """A whole (non-streamed) response with :class:`_SseResponse`'s ``on_close`` and ``on_stall``: a generation
+    request's body, whose request is counted when its sends are done (``_Pending.response_on``)."""
+
+    def __init__(
+        self, content: bytes, *, on_close: Callable[[], None], on_stall: Callable[[], None], stall_s: float, **kwargs: Any,
+    ) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+        self._on_stall = on_stall
+        self._stall_s = stall_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _call_watched(super().__call__, scope, receive, send, on_close=self._on_close, on_stall=self._on_stall, stall_s=self._stall_s)
+
+
+class _SendStallGuard:
+    """ASGI middleware: times every HTTP response's sends (:class:`_SendWatch`, ``stall_s`` wall s,
+    ``--stream-stall-timeout-s``; 0: off) and resets the connection of one whose send waited that long
+    (``ingress.RESET_EXTENSION``; counted ``slow_client_resets`` and ``http.send_stall_resets``, an info line),
+    unless its handler marked the scope (:data:`OWN_SEND_WATCH_SCOPE_KEY`: a generation response, which counts its
+    request as a too-slow-client abort itself). A whole response's one body send does not wait for its client, but
+    uvicorn waits for the socket to drain before it writes a message: on a keep-alive connection whose client
+    reads nothing, the next response's first send (behind a big body still buffered) waited with no timeout,
+    holding its ASGI task and its body until the client read or left (session 52's review: a 5 MB body, then a
+    2-token request pipelined on one unread socket: after 8 s a task still in ``run_asgi``). Cost: one timer a
+    request, re-armed at most every ``stall_s``, and two attribute writes a send."""
+
+    def __init__(self, app: ASGIApp, stall_s: float, counters: Counter[str], log: Any) -> None:
+        self.app = app
+        self.stall_s = stall_s
+        self.counters = counters
+        self.log = log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.stall_s <= 0:
+            await self.app(scope, receive, send)
+            return
+
+        def stalled() -> None:
+            if scope.get(OWN_SEND_WATCH_SCOPE_KEY):
+                return
+            reset = scope.get("extensions", {}).get(RESET_EXTENSION)
+            if reset is not None and reset():
+                self.counters["slow_client_resets"] += 1
+                self.counters["http.send_stall_resets"] += 1
+                self.log.info("response send stalled; connection reset", path=scope.get("path"), stalled_s=self.stall_s)
+
+        watch = _SendWatch(send, self.stall_s, stalled)
         try:
-            await super().__call__(scope, receive, send if watch is None else watch.send)
+            await self.app(scope, receive, watch.send)
         finally:
-            if watch is not None:
-                watch.close()
-            self._on_close()
+            watch.close()
 
 
 def _conn_idle(conn: Any) -> bool:
@@ -897,7 +967,10 @@ class RouterService(WatchedService):
         """The API-key guard (its ``inflight`` per key)."""
         self.http_responses: Counter[tuple[str, str]] = Counter()
         """HTTP responses by (endpoint label, status code): ``ei_router_http_responses_total``."""
-        self.app: ASGIApp = _StatusCounter(_RequestIdHeader(_with_cors(guard, cfg)), self.counters, self.http_responses)
+        self.app: ASGIApp = _SendStallGuard(
+            _StatusCounter(_RequestIdHeader(_with_cors(guard, cfg)), self.counters, self.http_responses),
+            cfg.stream_stall_timeout_s, self.counters, self.log,
+        )
         self._pending: dict[str, _Pending] = {}
         self.chunk_gap_wait_s = CHUNK_GAP_WAIT_S
         """Wall s a request holds out-of-order chunks for the missing ones (:data:`CHUNK_GAP_WAIT_S`; tests shorten it)."""
@@ -3302,11 +3375,11 @@ class RouterService(WatchedService):
         except BaseException as e:
             ended(503 if isinstance(e, BusError) else 500, None)  # a bus failure is answered 503 (_bus_guard)
             raise
-        if isinstance(resp, _SseResponse):
+        if isinstance(resp, (_SseResponse, _WatchedResponse)):
             close = resp._on_close
 
             def on_close() -> None:
-                close()  # counts the end of a stream whose body never ran before it is logged
+                close()  # counts its end (or a stream's whose body never ran) before it is logged
                 ended(resp.status_code, None)
 
             resp._on_close = on_close
@@ -3624,6 +3697,7 @@ class RouterService(WatchedService):
             watcher.cancel()  # the SSE response watches the connection itself
             p.reset = request.scope.get("extensions", {}).get(RESET_EXTENSION)
             p.response_on = True  # its end is counted when the response's call returns (_close_stream)
+            request.scope[OWN_SEND_WATCH_SCOPE_KEY] = True
             gen = self._stream(
                 p, rreq, chat, created, include_usage, continuous_usage, self._output_text(req), api.logprobs_asked(req), echo,
                 api.reply_role(req) if chat else "assistant", toolcalls.HermesStream() if chat and self._parses_tools(req) else None,
@@ -3706,7 +3780,16 @@ class RouterService(WatchedService):
             headers = {"x-request-id": shown, "x-ei-prefill-node": p.prefill_node}
             if p.decode_node is not None:
                 headers["x-ei-decode-node"] = p.decode_node
-            return self._json(body, headers=headers)
+            # its sends timed as a stream's: one that stalls (uvicorn drains before it writes: behind a big body still
+            # buffered on a keep-alive connection whose client reads nothing) aborts it as too slow and resets the
+            # connection; its end is counted once its sends are done (_close_stream), as a stream's
+            p.reset = request.scope.get("extensions", {}).get(RESET_EXTENSION)
+            p.response_on = True
+            request.scope[OWN_SEND_WATCH_SCOPE_KEY] = True
+            return _WatchedResponse(
+                _JSON.encode(body), on_close=lambda: self._close_stream(p), on_stall=lambda: self._send_stalled(p),
+                stall_s=self.cfg.stream_stall_timeout_s, media_type="application/json", headers=headers,
+            )
         except _ClientGone:
             self._abandon(p, "client disconnected", "client_disconnect")
             self.log.info("client disconnected; request aborted", rid=rid)
@@ -3875,9 +3958,9 @@ class RouterService(WatchedService):
         return self.tokenizer.decode([t], skip_special_tokens=False)
 
     def _close_stream(self, p: _Pending) -> None:
-        """After an SSE response (its ASGI call returned: its last send done, or the connection gone): count the end
-        decided while it was on (``_Pending.response_on``), and forget ``p`` if its body never ran (the client left
-        before it started)."""
+        """After an SSE response, or a whole generation body (:class:`_WatchedResponse`; its ASGI call returned: its
+        last send done, or the connection gone): count the end decided while it was on (``_Pending.response_on``),
+        and forget ``p`` if its body never ran (the client left before it started)."""
         p.response_on = False
         if self._pending.get(p.rid) is p:
             self._abandon(p, "client disconnected", "client_disconnect")
