@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from evolving_infra.report.records import RequestRecord
-from evolving_infra.report.timeline import RunTimeline
+from evolving_infra.report.timeline import RunTimeline, timeline_from_builtins
 
 WINDOW_S = 60.0
 """Default window of the time series and of the imbalance: one minute (Appendix C.3)."""
@@ -379,11 +379,22 @@ def split_decisions(report: Mapping[str, Any]) -> int | None:
 
 
 def with_derived(report: Mapping[str, Any]) -> dict[str, Any]:
-    """``report`` plus the display-only values derived from it (``split_decisions``, when it has a timeline)."""
+    """``report`` plus the display-only values derived from it (``split_decisions``, when it has a timeline), with
+    ``split_changes`` recomputed from its ``timeline`` (:func:`timeline_metrics`) when that decodes: reports
+    written before 2026-12-06 stored every timeline point there (draining marks included), so ``report compare``
+    / ``show`` of an old and a new report of the same run printed different counts under one label. Without a
+    (well-formed) timeline the stored value is kept."""
     out = dict(report)
     decisions = split_decisions(report)
     if decisions is not None:
         out["split_decisions"] = decisions
+    if "split_changes" in report:
+        try:
+            timeline = timeline_from_builtins(report.get("timeline"))
+        except ValueError:  # a malformed timeline: the stored value, as it is
+            timeline = None
+        if timeline is not None:
+            out["split_changes"] = timeline_metrics(timeline)["split_changes"]
     return out
 
 
