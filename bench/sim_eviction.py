@@ -98,7 +98,9 @@ def load_trace(cache: Path) -> tuple[list[Any], int]:
 def config(host: int | None, eviction: str, duration: float, pause: float | None = 30.0, seed: int = SEED) -> Any:
     from evolving_infra.sim.config import SimConfig
 
-    return SimConfig(nodes=9, policy="static:4P5D", eviction=eviction, host_capacity_tokens=host, concurrency=AGENTS,
+    # a node holds whole blocks (Profile.host_blocks floors): the capacity given in whole blocks, as simulate takes it
+    whole = None if host is None else host - host % BLOCK
+    return SimConfig(nodes=9, policy="static:4P5D", eviction=eviction, host_capacity_tokens=whole, concurrency=AGENTS,
                      max_pause_s=pause, block_size=BLOCK, duration_s=duration, warmup_s=WARMUP, seed=seed,
                      agent_order="shuffled", label=f"{eviction}@{host or 'profile'}")
 

@@ -311,10 +311,16 @@ def _simulate_held(args: argparse.Namespace, cfg: SimConfig, requests: Any, bs: 
     """The run (or sweep) of :func:`_cmd_simulate` once it holds ``out``; returns the exit code."""
     from evolving_infra.report.write import print_summary, report_line, write_report
     from evolving_infra.replay.core import ReplayError
-    from evolving_infra.sim.config import SimConfigError, seed_unused_note
+    from evolving_infra.sim.config import SimConfigError, l1_overflow_note, seed_unused_note
     from evolving_infra.sim.planners import ComponentMissing
     from evolving_infra.sim.run import simulate, warmup_outlasted, warmup_outlasted_note, write_decisions
 
+    try:  # only with --gpu-kv-tokens: one pass over the input's lengths
+        if too_long := l1_overflow_note(cfg, getattr(requests, "requests", requests)):
+            print(f"note: {too_long}", file=sys.stderr)
+    except SimConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.sweep:
         from evolving_infra.sim.sweep import run_sweep
 
@@ -398,11 +404,15 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--split", default=None, help="initial split xPyD (default: the policy set's, else round(2N/3) prefill); "
                    "one other than a static:xPyD set's own is served and names the set (static:5P1D --split 3P1D: static:3P1D)")
     c.add_argument("--host-kv-tokens", "--host-capacity-tokens", dest="host_capacity_tokens", type=int, default=None, metavar="N",
-                   help="per-node L2 (host) KV capacity in tokens, the profile's memory.host_kv_tokens overridden (default: "
-                   "the profile's); --host-kv-tokens as 'up' names it, --host-capacity-tokens the same flag; >= the GPU KV capacity")
+                   help="per-node L2 (host) KV capacity in tokens, the profile's memory.host_kv_tokens overridden (default, or 0: "
+                   "the profile's); --host-kv-tokens as 'up' names it, --host-capacity-tokens the same flag; a multiple of "
+                   "the block size, >= the GPU KV capacity")
     c.add_argument("--gpu-kv-tokens", type=int, default=None, metavar="N",
-                   help="per-node L1 (GPU) KV capacity in tokens, the profile's memory.gpu_kv_tokens overridden (default: the "
-                   "profile's); with a small --host-kv-tokens, a small trace fills both tiers and exercises eviction")
+                   help="per-node L1 (GPU) KV capacity in tokens, the profile's memory.gpu_kv_tokens overridden (default, "
+                   "or 0: the profile's), a multiple of the block size, as up's flag; alone and above the profile's host "
+                   "KV it raises that to match; with a small --host-kv-tokens, a small trace fills both tiers and "
+                   "exercises eviction. A request longer than it (prompt + output) fails (status 500) and the run "
+                   "exits 1; a note before the run counts them")
     c.add_argument("--block-size", type=int, default=None,
                    help="simulation block size in tokens; the trace is converted (e.g. 512 for speed; default: the profile's)")
     c.add_argument("--partitions", type=int, default=1, help="partitions (paper D.2): agents bound by hash, one cluster slice each (default 1)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -29,7 +30,7 @@ from evolving_infra.sim.policies import (
     serving,
     with_overrides,
 )
-from shared.profile import Profile, ProfileError, load_profile
+from shared.profile import Profile, ProfileError, load_profile, with_kv_tokens
 from shared.split import SplitError, canonical_split, parse_split
 from shared.values import FrozenValue, set_field
 
@@ -63,12 +64,15 @@ class SimConfig:
     """Must equal the profile's ``gpus_per_node`` (a profile is one node; write a new
     profile for another node size)."""
     host_capacity_tokens: int | None = None
-    """Per-node L2 capacity override (tokens, the profile's ``memory.host_kv_tokens``); ≥ the node's L1
-    capacity (``simulate --host-kv-tokens``, alias ``--host-capacity-tokens``)."""
+    """Per-node L2 capacity override (tokens, the profile's ``memory.host_kv_tokens``; ``simulate
+    --host-kv-tokens``, alias ``--host-capacity-tokens``): a multiple of the simulation block size, ≥ the
+    node's L1 capacity; None or 0 = the profile's (or the L1 size when that is more), as ``up``'s
+    ``--host-kv-tokens`` (``shared.profile.with_kv_tokens``)."""
     gpu_kv_tokens: int | None = None
     """Per-node L1 (GPU KV) capacity override (tokens, the profile's ``memory.gpu_kv_tokens``;
-    ``simulate --gpu-kv-tokens``): with ``host_capacity_tokens``, a small trace can fill both tiers
-    and exercise eviction."""
+    ``simulate --gpu-kv-tokens``): a multiple of the simulation block size; None or 0 = the profile's.
+    Alone and above the profile's L2 it raises L2 to match. With ``host_capacity_tokens``, a small
+    trace can fill both tiers and exercise eviction; a request longer than L1 fails (status 500)."""
     block_size: int | None = None
     """Simulation block size (tokens); the trace is converted (``rechunk_request``)."""
     policy: str = "static"
@@ -204,6 +208,33 @@ def seed_unused_note(cfgs: list[SimConfig]) -> str | None:
             "routing with --routing-opt dynamo_temperature>0")
 
 
+def l1_overflow_note(cfg: SimConfig, requests: Sequence[Any]) -> str | None:
+    """A pre-run note for a lowered ``--gpu-kv-tokens`` that some requests of the input cannot fit: a request
+    whose prompt plus output (``input_tokens + max(output_tokens, 1)``, in blocks of the simulation's block
+    size) is more than a node's L1 fails with status 500 (``WorkRejected``: the engine refuses it) and the run
+    exits 1. None when ``cfg.gpu_kv_tokens`` is not given (a normal run pays nothing) or every request fits.
+
+    Args:
+        cfg: the run's settings.
+        requests: the input's requests (``TraceRequest`` or stubs: only ``input_tokens``, ``output_tokens``
+            are read). One pass over them.
+
+    Raises:
+        SimConfigError: the profile or the sizes are invalid (as :func:`resolve` says).
+    """
+    if not cfg.gpu_kv_tokens:
+        return None
+    p = _profile(cfg)
+    bs, cap = p.block_size, p.gpu_blocks
+    limit = cap * bs  # the most prompt + output tokens a node's L1 holds
+    over = sum(1 for r in requests if r.input_tokens + max(r.output_tokens, 1) > limit)
+    if not over:
+        return None
+    return (f"{over:,} of the input's {len(requests):,} requests need more KV (prompt + output) than a node's L1 holds "
+            f"(--gpu-kv-tokens {cfg.gpu_kv_tokens}: {cap:,} blocks of {bs} tokens): each one sent fails (status 500) "
+            "and the run exits 1; raise --gpu-kv-tokens to serve them")
+
+
 class Resolved(FrozenValue):
     """A run's concrete components (what ``report.json`` records under ``meta.sim``)."""
 
@@ -239,30 +270,26 @@ def _profile(cfg: SimConfig) -> Profile:
             "a profile describes one node (its Eq. 1/2 coefficients depend on the node's parallelism), so write a "
             "profile for that node size instead of scaling one"
         )
-    top: dict[str, Any] = {}
     if cfg.block_size is not None:
         if cfg.block_size < 1:
             raise SimConfigError("--block-size must be >= 1")
-        top["block_size"] = cfg.block_size
-    memory = p.memory
-    if cfg.gpu_kv_tokens is not None:
-        if cfg.gpu_kv_tokens < 1:
-            raise SimConfigError(f"--gpu-kv-tokens must be >= 1, not {cfg.gpu_kv_tokens}")
-        memory = msgspec.structs.replace(memory, gpu_kv_tokens=cfg.gpu_kv_tokens)
-    if cfg.host_capacity_tokens is not None:
-        memory = msgspec.structs.replace(memory, host_kv_tokens=cfg.host_capacity_tokens)
-    if memory.host_kv_tokens < memory.gpu_kv_tokens:
-        gpu = f"--gpu-kv-tokens {cfg.gpu_kv_tokens}" if cfg.gpu_kv_tokens is not None else f"profile {p.name!r}"
-        host = (f"--host-kv-tokens {cfg.host_capacity_tokens}" if cfg.host_capacity_tokens is not None
-                else f"profile {p.name!r}'s host KV capacity ({memory.host_kv_tokens} tokens)")
+        if cfg.block_size != p.block_size:
+            p = msgspec.structs.replace(p, block_size=cfg.block_size)
+    gpu, host = cfg.gpu_kv_tokens or 0, cfg.host_capacity_tokens or 0  # 0 (or not given): the profile's, as in `up`
+    whole = gpu >= 0 and not gpu % p.block_size and not host % p.block_size  # else with_kv_tokens says so first
+    if whole and host > 0 and host < (gpu or p.memory.gpu_kv_tokens):
+        shown = f"--gpu-kv-tokens {gpu}" if gpu else f"profile {p.name!r}"
         raise SimConfigError(
-            f"{host} is below the node's GPU KV capacity ({memory.gpu_kv_tokens} tokens, {gpu}): L2 is written "
-            "through and must hold L1; lower --gpu-kv-tokens too, or raise --host-kv-tokens (alias "
-            "--host-capacity-tokens)"
+            f"--host-kv-tokens {host} is below the node's GPU KV capacity ({gpu or p.memory.gpu_kv_tokens} tokens, "
+            f"{shown}): L2 is written through and must hold L1; lower --gpu-kv-tokens too, or raise --host-kv-tokens "
+            "(alias --host-capacity-tokens)"
         )
-    if memory is not p.memory:
-        top["memory"] = memory
-    return msgspec.structs.replace(p, **top) if top else p
+    try:  # the sizes checked and applied as `up` applies them (a multiple of the block size; L2 raised to L1)
+        return with_kv_tokens(p, gpu, host)
+    except ProfileError as e:
+        where = f" (--block-size {cfg.block_size})" if cfg.block_size is not None else ""
+        alias = "; --host-capacity-tokens is the same flag" if str(e).startswith("--host-kv-tokens") else ""
+        raise SimConfigError(f"{e}{where}{alias}") from None
 
 
 def node_names(partition: int, n: int, partitions: int) -> list[str]:

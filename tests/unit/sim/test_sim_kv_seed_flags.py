@@ -48,17 +48,44 @@ def test_host_flag_names_and_the_error_naming_them(capsys: pytest.CaptureFixture
     with pytest.raises(SimConfigError, match=r"--host-kv-tokens 40000 is below the node's GPU KV capacity \(2060000 "
                        r"tokens, profile 'gb300-glm52'\).*lower --gpu-kv-tokens"):
         resolve(SimConfig(host_capacity_tokens=40_000))
-    with pytest.raises(SimConfigError, match="--gpu-kv-tokens 9000000.*raise --host-kv-tokens"):
-        resolve(SimConfig(gpu_kv_tokens=9_000_000))
-    with pytest.raises(SimConfigError, match="--gpu-kv-tokens must be >= 1"):
-        resolve(SimConfig(gpu_kv_tokens=0, host_capacity_tokens=10))
-    mem = resolve(SimConfig(gpu_kv_tokens=30_000, host_capacity_tokens=40_000)).profile.memory
-    assert (mem.gpu_kv_tokens, mem.host_kv_tokens) == (30_000, 40_000)
-    small = SimConfig(nodes=3, gpu_kv_tokens=30_000, host_capacity_tokens=40_000)
+    with pytest.raises(SimConfigError, match="--host-kv-tokens 1024000 is below .*--gpu-kv-tokens 2048000"):
+        resolve(SimConfig(gpu_kv_tokens=2_048_000, host_capacity_tokens=1_024_000))
+    mem = resolve(SimConfig(gpu_kv_tokens=32_000, host_capacity_tokens=40_000)).profile.memory
+    assert (mem.gpu_kv_tokens, mem.host_kv_tokens) == (32_000, 40_000)
+    small = SimConfig(nodes=3, gpu_kv_tokens=32_000, host_capacity_tokens=40_000)
     for spec in (["policies", "dynamo,static:1P2D"], ["splits"]):  # every sweep item runs with them
         for _label, c in sweep_items(small, spec):
             mem = resolve(c).profile.memory
-            assert (mem.gpu_kv_tokens, mem.host_kv_tokens) == (30_000, 40_000)
+            assert (mem.gpu_kv_tokens, mem.host_kv_tokens) == (32_000, 40_000)
+
+
+def test_kv_sizes_behave_as_ups(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """The flags as ``up``'s (``shared.profile.with_kv_tokens``), at the simulation's block size. Before:
+    ``--gpu-kv-tokens 10 --host-kv-tokens 10`` (below a block) crashed with a traceback (ValueError from
+    ``GpuBlockPool``); ``--gpu-kv-tokens 1000`` was accepted though a node holds 960 (15 blocks of 64), which
+    ``up`` refuses; ``--host-kv-tokens 0`` (the profile's, in ``up``) was refused, and so was a large
+    ``--gpu-kv-tokens`` alone, which ``up`` takes, raising L2 to match."""
+    profile = resolve(SimConfig()).profile.memory
+    for gpu, host in ((10, 10), (1000, None), (None, 1000), (-64, None)):
+        with pytest.raises(SimConfigError, match="must be a positive multiple of the block size 64 of profile gb300-glm52"):
+            resolve(SimConfig(gpu_kv_tokens=gpu, host_capacity_tokens=host))
+    with pytest.raises(SimConfigError, match=r"--gpu-kv-tokens 1000: .*\(e\.g\. 1024\)"):
+        resolve(SimConfig(gpu_kv_tokens=1000))
+    with pytest.raises(SimConfigError, match="--host-kv-tokens 1000: .*--host-capacity-tokens is the same flag"):
+        resolve(SimConfig(host_capacity_tokens=1000))
+    with pytest.raises(SimConfigError, match=r"block size 512 .*\(--block-size 512\)"):  # the simulation's block size
+        resolve(SimConfig(block_size=512, gpu_kv_tokens=64_064))
+    assert resolve(SimConfig(block_size=512, gpu_kv_tokens=65_536)).profile.memory.gpu_kv_tokens == 65_536
+    assert resolve(SimConfig(host_capacity_tokens=0)).profile.memory == profile  # 0: the profile's
+    assert resolve(SimConfig(gpu_kv_tokens=0, host_capacity_tokens=0)).profile.memory == profile
+    mem = resolve(SimConfig(gpu_kv_tokens=9_000_000)).profile.memory  # alone, above L2: L2 raised to match
+    assert (mem.gpu_kv_tokens, mem.host_kv_tokens) == (9_000_000, 9_000_000)
+    mem = resolve(SimConfig(gpu_kv_tokens=1_024_000)).profile.memory  # below the profile's L2: L2 kept
+    assert (mem.gpu_kv_tokens, mem.host_kv_tokens) == (1_024_000, profile.host_kv_tokens)
+    short = ["simulate", "--workload", "claude-code", "--agents", "2", "--nodes", "2", "--duration", "30", "--no-plots"]
+    assert main([*short, "--out", str(tmp_path / "o"), "--gpu-kv-tokens", "10", "--host-kv-tokens", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --gpu-kv-tokens 10: must be a positive multiple") and "Traceback" not in err, err
 
 
 def test_what_the_seed_moves():
@@ -101,3 +128,28 @@ def test_sweep_notes_say_why_an_option_is_left_out_and_when_a_baseline_never_ada
     assert never_adapted_note(dict(row, switches=2)) is None
     assert never_adapted_note(dict(row, planner="static")) is None
     assert never_adapted_note(dict(row, label="evolving", planner="evolving")) is None  # its warm-up note says it
+
+
+def test_requests_longer_than_l1_are_counted_before_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """With --gpu-kv-tokens 65536 (1,024 blocks of 64) the generated Claude Code requests longer than that fail
+    (status 500) and the run exits 1; before, nothing said so until the errors table after the run. A note on
+    stderr counts them before the run; a run without the flag reads nothing for it."""
+    from evolving_infra.sim.config import l1_overflow_note
+
+    class NotRead:
+        def __iter__(self):
+            raise AssertionError("read without --gpu-kv-tokens")
+
+    assert l1_overflow_note(SimConfig(), NotRead()) is None  # type: ignore[arg-type]
+    assert main([*RUN, "--duration", "300", "--out", str(tmp_path / "a"), "--gpu-kv-tokens", "65536"]) == 1
+    err = capsys.readouterr().err
+    note = next(ln for ln in err.splitlines() if ln.startswith("note: ") and "L1" in ln)
+    assert "of the input's" in note and "(--gpu-kv-tokens 65536: 1,024 blocks of 64 tokens)" in note, note
+    over = int(note.removeprefix("note: ").split(" of ")[0].replace(",", ""))
+    records = [json.loads(ln) for ln in (tmp_path / "a" / "requests.jsonl").read_text().splitlines()]
+    failed = [r for r in records if not r["ok"]]
+    assert 0 < len(failed) <= over and {r["status"] for r in failed} == {500}
+    assert all(r["expected_prompt_tokens"] + max(r["expected_completion_tokens"], 1) > 65536 for r in failed)
+    assert main([*RUN, "--duration", "300", "--out", str(tmp_path / "b"), "--gpu-kv-tokens", "600000",
+                 "--host-kv-tokens", "600000"]) == 0
+    assert "L1" not in capsys.readouterr().err  # every request fits: no note
