@@ -172,8 +172,9 @@ class SimConfig:
 def seed_draws(cfg: SimConfig) -> list[str]:
     """What ``cfg.seed`` (``simulate --seed``) moves in this run: the open loop's arrival times
     (``arrival == "open"``), the order agents enter in (``agent_order == "shuffled"``, closed and
-    open loops) and the ``dynamo-kv`` router's choice among equal costs (its
-    ``dynamo_temperature`` option > 0). Empty when none applies: a closed loop, ``trace``
+    open loops) and the ``dynamo-kv`` router's node choice (its ``dynamo_temperature``
+    option > 0: a draw among all candidate nodes, weighted by ``exp(-normalized cost / temperature)``,
+    ``services.router.baselines``). Empty when none applies: a closed loop, ``trace``
     arrivals or a schedule, agents in trace order, no randomized routing; then any seed gives
     the same run (only ``meta.seed`` differs). The evolving planner's fit reservoir is seeded by
     ``--planner-opt seed=N``, not by this.
@@ -193,7 +194,7 @@ def seed_draws(cfg: SimConfig) -> list[str]:
         routing = cfg.routing
     temperature = cfg.routing_options.get("dynamo_temperature", 0.0)
     if routing == "dynamo-kv" and isinstance(temperature, (int, float)) and temperature > 0:
-        out.append("the dynamo-kv router's ties (dynamo_temperature > 0)")
+        out.append("the dynamo-kv router's node choice, drawn among all candidates by cost (dynamo_temperature > 0)")
     return out
 
 

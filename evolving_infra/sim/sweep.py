@@ -204,8 +204,19 @@ def _simulate_item(
     row.update(label=label, dir=str(dest), elsewhere=dest != d, simulated_s=res.report["simulated_s"],
                planner=res.resolved.policy.planner, initial_split=res.resolved.split,
                warmup_outlasted_until_s=warmup_outlasted(res.stats.planner_decisions, res.report["simulated_s"],
-                                                          res.report.get("switches") or 0))
+                                                          res.report.get("switches") or 0),
+               switch_decided_at_s=first_switch_decided(res.stats.planner_decisions))
     return row
+
+
+def first_switch_decided(decisions: Sequence[dict[str, Any]]) -> float | None:
+    """When (simulated s) the planner first decided to switch a node (a ``decisions.jsonl`` record with
+    ``action == "switch"``, its ``ts``), else None; a decision counts whether or not its switch completed
+    (a relaunch decided near the end of a run does not)."""
+    for d in decisions:
+        if d.get("action") == "switch" and isinstance(ts := d.get("ts"), (int, float)):
+            return float(ts)
+    return None
 
 
 ADAPTIVE_BASELINES = ("dynamo", "arrow")
@@ -215,16 +226,26 @@ is :func:`~evolving_infra.sim.run.warmup_outlasted`'s)."""
 
 def never_adapted_note(row: dict[str, Any]) -> str | None:
     """One line (no ``note:`` prefix) for a sweep item whose adaptive baseline planner (:data:`ADAPTIVE_BASELINES`)
-    switched no node in the whole run: it served its initial split throughout, so it measured that static
-    split, not the policy adapting (a short run: its load never crossed the planner's thresholds); None
-    otherwise (other planners, or a run with switches).
+    completed no node switch in the whole run: it served its initial split throughout, so it measured that
+    static split, not the policy adapting. Either the planner never decided a switch (a short run: its load
+    never crossed the planner's thresholds) or it decided one that had not completed by the end (a relaunch
+    takes minutes); the line says which. None otherwise (other planners, or a run with switches).
 
     Args:
-        row: a sweep summary row (``planner``, ``initial_split``, ``switches``, ``simulated_s``, ``label``).
+        row: a sweep summary row (``planner``, ``initial_split``, ``switches``, ``simulated_s``, ``label``,
+            ``switch_decided_at_s``: :func:`first_switch_decided`, absent or None when none was decided).
     """
     if row.get("planner") not in ADAPTIVE_BASELINES or row.get("switches"):
         return None
     split = row.get("initial_split")
+    decided = row.get("switch_decided_at_s")
+    if decided is not None:  # not the static split either: the switch under way took a node's time
+        share = row.get("out_of_service_share")
+        out = f", a node out of service {100 * share:.0f}% of the time" if isinstance(share, (int, float)) and share else ""
+        return (f"{row['label']} decided a switch at {decided:,.0f} s that had not completed by the end "
+                f"({row['simulated_s']:,.0f} s): it served {split} throughout with that switch under way{out}, so it "
+                f"measured neither the policy adapted nor static:{split}; run longer (--duration, more agents) to see "
+                "the switch complete")
     return (f"{row['label']} never changed its split in {row['simulated_s']:,.0f} s (its {row['planner']} planner "
             f"switched no node): it served {split} throughout, as static:{split} does, so it measured that "
             "static split, not the policy adapting; run longer (--duration, more agents) to see it adapt")
@@ -270,8 +291,8 @@ def run_sweep(
     if parallel < 1:
         raise SimConfigError(f"--sweep-workers must be >= 1, not {parallel}")
     items, notes = fit_planner_options(sweep_items(cfg, spec))
-    for note in notes:
-        print(f"note: {note}", flush=True)
+    for note in notes:  # about the settings, before the run: on stderr, as the seed's and simulate's input notes
+        print(f"note: {note}", file=sys.stderr, flush=True)
     if unused := seed_unused_note([c for _, c in items]):
         print(f"note: {unused}", file=sys.stderr, flush=True)
     sizes = {resolve(c).profile.block_size for _, c in items}  # fails before any run

@@ -144,7 +144,7 @@ def test_a_policies_sweep_gives_planner_options_only_to_planners_that_take_them(
     reqs = small_trace(6, 4, pause=0.02)
     cfg = SimConfig(nodes=3, profile="tiny", policy="static", concurrency=6, planner_options={"t_learn_s": 240.0})
     assert run_sweep(cfg, reqs, BS, ["policies", "evolving,static:2P1D"], tmp_path, plots=False) == 0
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err  # a note about the settings, before the run: on stderr
     assert ("note: static:2P1D: --planner-opt t_learn_s not given (planner 'static' does not take it; the sweep gives each "
             "item the options its planner takes, where a single run of static:2P1D refuses them)") in out, out
     items, notes = fit_planner_options(sweep_items(cfg, ["policies", "evolving,static:2P1D,dynamo"]))

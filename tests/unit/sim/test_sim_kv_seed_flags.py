@@ -118,6 +118,11 @@ def test_sweep_notes_say_why_an_option_is_left_out_and_when_a_baseline_never_ada
     single = ["simulate", "--workload", "claude-code", "--agents", "3", "--nodes", "3", "--duration", "30", "--no-plots"]
     assert main([*single, "--policy", "static:1P2D", "--planner-opt", "t_learn_s=60", "--out", str(tmp_path / "x")]) == 2
     assert "planner 'static' takes no parameters, got ['t_learn_s']" in capsys.readouterr().err  # a single run: refused
+    assert main([*single, "--planner-opt", "t_learn_s=60", "--seed", "7", "--sweep", "policies", "evolving,static:1P2D",
+                 "--out", str(tmp_path / "sw")]) == 0
+    run = capsys.readouterr()  # the notes about the settings, before the run, on stderr (before: this one on stdout)
+    assert "note: static:1P2D: --planner-opt t_learn_s not given" in run.err and "not given" not in run.out
+    assert "note: --seed 7 changes nothing" in run.err
     cfg = SimConfig(nodes=3, planner_options={"t_learn_s": 60})
     _items, notes = fit_planner_options(sweep_items(cfg, ["policies", "evolving,static:1P2D"]))
     assert notes == ["static:1P2D: --planner-opt t_learn_s not given (planner 'static' does not take it; the sweep "
@@ -153,3 +158,25 @@ def test_requests_longer_than_l1_are_counted_before_the_run(tmp_path: Path, caps
     assert main([*RUN, "--duration", "300", "--out", str(tmp_path / "b"), "--gpu-kv-tokens", "600000",
                  "--host-kv-tokens", "600000"]) == 0
     assert "L1" not in capsys.readouterr().err  # every request fits: no note
+
+
+def test_a_switch_decided_but_not_completed_is_not_never_changed(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """dynamo on 3 nodes decides a switch at 360 s whose relaunch (754 s) outlasts a 900-s run: no completed switch,
+    but not "never changed its split" either (before: that note, though decisions.jsonl had the switch and the
+    dynamo and static:2P1D items differ, a node relaunching from 360 s)."""
+    from evolving_infra.sim.sweep import first_switch_decided
+
+    assert first_switch_decided([{"action": "hold", "ts": 60.0}, {"action": "switch", "ts": 360.0},
+                                 {"action": "switch", "ts": 420.0}]) == 360.0
+    assert first_switch_decided([{"action": "hold", "ts": 60.0}]) is None
+    args = ["simulate", "--workload", "claude-code", "--nodes", "3", "--concurrency", "60", "--agents", "200",
+            "--duration", "900", "--sweep", "policies", "dynamo,static:2P1D", "--no-plots", "--out", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    decided = [json.loads(ln)["ts"] for ln in (tmp_path / "dynamo" / "decisions.jsonl").read_text().splitlines()
+               if json.loads(ln)["action"] == "switch"]
+    assert decided and _report(tmp_path / "dynamo")["switches"] == 0
+    assert f"note: dynamo decided a switch at {decided[0]:,.0f} s that had not completed by the end (900 s)" in out, out
+    assert "never changed" not in out and "neither the policy adapted nor static:2P1D" in out
+    rows = json.loads((tmp_path / "sweep.json").read_text())["items"]
+    assert [(r["label"], r["switch_decided_at_s"]) for r in rows] == [("dynamo", decided[0]), ("static:2P1D", None)]
