@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 META_WALL = {"date", "argv", "wall_s"}
@@ -118,11 +119,48 @@ def record_fields(tree: Path) -> frozenset[str]:
     return frozenset(p.stdout.split())
 
 
-def differences(a: Path, b: Path, base_fields: frozenset[str] | None = None, meta_skip: set[str] = set()) -> list[str]:  # noqa: B006
+_DEFAULTS_CODE = """
+import json, msgspec
+from evolving_infra.report.records import RequestRecord
+out = {}
+for f in msgspec.structs.fields(RequestRecord):
+    if f.default is not msgspec.NODEFAULT:
+        out[f.encode_name] = f.default
+    elif f.default_factory is not msgspec.NODEFAULT:
+        out[f.encode_name] = f.default_factory()
+print(json.dumps(msgspec.to_builtins(out)))
+"""
+
+
+def record_defaults(tree: Path | None = None) -> dict[str, Any]:
+    """The ``RequestRecord`` defaults of ``tree``'s version (this checkout's when None), as JSON values: what a
+    ``requests.jsonl`` key left out means. Since 69a2a04 the counters and the outcome are written at 0 / true / 200,
+    where a record before it left them out; reading both sides with these filled in compares values, not spellings."""
+    if tree is None:
+        import msgspec
+
+        from evolving_infra.report.records import RequestRecord
+
+        out: dict[str, Any] = {}
+        for f in msgspec.structs.fields(RequestRecord):  # as _DEFAULTS_CODE, in this process
+            if f.default is not msgspec.NODEFAULT:
+                out[f.encode_name] = f.default
+            elif f.default_factory is not msgspec.NODEFAULT:
+                out[f.encode_name] = f.default_factory()
+        return json.loads(json.dumps(msgspec.to_builtins(out)))
+    p = subprocess.run([sys.executable, "-c", _DEFAULTS_CODE], cwd=tree, capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONPATH": str(tree)})
+    return json.loads(p.stdout)
+
+
+def differences(a: Path, b: Path, base_fields: frozenset[str] | None = None, meta_skip: set[str] = set(),  # noqa: B006
+                defaults: dict[str, Any] | None = None) -> list[str]:
     """What differs between two output dirs (report.json minus wall keys, ``meta_skip`` keys of its
     ``meta`` and head-only keys; requests.jsonl
     line by line, minus keys that are not fields of the base's ``RequestRecord`` when ``base_fields``
-    is given: a new per-request field may appear, an old one may not change)."""
+    is given: a new per-request field may appear, an old one may not change). Each requests.jsonl line is
+    read with ``defaults`` (the head's :func:`record_defaults`; this checkout's when None) filled in where
+    a key is left out, so a record that leaves a counter out at 0 and one that writes it equal."""
     from evolving_infra.sim.run import WALL_CLOCK_KEYS
 
     ra, rb = (json.loads((d / "report.json").read_text()) for d in (a, b))
@@ -137,10 +175,12 @@ def differences(a: Path, b: Path, base_fields: frozenset[str] | None = None, met
         if va != vb:
             out.append(f"report.json {k}: {str(va)[:120]} -> {str(vb)[:120]}")
     la, lb = ((d / "requests.jsonl").read_text().splitlines() for d in (a, b))
-    if la != lb:  # equal apart from keys only the head writes (new per-request fields)
-        ja, jb = [json.loads(x) for x in la], [json.loads(x) for x in lb]
+    if la != lb:  # equal apart from keys only the head writes (new per-request fields) and defaults left out
+        fill = record_defaults() if defaults is None else defaults
+        ja, jb = ([{**fill, **json.loads(x)} for x in lines] for lines in (la, lb))
         keep = base_fields if base_fields is not None else frozenset(k for y in jb for k in y)
-        n = sum(x != {k: v for k, v in y.items() if k in keep} for x, y in zip(ja, jb))
+        n = sum({k: v for k, v in x.items() if k in keep} != {k: v for k, v in y.items() if k in keep}
+                for x, y in zip(ja, jb))
         n += abs(len(la) - len(lb))
         if n:
             out.append(f"requests.jsonl: {n} of {max(len(la), len(lb))} lines differ")
@@ -223,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"loop wall {rep['sim_wall_s']:.1f} s, "
                       f"peak RSS {rep['peak_rss_mb']:.0f} MiB", flush=True)
         diff = differences(Path(tmp) / "base0", Path(tmp) / "head0", record_fields(trees["base"]),
-                           meta_skip={"trace"} if a.head_trace else set())
+                           meta_skip={"trace"} if a.head_trace else set(), defaults=record_defaults(trees["head"]))
     cpu = {k: statistics.median(r["_cpu_s"] for r in v) for k, v in reps.items()}
     loop = {k: statistics.median(r["_loop_cpu_s"] for r in v) for k, v in reps.items()}
     rss = {k: statistics.median(r["peak_rss_mb"] for r in v) for k, v in reps.items()}
