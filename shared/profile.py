@@ -198,9 +198,11 @@ def with_kv_tokens(profile: Profile, gpu_kv_tokens: int = 0, host_kv_tokens: int
     gpu = gpu_kv_tokens or profile.memory.gpu_kv_tokens
     host = host_kv_tokens or max(profile.memory.host_kv_tokens, gpu)
     if host < gpu:
-        where = "--host-kv-tokens" if host_kv_tokens else f"profile {profile.name}'s memory.host_kv_tokens"
+        # (a host size alone can only be below the profile's GPU size: name that as the profile's, not as a flag)
+        gpu_from = "--gpu-kv-tokens" if gpu_kv_tokens else f"profile {profile.name}'s memory.gpu_kv_tokens"
         raise ProfileError(
-            f"{where} {host} is less than --gpu-kv-tokens {gpu}: host memory (L2) is written through and must hold "
-            f"the GPU KV (L1); pass --host-kv-tokens {gpu} or more"
+            f"--host-kv-tokens {host} is less than {gpu_from} {gpu}: host memory (L2) is written through and must "
+            f"hold the GPU KV (L1); pass --host-kv-tokens {gpu} or more"
+            + ("" if gpu_kv_tokens else ", or a smaller --gpu-kv-tokens with it")
         )
     return msgspec.structs.replace(profile, memory=MemoryProfile(gpu_kv_tokens=gpu, host_kv_tokens=host))

@@ -57,6 +57,10 @@ def test_with_kv_tokens_resizes_and_checks():
         with_kv_tokens(p, 0, -8)
     with pytest.raises(ProfileError, match="--host-kv-tokens 2048 is less than --gpu-kv-tokens 4096"):
         with_kv_tokens(p, 4096, 2048)
+    # a host size alone below the profile's GPU size names the profile's, not a --gpu-kv-tokens never given
+    with pytest.raises(ProfileError, match=rf"--host-kv-tokens 512 is less than profile {p.name}'s memory.gpu_kv_tokens 1024: .*"
+                                           r"or a smaller --gpu-kv-tokens with it"):
+        with_kv_tokens(p, 0, 512)
 
 
 def test_a_worker_applies_its_kv_flags_to_its_profile():
