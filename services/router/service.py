@@ -3695,14 +3695,11 @@ class RouterService(WatchedService):
             if p.decode_node is not None:
                 headers["x-ei-decode-node"] = p.decode_node
             watcher.cancel()  # the SSE response watches the connection itself
-            p.reset = request.scope.get("extensions", {}).get(RESET_EXTENSION)
-            p.response_on = True  # its end is counted when the response's call returns (_close_stream)
-            request.scope[OWN_SEND_WATCH_SCOPE_KEY] = True
             gen = self._stream(
                 p, rreq, chat, created, include_usage, continuous_usage, self._output_text(req), api.logprobs_asked(req), echo,
                 api.reply_role(req) if chat else "assistant", toolcalls.HermesStream() if chat and self._parses_tools(req) else None,
             )
-            return _SseResponse(
+            sse = _SseResponse(
                 gen,
                 on_close=lambda: self._close_stream(p),
                 on_stall=lambda: self._send_stalled(p),
@@ -3710,6 +3707,12 @@ class RouterService(WatchedService):
                 media_type="text/event-stream",
                 headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
             )
+            # only once the response exists: its end is counted when its call returns (_close_stream); one that
+            # failed to build is a 500 counted by the except below, with the stall guard still on
+            p.reset = request.scope.get("extensions", {}).get(RESET_EXTENSION)
+            p.response_on = True
+            request.scope[OWN_SEND_WATCH_SCOPE_KEY] = True
+            return sse
         try:
             first = await self._next_item(p, watcher)
             if isinstance(first, _Failure):
@@ -3783,13 +3786,16 @@ class RouterService(WatchedService):
             # its sends timed as a stream's: one that stalls (uvicorn drains before it writes: behind a big body still
             # buffered on a keep-alive connection whose client reads nothing) aborts it as too slow and resets the
             # connection; its end is counted once its sends are done (_close_stream), as a stream's
-            p.reset = request.scope.get("extensions", {}).get(RESET_EXTENSION)
-            p.response_on = True
-            request.scope[OWN_SEND_WATCH_SCOPE_KEY] = True
-            return _WatchedResponse(
+            watched = _WatchedResponse(
                 _JSON.encode(body), on_close=lambda: self._close_stream(p), on_stall=lambda: self._send_stalled(p),
                 stall_s=self.cfg.stream_stall_timeout_s, media_type="application/json", headers=headers,
             )
+            # only once the body is encoded and the response built: a body that fails to encode is a 500 counted
+            # `error` by the except below (with response_on set first, it was counted nowhere), the guard still on
+            p.reset = request.scope.get("extensions", {}).get(RESET_EXTENSION)
+            p.response_on = True
+            request.scope[OWN_SEND_WATCH_SCOPE_KEY] = True
+            return watched
         except _ClientGone:
             self._abandon(p, "client disconnected", "client_disconnect")
             self.log.info("client disconnected; request aborted", rid=rid)

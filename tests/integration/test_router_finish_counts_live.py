@@ -213,3 +213,19 @@ async def test_a_response_that_fails_after_its_nodes_end_counts_as_the_error_its
         c = env.service.counters
         assert c.get("stream_errors_500", 0) - counters.get("stream_errors_500", 0) == (1 if stream else 0)
         assert c.get("aborts", 0) == counters.get("aborts", 0) and not env.service._pending, dict(c)
+
+
+async def test_a_response_that_fails_to_build_counts_once_as_error(nats_url, tmp_path):
+    """A non-streamed body that cannot be encoded (a router bug) is a 500 counted ``error``: its end was handed to the
+    response's close (``response_on``) before the body was encoded, so the request was counted nowhere."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        before = await finished(env)
+        real_ei = env.service._ei
+        env.service._ei = lambda p: {"bad": object()}  # type: ignore[method-assign]  # msgspec cannot encode it
+        try:
+            r = await env.http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+        finally:
+            env.service._ei = real_ei  # type: ignore[method-assign]
+        assert r.status_code == 500 and "TypeError" in r.text, r.text
+        await _wait_for(lambda: env.service.core.view.inflight_total == 0, what="request ended")
+        assert delta(await finished(env), before) == {"error": 1.0}

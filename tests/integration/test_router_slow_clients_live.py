@@ -204,6 +204,8 @@ async def test_a_stalled_stream_under_the_cap_is_aborted_after_the_stall_timeout
         await _wait_for(lambda: "stall-under" not in svc._pending, what="the stalled request ended", timeout=3 * STALL_S + 2)
         waited = time.monotonic() - t0
         assert waited < 2 * STALL_S + 1, waited
+        # its end is counted when its response's call returns (_close_stream), which may come just after it left _pending
+        await _wait_for(lambda: svc.counters.get("finish.abort", 0) >= 1, what="its end counted", timeout=5)
         assert svc.counters["slow_client_aborts"] == 1 and svc.counters["slow_client_resets"] == 1, dict(svc.counters)
         assert svc.counters["finish.abort"] == 1 and svc.buffered_output_tokens == 0, dict(svc.counters)
         assert svc.counters["aborts.slow_client"] == int(node_running), dict(svc.counters)
@@ -251,6 +253,8 @@ async def test_a_stall_after_the_finish_chunk_with_real_uvicorn_aborts_the_reque
         try:
             await _wait_for(lambda: svc.counters["slow_client_resets"] == 1, what="the connection reset", timeout=10)
             await _wait_for(lambda: "stall-echo" not in svc._pending, what="the request forgotten")
+            # counted when its response's call returns (_close_stream), which may come just after it left _pending
+            await _wait_for(lambda: svc.counters.get("finish.abort", 0) >= 1, what="its end counted", timeout=5)
             c = dict(svc.counters)
             assert c.get("slow_client_aborts") == 1 and c.get("finish.abort") == 1, c
             assert "finished.length" not in c and svc.buffered_output_tokens == 0, c
