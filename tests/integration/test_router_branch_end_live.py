@@ -70,9 +70,22 @@ async def test_ending_a_branch_again_answers_200_already_and_publishes_nothing(n
         await asyncio.sleep(0.2)
         assert _ends(env) == ["b2"]  # the repeat published nothing
         assert svc.counters["branches_ended"] == 1 and svc.counters["branch_ends_repeated"] == 1
-        # two ends at once: both answer 200, the branch is counted ended once
+        # two ends at once, the second checking while the first's BranchEnd is still being published (a slow publish
+        # makes them overlap: without it the first is done before the second checks): both answer 200, exactly one
+        # says `already`, both BranchEnds go out (the directory counts the second as a duplicate), the branch is
+        # counted ended once
         await _start(env, "b3")
+        publish = svc.bus.publish
+
+        async def slow_end(subject: str, msg: Any, *args: Any, **kw: Any) -> Any:
+            if isinstance(msg, m.BranchEnd):
+                await asyncio.sleep(0.3)
+            return await publish(subject, msg, *args, **kw)
+
+        svc.bus.publish = slow_end  # type: ignore[method-assign]
         a, b = await asyncio.gather(env.http.post("/v1/branches/b3/end"), env.http.post("/v1/branches/b3/end"))
+        svc.bus.publish = publish  # type: ignore[method-assign]
         assert {a.status_code, b.status_code} == {200}, (a.text, b.text)
         assert sorted(bool(x.json().get("already")) for x in (a, b)) == [False, True], (a.text, b.text)
-        assert svc.counters["branches_ended"] == 2
+        await _wait_for(lambda: _ends(env).count("b3") == 2, what="both BranchEnds")
+        assert svc.counters["branches_ended"] == 2 and svc.counters["branch_ends_repeated"] == 2
