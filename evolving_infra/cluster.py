@@ -41,6 +41,10 @@ from shared.profile import Profile, load_profile, with_kv_tokens
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
 from shared.split import parse_split, split_phases
 from shared.subjects import SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
+from evolving_infra.liveness import (  # the liveness decisions, shared with the Slurm job's watcher
+    LIVENESS_MIN_S as LIVENESS_MIN_S, NATS_PROBE_TIMEOUT_S, SUPERVISE_GAP_S as SUPERVISE_GAP_S, bus_watch, count_exit,
+    liveness_overdue, nats_info_probe, paused, probe_seen_until,
+)
 
 log = structlog.get_logger("cluster")
 
@@ -471,60 +475,6 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
 
 
-def liveness_overdue(
-    now: float, *, started_at: float, last_ok: float | None, watch_from: float | None, timeout_s: float, start_timeout_s: float
-) -> float | None:
-    """Whether a running process has been silent too long: the supervisor's liveness decision, on one clock.
-
-    Args:
-        now: the current time (s, ``time.monotonic()`` or a test's clock).
-        started_at: when the process was (last) started.
-        last_ok: when its latest sign of life came (a heartbeat, a probe answered); None or before ``started_at``:
-            none since this start (it is still starting: its limit is ``max(timeout_s, start_timeout_s)``).
-        watch_from: since when its signs of life could be seen (the launcher's NATS connection answering); None: they
-            cannot be seen now, and nothing is decided.
-        timeout_s: the liveness timeout (s); 0 or less = off.
-        start_timeout_s: the start-up's own limit (``ready_timeout_s``).
-
-    Returns:
-        The seconds it has been silent (counted from the latest of ``last_ok``, ``started_at`` and ``watch_from``)
-        when that is past its limit; None when it is not (or nothing is decided).
-    """
-    if timeout_s <= 0 or watch_from is None:
-        return None
-    answered = last_ok is not None and last_ok >= started_at
-    since = max(last_ok if answered and last_ok is not None else started_at, watch_from)
-    limit = timeout_s if answered else max(timeout_s, start_timeout_s)
-    silent = now - since
-    return silent if silent > limit else None
-
-
-def count_exit(exits: list[float], now: float, window_s: float) -> int:
-    """Record an exit at ``now`` in ``exits`` (times, s), drop those older than ``window_s``, and return how many
-    are left: the restarts ``max_restarts`` compares within its window (systemd's ``StartLimitIntervalSec``)."""
-    exits.append(now)
-    exits[:] = [t for t in exits if now - t < window_s]
-    return len(exits)
-
-
-NATS_PROBE_TIMEOUT_S = 2.0
-"""Wall seconds one liveness probe (nats-server's INFO line, the launcher's NATS PING) may take."""
-
-BUS_SILENT_AFTER_S = 5.0
-"""Wall seconds after the launcher's NATS connection last answered a PING past which the services' heartbeats
-cannot be seen (the bus is down or hung): no service is judged silent then."""
-
-LIVENESS_MIN_S = 10.0
-"""The least ``liveness_timeout_s`` other than 0 (off) ``up`` accepts: a service beats every second, one round of the
-supervisor's probes (:meth:`LocalCluster._probe`: nats-server's INFO line, up to 2 x :data:`NATS_PROBE_TIMEOUT_S`, a
-PING up to one more, then a 1-s sleep) takes up to ~7 s under load, and a service closing its NATS connection drains
-up to 5 s: a shorter timeout SIGKILLs healthy processes."""
-
-SUPERVISE_GAP_S = 3.0
-"""Wall seconds between two supervision passes (one every 0.2 s) past which the supervisor itself was not running
-(``up`` stopped by Ctrl-Z, a paused VM, a blocked event loop): after such a gap every liveness clock starts again
-(nothing is judged silent for a time nobody watched), as after a start."""
-
 CRASH_LOOP_WINDOW_S = 3600.0
 """The hour over which :meth:`LocalCluster.supervise_once` counts a service's exits for its crash-loop warning."""
 
@@ -535,24 +485,6 @@ logged (again every :data:`CRASH_LOOP_WARN_EVERY_S` while it lasts): a loop too 
 
 CRASH_LOOP_WARN_EVERY_S = 600.0
 """Wall seconds between two crash-loop warning lines of one service."""
-
-
-async def nats_info_probe(port: int, timeout_s: float = NATS_PROBE_TIMEOUT_S) -> bool:
-    """Whether a nats-server answers on ``127.0.0.1:port`` within ``timeout_s``: it sends a new connection its
-    ``INFO {...}`` line (before any login, so no credentials are needed and no failed login is logged). A stopped
-    (SIGSTOP) or hung server accepts in the kernel but sends nothing: False. Never raises."""
-    writer = None
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout_s)
-        line = await asyncio.wait_for(reader.readline(), timeout_s)
-        return line.startswith(b"INFO ")
-    except (OSError, asyncio.TimeoutError, ValueError):
-        return False
-    finally:
-        if writer is not None:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.wait_closed(), timeout_s)
 
 
 def restart_delay(streak: int, base_s: float, max_s: float) -> float:
@@ -988,7 +920,7 @@ class LocalCluster:
         now = time.monotonic() if now is None else now
         started: list[str] = []
         window = f"{s.restart_window_s:g} s"
-        if self._last_pass is not None and now - self._last_pass > SUPERVISE_GAP_S:
+        if self._last_pass is not None and paused(self._last_pass, now):
             # nobody watched during the gap: the silences in it say nothing about the processes (up was stopped)
             log.warning(f"supervision paused {now - self._last_pass:.0f} s (up itself was stopped or blocked); liveness "
                         "clocks start again", gap_s=round(now - self._last_pass, 1))
@@ -999,7 +931,7 @@ class LocalCluster:
             if self.nats.alive():
                 if self._nats_streak and now - self._nats_started > s.stable_s:
                     self._nats_streak = 0
-                seen_until = min(now, self._nats_tried_at) if self._nats_tried_at is not None else None
+                seen_until = probe_seen_until(now, self._nats_tried_at)
                 silent = None if seen_until is None or self._nats_killed else liveness_overdue(
                     seen_until, started_at=self._nats_started, last_ok=self._nats_last_ok, watch_from=self._nats_watch_from,
                     timeout_s=s.liveness_timeout_s, start_timeout_s=s.ready_timeout_s)  # fmt: skip
@@ -1037,12 +969,7 @@ class LocalCluster:
                     log.warning("nats-server restarted", port=self.nats.port, restarts=self.nats_restarts)
         # the services' beats come over NATS: judged only while the launcher's own connection answers its PINGs (since
         # it answered again after a gap), and only up to its latest answer: a silence after it may be the bus's own
-        bus_ok = self._bus_last_ok is not None and now - self._bus_last_ok <= BUS_SILENT_AFTER_S
-        if not bus_ok:
-            self._bus_ok_since = None
-        elif self._bus_ok_since is None:
-            self._bus_ok_since = now
-        seen_until = now if self._bus_last_ok is None else min(now, self._bus_last_ok)
+        self._bus_ok_since, seen_until = bus_watch(now, self._bus_last_ok, self._bus_ok_since)
         for c in self.children:
             if c.proc is None:
                 continue
