@@ -1,0 +1,226 @@
+"""The Slurm job supervises its head services as ``evolving-infra up`` does: a liveness watch (a silent router is
+SIGKILLed and restarted) and restarts counted within ``RESTART_WINDOW_S`` (a crash loop slower than the stable period,
+which the job's old streak reset, fails the job). Before, a SIGSTOPped router hung every request until an operator
+killed it, and a service crashing every minute or slower was restarted forever.
+
+Runs the script with ``bash``, the real services and nats-server, and Slurm's stand-ins
+(``tests/deploy/test_slurm_supervision.py``'s :class:`Job`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.test_slurm_supervision import Job, get, job_pids
+
+
+def pid_of(run: Path, name: str) -> int:
+    """The running process of head service ``name`` as its supervise loop wrote it (``pids/NAME.pid``)."""
+    return int((run / "pids" / f"{name}.pid").read_text().split()[0])
+
+
+@pytest.mark.timeout(150)
+def test_a_stopped_router_is_killed_by_the_liveness_watch_and_restarted(tmp_path):
+    job = Job(tmp_path, LIVENESS_TIMEOUT_S="10")
+    try:
+        job.wait_for("liveness watch: nats, kvdirectory, planner, router (SIGKILL after 10 s silent)", 100)
+        # heartbeats are seen (the watch's NATS connection as launcher): nothing healthy is killed meanwhile
+        time.sleep(3)
+        router = pid_of(job.run, "router")
+        os.kill(router, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        job.wait_for("router silent for", 30)
+        killed_after = time.monotonic() - stopped_at
+        job.wait_for("router exited (status 137); restart 1 of 10 within 600 s", 10)
+        assert 10 <= killed_after <= 10 + 10, (killed_after, job.text())  # its timeout, then a pass and a probe round
+        assert f"SIGKILL to pid {router}" in job.text(), job.text()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = json.loads(get(f"http://127.0.0.1:{job.port}/v1/completions", {"prompt": "hello there", "max_tokens": 4}))
+                break
+            except OSError as e:
+                assert time.monotonic() < deadline, f"no completion after the router's restart: {e}\n{job.text()}"
+                time.sleep(0.5)
+        assert r["usage"]["completion_tokens"] == 4
+        assert pid_of(job.run, "router") != router
+        # only the router was silent: no other service killed
+        assert re.findall(r"(\S+) silent for", job.text()) == ["router"], job.text()
+        os.kill(job.proc.pid, signal.SIGTERM)  # scancel --batch --signal=TERM: the watch stops first, then the rest
+        assert job.proc.wait(60) == 0, job.text()
+        time.sleep(0.5)
+        assert job_pids(job.run) == {}, job_pids(job.run)
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(150)
+def test_a_crash_loop_slower_than_the_stable_period_fails_the_job_with_the_service_s_name(tmp_path):
+    """The planner dies after more than RESTART_STABLE_S (2 s) up, each time: the old streak reset at every exit
+    (restarted forever); now the exits count within RESTART_WINDOW_S, the 5th logs the crash-loop line, the 6th
+    (past MAX_RESTARTS 5) gives up and the job fails naming it."""
+    job = Job(tmp_path, MAX_RESTARTS="5", RESTART_WINDOW_S="300", RESTART_STABLE_S="2", LIVENESS_TIMEOUT_S="0")
+    try:
+        job.wait_for("READY", 150)
+        killed = set()
+        deadline = time.monotonic() + 90
+        while job.proc.poll() is None:
+            assert time.monotonic() < deadline, job.text()
+            try:
+                pid = pid_of(job.run, "planner")
+            except (OSError, ValueError):
+                time.sleep(0.2)
+                continue
+            if pid not in killed:
+                time.sleep(2.5)  # up longer than RESTART_STABLE_S: the old loop's streak would reset here
+                killed.add(pid)
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+        text = job.text()
+        assert job.proc.returncode == 1, text
+        assert len(killed) == 6, (killed, text)
+        assert "planner exited (status 137); restart 5 of 5 within 300 s" in text, text
+        # each run was longer than RESTART_STABLE_S: the backoff started again at 0.5 s each time, as the old loop's
+        # streak did (it then never gave up: a streak of 1)
+        assert re.findall(r"planner exited \(status 137\); restart \d of 5 within 300 s in ([\d.]+) s", text) == ["0.5"] * 5, text
+        assert "planner has restarted 5 times in the last hour (crash loop); the job gives up only past 5 exits within 300 s" in text, text
+        assert "planner exited (status 137) 6 times in 300 s (RESTART_WINDOW_S): giving up" in text, text
+        assert "FAILED: planner ended" in text, text
+        assert "liveness watch" not in text  # LIVENESS_TIMEOUT_S=0: off
+        time.sleep(0.5)
+        assert job_pids(job.run) == {}, job_pids(job.run)
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("env, frag", [
+    ({"LIVENESS_TIMEOUT_S": "5"}, "LIVENESS_TIMEOUT_S=5: whole seconds, 0 (off) or at least 10"),
+    ({"RESTART_WINDOW_S": "10m"}, "RESTART_WINDOW_S=10m: whole seconds, 1 or more"),
+])
+def test_a_bad_limit_stops_the_job_before_anything_starts(tmp_path, env, frag):
+    job = Job(tmp_path, **env)
+    try:
+        assert job.proc.wait(20) == 2, job.text()
+        assert frag in job.text(), job.text()
+    finally:
+        job.close()
+
+
+# the watch's decisions, sans-IO (evolving_infra.liveness.Watch: up's liveness_overdue, bus_watch, probe_seen_until,
+# paused), on a test clock
+
+
+def _watch(timeout_s: float = 10.0, start_timeout_s: float = 30.0):
+    from evolving_infra.liveness import Watch
+
+    return Watch(timeout_s=timeout_s, start_timeout_s=start_timeout_s)
+
+
+def _passes(w, names: dict[str, tuple[int, int] | None], t_from: float, t_to: float, *, beats: dict[str, int] | None = None,
+            bus: bool = True) -> list[tuple[str, int, float]]:
+    """Passes every 0.5 s from ``t_from`` to ``t_to``: each observes ``names``, beats come from ``beats`` (name → pid),
+    the bus answers (``bus``); returns what was named overdue."""
+    beats = beats or {}
+    out = []
+    t = t_from
+    while t <= t_to + 1e-9:
+        for name, ident in names.items():
+            w.observe(name, ident, t)
+        for name, pid in beats.items():
+            w.on_beat(name, pid, t)
+        if bus:
+            w.bus_answered(t)
+        out += [(n, p, round(s, 1)) for n, p, s in w.overdue(t)]
+        t += 0.5
+    return out
+
+
+def test_watch_names_a_silent_service_once_and_only_beats_from_its_running_pid_count():
+    w = _watch()
+    # beats from the router's running pid 100: never named
+    assert _passes(w, {"router": (100, 7)}, 0.0, 40.0, beats={"router": 100}) == []
+    # beats from an old process (pid 99, still in flight) are no sign of life of pid 100: named 10 s after its last
+    named = _passes(w, {"router": (100, 7)}, 40.5, 60.0, beats={"router": 99})
+    assert named == [("router", 100, 10.5)], named
+    assert _passes(w, {"router": (100, 7)}, 60.5, 80.0) == []  # killed: not named again
+    # its restart (a new pid) starts its clocks anew: before its first beat, max(timeout, start timeout) = 30 s
+    assert _passes(w, {"router": (101, 9)}, 80.5, 110.5) == []
+    assert _passes(w, {"router": (101, 9)}, 111.0, 111.0) == [("router", 101, 30.5)]
+
+
+def test_watch_judges_nothing_while_its_own_nats_connection_is_silent_nor_across_its_own_pause():
+    w = _watch()
+    assert _passes(w, {"planner": (5, 1)}, 0.0, 5.0, beats={"planner": 5}) == []
+    # nats-server hung: no beats and no PING answer (the bus's silence, not the planner's): nothing named in 60 s
+    assert _passes(w, {"planner": (5, 1)}, 5.5, 65.0, bus=False) == []
+    # the bus answers again at 65.5: the planner's silence counts from then (10 s later: named)
+    assert _passes(w, {"planner": (5, 1)}, 65.5, 75.5) == []
+    assert _passes(w, {"planner": (5, 1)}, 76.0, 76.0) == [("planner", 5, 10.5)]
+    # the watch itself stopped 20 s (a pass 20 s after the last): clocks start again, nothing named for the gap
+    w2 = _watch()
+    assert _passes(w2, {"router": (8, 1)}, 0.0, 2.0, beats={"router": 8}) == []
+    assert _passes(w2, {"router": (8, 1)}, 22.0, 31.5) == []
+    assert _passes(w2, {"router": (8, 1)}, 32.5, 32.5) == [("router", 8, 10.5)]
+
+
+def test_watch_judges_nats_server_up_to_its_latest_finished_probe():
+    from evolving_infra.liveness import NATS
+
+    def run(w, t_from: float, t_to: float, probes_end: bool) -> list[tuple[str, int, float]]:
+        out, t = [], t_from
+        while t <= t_to + 1e-9:
+            w.observe(NATS, (3, 1), t)
+            if probes_end:
+                w.nats_probed(t - 0.5, None)  # a probe started 0.5 s ago ended unanswered
+            out += [(n, p, round(s, 1)) for n, p, s in w.overdue(t)]
+            t += 0.5
+        return out
+
+    w = _watch()
+    w.observe(NATS, (3, 1), 0.0)
+    w.nats_probed(0.0, 0.1)  # answered at 0.1
+    assert run(w, 0.5, 10.5, True) == []
+    assert run(w, 11.0, 11.0, True) == [(NATS, 3, 10.4)]  # judged up to 10.5, its latest finished probe's start
+    # a probe that never ends (the watch's own connect hangs): nothing judged past the start of the last that ended
+    w2 = _watch()
+    w2.observe(NATS, (3, 1), 0.0)
+    w2.nats_probed(0.0, 0.1)
+    w2.nats_probed(5.0, None)
+    assert run(w2, 0.5, 30.0, False) == []
+
+
+def test_the_watcher_signals_only_a_process_its_supervise_loop_still_runs(tmp_path):
+    """A pid file whose pid is not the named loop's child (the pid taken again by another process after an exit) is
+    no process of the service: never observed, never killed."""
+    import argparse
+    import subprocess
+    import sys as _sys
+
+    from evolving_infra.liveness import Watcher
+
+    child = subprocess.Popen([_sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        w = Watcher(argparse.Namespace(pid_dir=str(tmp_path), services=["router"], nats_port=None, creds="", timeout_s=10.0,
+                                       start_timeout_s=30.0))  # fmt: skip
+        (tmp_path / "router.pid").write_text(f"{child.pid} {os.getpid()}\n")
+        ident = w.current("router")
+        assert ident is not None and ident[0] == child.pid
+        (tmp_path / "router.pid").write_text(f"{child.pid} {os.getpid() + 1}\n")  # another parent: not its loop's child
+        assert w.current("router") is None
+        w.watch.observe("router", (child.pid, ident[1]), 0.0)
+        w.kill("router", child.pid, 12.0)
+        assert child.poll() is None  # not signalled
+        (tmp_path / "router.pid").write_text(f"{child.pid} {os.getpid()}\n")
+        w.kill("router", child.pid, 12.0)
+        assert child.wait(5) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
