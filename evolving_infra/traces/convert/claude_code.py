@@ -293,6 +293,8 @@ class _Converter:
             return _DECODER.decode(raw)
         except msgspec.DecodeError as e:
             raise ConvertError(f"{path}: not a WEKA Claude Code trace: {e}") from None
+        except RecursionError:  # msgspec's decode of JSON nested too deeply
+            raise ConvertError(f"{path}: not a WEKA Claude Code trace: JSON nested too deeply") from None
 
     def convert_file(self, fi: int, path: Path) -> list[TraceRequest]:
         sess = self._load(path)

@@ -153,6 +153,8 @@ def _load(path: Path) -> dict[str, Any]:
         d = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
         raise ConvertError(f"{path}: cannot read trajectory: {e}") from None
+    except RecursionError:  # msgspec's decode of JSON nested too deeply
+        raise ConvertError(f"{path}: cannot read trajectory: JSON nested too deeply") from None
     if not isinstance(d, dict) or not isinstance(d.get("messages"), list):
         raise ConvertError(f"{path}: not a mini-swe-agent trajectory (no 'messages' list)")
     return d

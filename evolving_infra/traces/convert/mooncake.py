@@ -102,6 +102,9 @@ def _read_rows(path: Path, skipped: Skipped) -> list[_Row]:
                 _not_mooncake(path, line)
             skipped.row(path, n, str(e))
             continue
+        except RecursionError:  # msgspec's decode of a line nested too deeply
+            skipped.row(path, n, "JSON nested too deeply")
+            continue
         if row.input_length < 1 or row.output_length < 0:
             skipped.row(path, n, "input_length must be >= 1 and output_length >= 0")
         elif len(row.hash_ids) < row.input_length // SOURCE_BLOCK_SIZE:
@@ -126,7 +129,7 @@ def _not_mooncake(path: Path, line: bytes) -> None:
 
     try:
         obj = msgspec.json.decode(line)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return
     if isinstance(obj, dict) and obj.get("schema") == DYNAMO_AGENTIC:
         raise ConvertError(f"{path}: {dynamo_agentic_problem(obj)}")

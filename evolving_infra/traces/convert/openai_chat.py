@@ -154,6 +154,12 @@ def _time(v: Any, what: str) -> float:
     return t
 
 
+def _count_ok(v: Any) -> bool:
+    """``v`` is a token count: an integer (or an integral float) in 0..2**31."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 2**31
+            and (isinstance(v, int) or v.is_integer()))
+
+
 def _headers(d: dict[str, Any]) -> dict[str, str]:
     for k in ("headers", "request_headers", "metadata.headers"):
         h = _get(d, k)
@@ -174,13 +180,63 @@ def _part(p: Any) -> Any:
 
 def _norm(m: Any) -> bytes:
     """A message's identity for prefix matching: what a chat template renders of it (role,
-    content, name, tool calls, tool call id), with content parts reduced by :func:`_part`."""
+    content, name, tool calls, tool call id), with content parts reduced by :func:`_part`; a
+    list of text parts only is its texts joined by newlines (as the ``sim`` template and vLLM
+    render it: the same as that string), and ``None``, ``""`` and ``[]`` are no content."""
     if not isinstance(m, dict):
         raise ConvertError(f"a message is a {type(m).__name__}, not an object")
-    keep = {k: m[k] for k in ("role", "content", "name", "tool_calls", "tool_call_id") if m.get(k) is not None}
-    if isinstance(keep.get("content"), list):
-        keep["content"] = [_part(p) for p in keep["content"]]
+    keep = {k: m[k] for k in ("role", "name", "tool_calls", "tool_call_id") if m.get(k) is not None}
+    c = m.get("content")
+    if isinstance(c, list):
+        parts = [_part(p) for p in c]
+        if all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
+            c = "\n".join(str(p.get("text") or "") for p in parts)
+        else:
+            c = parts
+    if c is not None and c != "":
+        keep["content"] = c
     return msgspec.json.encode(keep, order="sorted")
+
+
+def _block_text(p: Any) -> str | None:
+    """The text of an Anthropic content block that a chat template would not render (None for
+    any other part): ``tool_use`` its name and input as JSON, ``tool_result`` its content's text,
+    ``thinking`` its thinking text."""
+    if not isinstance(p, dict):
+        return None
+    t = p.get("type")
+    if t == "tool_use":
+        return msgspec.json.encode({"name": p.get("name"), "input": p.get("input")}, order="sorted").decode()
+    if t == "tool_result":
+        c = p.get("content")
+        if isinstance(c, list):
+            return "\n".join(str(q.get("text") or "") if isinstance(q, dict) and q.get("type") == "text"
+                             else (_block_text(q) or "") for q in c)
+        return "" if c is None else str(c)
+    if t == "thinking":
+        return str(p.get("thinking") or "")
+    return None
+
+
+def _anthropic(msgs: list[Any], system: Any) -> list[Any]:
+    """``msgs`` with Anthropic-format parts (``tool_use``, ``tool_result``, ``thinking``) as text
+    parts a chat template renders, and a top-level ``system`` (a string or text blocks) as a first
+    system message (``msgs`` unchanged: changed messages are copies)."""
+    out: list[Any] = []
+    for m in msgs:
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, list) and any(_block_text(p) is not None for p in c):
+            parts = []
+            for p in c:
+                bt = _block_text(p)
+                parts.append({"type": "text", "text": bt} if bt is not None else p)
+            m = {**m, "content": parts}
+        out.append(m)
+    if isinstance(system, list):
+        system = "\n".join(str(q.get("text") or "") for q in system if isinstance(q, dict))
+    if isinstance(system, str) and system and not (out and isinstance(out[0], dict) and out[0].get("role") == "system"):
+        out.insert(0, {"role": "system", "content": system})
+    return out
 
 
 def _prefix_hashes(msgs: list[Any]) -> list[bytes]:
@@ -198,7 +254,8 @@ class _Line:
     __slots__ = ("branch_hdr", "caller", "end", "fi", "has_session", "kind_hdr", "line", "n_out", "n_prompt",
                  "parent_hdr", "path", "ph", "raw", "session", "t", "tools", "model")
 
-    def __init__(self, d: dict[str, Any], path: Path, fi: int, line: int, default_session: str, counts: Counter[str]) -> None:
+    def __init__(self, d: dict[str, Any], path: Path, fi: int, line: int, default_session: str, hdr_session: str,
+                 counts: Counter[str]) -> None:
         body: dict[str, Any] = d
         for k in ("request", "body"):
             if isinstance(d.get(k), dict):
@@ -209,8 +266,8 @@ class _Line:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise ConvertError("no 'messages' list (in 'request', 'body' or the line itself)")
-        self.raw = msgs
-        self.ph = _prefix_hashes(msgs)
+        self.raw = _anthropic(msgs, body.get("system"))
+        self.ph = _prefix_hashes(self.raw)
         tools = body.get("tools") or params.get("tools")
         self.tools = tools if isinstance(tools, list) and tools else None
         self.model = str(body.get("model") or d.get("model") or "") or None
@@ -230,25 +287,28 @@ class _Line:
                                  "model_parameters.max_completion_tokens"))
             if out is not None:
                 counts["output_tokens_from_max_tokens"] += 1
-        if out is None or isinstance(out, bool) or not isinstance(out, (int, float)) or not 0 <= out < math.inf:
+        if out is None:
             raise ConvertError(f"no completion token count ({', '.join(_OUT_KEYS)}, or the request's max_tokens)")
+        if not _count_ok(out):
+            raise ConvertError(f"completion token count {out!r} is not an integer in 0..2**31")
         self.n_out = int(out)
         p = _first(d, _PROMPT_KEYS)
-        self.n_prompt = int(p) if isinstance(p, (int, float)) and not isinstance(p, bool) and math.isfinite(p) else None
+        self.n_prompt = int(p) if _count_ok(p) else None
         h = _headers(d)
-        sess = _first(d, _SESSION_KEYS)
+        inner = (d, body) if body is not d else (d,)  # a stored request body's `user` / `metadata` count too
+        sess = next((v for x in inner if (v := _first(x, _SESSION_KEYS)) is not None), None)
         if sess is None:
-            sess = h.get("x-agent-id") or _first(d, _USER_KEYS)
-        caller = _first(d, _CALLER_KEYS)
+            sess = h.get("x-agent-id") or next((v for x in inner if (v := _first(x, _USER_KEYS)) is not None), None)
+        caller = next((v for x in inner if (v := _first(x, _CALLER_KEYS)) is not None), None)
         self.caller = str(caller) if caller is not None else ""
         self.branch_hdr = h.get("x-branch-id") or (str(d["branch_id"]) if d.get("branch_id") else None)
         self.parent_hdr = h.get("x-parent-branch-id") or (str(d["parent_branch_id"]) if d.get("parent_branch_id") else None)
         self.kind_hdr = h.get("x-branch-kind") or (str(d["branch_kind"]) if d.get("branch_kind") else None)
         if self.kind_hdr is not None and self.kind_hdr not in _KINDS:
             raise ConvertError(f"branch kind {self.kind_hdr!r} is not one of {', '.join(_KINDS)}")
-        # a line with branch headers but no session id belongs to its file's session
+        # a line with branch headers but no session id belongs to the inputs' one default session
         self.has_session = sess is not None or self.branch_hdr is not None
-        self.session = str(sess) if sess is not None else default_session
+        self.session = str(sess) if sess is not None else hdr_session if self.branch_hdr is not None else default_session
         self.path = path
         self.fi = fi
         self.line = line
@@ -288,6 +348,7 @@ class _Session:
         self.by_req: dict[tuple[str, bytes], tuple[str, str]] = {}  # (caller, hash of any request) -> (branch, request)
         self.n = 0
         self.done: dict[str, float] = {}  # request id -> end (or send) time
+        self.ended: set[str] = set()  # requests whose end time is logged
         self.last_req: dict[str, TraceRequest] = {}  # branch -> its latest request (ends_branch set at the end)
 
     def main_latest(self) -> str | None:
@@ -297,22 +358,27 @@ class _Session:
             return None
         return self.caller_line.get(self.main_caller) or self.caller_latest.get(self.main_caller)
 
-    def extension(self, ln: _Line, min_fork: int) -> _Place | None:
+    def extension(self, ln: _Line, min_fork: int, top: int | None = None) -> _Place | None:
         """Continue the caller's branch whose last request's messages ``ln`` starts with (the longest);
-        else fork after the caller's longest earlier request (≥ ``min_fork`` messages) that ``ln`` extends."""
+        else fork after the caller's longest earlier request (≥ ``min_fork`` messages) that ``ln`` extends;
+        only requests of at most ``top`` messages (default: all of ``ln``'s) count."""
         ph = ln.ph
-        for k in range(len(ph), 0, -1):
+        top = len(ph) if top is None else top
+        for k in range(top, 0, -1):
             bid = self.by_last.get((ln.caller, ph[k - 1]))
             if bid is not None:
                 return self.branches[bid], None, [], False
-        for k in range(len(ph), min_fork - 1, -1):
+        for k in range(top, min_fork - 1, -1):
             hit = self.by_req.get((ln.caller, ph[k - 1]))
             if hit is not None:
                 return self._open(self._new_id(), ln.caller, hit[0], "fork"), "fork", [hit[1]], False
         return None
 
-    def place(self, ln: _Line, n_tokens: int, counts: Counter[str]) -> _Place:
-        """Where a line of a session goes (docs/trace-format.md §7.5, Branches).
+    def place(self, ln: _Line, n_tokens: int, counts: Counter[str], later: dict[bytes, int] | None = None,
+              pos: int = 0) -> _Place:
+        """Where a line of a session goes (docs/trace-format.md §7.5, Branches); ``later`` maps a prefix
+        hash of the caller's lines to the last position (in send order) of a line with it, ``pos`` is
+        ``ln``'s (look-ahead: a branch extended after ``pos`` was not compacted by ``ln``).
 
         Raises:
             ConvertError: a header names a fork / sub-agent in a session without an earlier branch.
@@ -339,13 +405,15 @@ class _Session:
         if got is not None:
             return got
         # a compaction: the caller's latest main / fork branch (else its latest) again, after its last
-        # answer, its first (system) message kept, shorter than that last request (the harness summarised)
+        # answer (its end logged), its first (system) message kept, shorter than that last request (the
+        # harness summarised), and no later line of the caller extends that last request
         for cand in dict.fromkeys((self.caller_line.get(ln.caller), self.caller_latest.get(ln.caller))):
             if cand is None:
                 continue
             lb = self.branches[cand]
             assert lb.last is not None
-            if ln.ph[0] == lb.first and n_tokens < lb.last_tokens and ln.t >= self.done[lb.last]:
+            if (ln.ph[0] == lb.first and n_tokens < lb.last_tokens and lb.last in self.ended
+                    and ln.t >= self.done[lb.last] and (later or {}).get(lb.last_hash, -1) <= pos):
                 return lb, None, [], True
         return self._open(self._new_id(), ln.caller, self.main_latest(), "subagent"), "subagent", [], False
 
@@ -380,7 +448,7 @@ class _Session:
         return b
 
 
-def _read_file(path: Path, fi: int, counts: Counter[str], skipped: Skipped, lines: list[_Line]) -> None:
+def _read_file(path: Path, fi: int, counts: Counter[str], skipped: Skipped, lines: list[_Line], hdr_session: str) -> None:
     """Append the convertible lines of ``path`` to ``lines`` (bad ones named and skipped; failed calls counted).
 
     Raises:
@@ -398,9 +466,11 @@ def _read_file(path: Path, fi: int, counts: Counter[str], skipped: Skipped, line
             if d.get("status") in _FAILED:  # a failed call (LiteLLM: status "failure"): no answer, no request
                 counts["failed_calls_skipped"] += 1
                 continue
-            lines.append(_Line(d, path, fi, i, default, counts))
+            lines.append(_Line(d, path, fi, i, default, hdr_session, counts))
         except (msgspec.DecodeError, ConvertError) as e:
             skipped.row(path, i, str(e))
+        except RecursionError:  # msgspec's decode of a line nested too deeply
+            skipped.row(path, i, "JSON nested too deeply")
 
 
 def _template_errors() -> tuple[type[BaseException], ...]:
@@ -417,86 +487,112 @@ def _convert_lines(lines: list[_Line], tok: Any, bs: int, counts: Counter[str],
                    skipped: Skipped) -> tuple[list[TraceRequest], list[_Session]]:
     """Place every line (all files, in send order) and build its request."""
     errors = _template_errors()
-    lines.sort(key=lambda ln: (ln.t, ln.fi, ln.line))
+    lines.sort(key=lambda ln: (ln.t, ln.path.name, str(ln.path), ln.line))
     taken = {ln.session for ln in lines if ln.has_session}
+    n_lines = Counter(ln.session for ln in lines if ln.has_session and ln.branch_hdr is None)
+    single = {k for k, c in n_lines.items() if c == 1}  # an id of one line is no session (LiteLLM's random trace_id)
+    later: dict[tuple[str, str], dict[bytes, int]] = {}  # (session, caller) -> prefix hash -> its last line
+    for pos, ln in enumerate(lines):
+        if ln.has_session and ln.session not in single:
+            idx = later.setdefault((ln.session, ln.caller), {})
+            for h in ln.ph:
+                idx[h] = pos
     sessions: dict[str, _Session] = {}
     loose: dict[bytes, _Session] = {}  # hash of a session-less request's messages -> its agent
     loose_n: Counter[str] = Counter()
     out: list[TraceRequest] = []
-    for ln in lines:
+    for pos, ln in enumerate(lines):
         try:
-            ids = tok.apply_chat_template(ln.raw, ln.tools)
-        except errors as e:  # a message the chat template cannot render, or its raise_exception
-            skipped.row(ln.path, ln.line, f"the chat template cannot render the messages: {type(e).__name__}: {e}")
-            continue
-        if not ids:
-            skipped.row(ln.path, ln.line, "the messages render to no tokens")
-            continue
-        got: _Place | None = None
-        if ln.has_session:
-            s = sessions.get(ln.session)
-            if s is None:
-                s = sessions[ln.session] = _Session(ln.session)
-            try:
-                got = s.place(ln, len(ids), counts)
-            except ConvertError as e:
-                skipped.row(ln.path, ln.line, str(e))
-                continue
-        else:  # no session id: its own agent, unless it extends an earlier session-less request
-            earlier = next((loose[h] for h in reversed(ln.ph) if h in loose), None)
-            if earlier is not None:
-                got = earlier.extension(ln, 1)
-            if earlier is not None and got is not None:
-                s = earlier
+            req = _place_line(ln, pos, tok, errors, bs, counts, skipped, sessions, later, single, loose, loose_n, taken)
+        finally:  # placed: its messages are no longer needed
+            del ln.raw, ln.ph, ln.tools
+        if req is not None:
+            out.append(req)
+    live = [s for s in sessions.values() if s.n]
+    counts["sessions"] += len(live)
+    return out, live
+
+
+def _place_line(ln: _Line, pos: int, tok: Any, errors: tuple[type[BaseException], ...], bs: int, counts: Counter[str],
+                skipped: Skipped, sessions: dict[str, _Session], later: dict[tuple[str, str], dict[bytes, int]],
+                single: set[str], loose: dict[bytes, _Session], loose_n: Counter[str], taken: set[str]) -> TraceRequest | None:
+    """Place line ``ln`` (``pos`` in send order) and build its request (None: a bad row, named in ``skipped``)."""
+    try:
+        ids = tok.apply_chat_template(ln.raw, ln.tools)
+    except errors as e:  # a message the chat template cannot render, or its raise_exception
+        skipped.row(ln.path, ln.line, f"the chat template cannot render the messages: {type(e).__name__}: {e}")
+        return None
+    if not ids:
+        skipped.row(ln.path, ln.line, "the messages render to no tokens")
+        return None
+    got: _Place | None = None
+    if ln.has_session and ln.session not in single:
+        s = sessions.get(ln.session)
+        if s is None:
+            s = sessions[ln.session] = _Session(ln.session)
+        try:
+            got = s.place(ln, len(ids), counts, later.get((ln.session, ln.caller)), pos)
+        except ConvertError as e:
+            skipped.row(ln.path, ln.line, str(e))
+            return None
+    else:  # no session id: its own agent, unless it extends (with more messages) an earlier session-less request
+        earlier = next((loose[h] for h in reversed(ln.ph[:-1]) if h in loose), None)
+        if earlier is not None:
+            got = earlier.extension(ln, 1, len(ln.ph) - 1)
+        if earlier is not None and got is not None:
+            s = earlier
+        else:
+            if ln.has_session:  # the one line of its session id: named so
+                name = ln.session
             else:
                 k = loose_n[ln.session] + 1
                 while f"{ln.session}.{k}" in taken:  # not a session id of the log
                     k += 1
                 loose_n[ln.session] = k
-                s = sessions[f"{ln.session}.{k}"] = _Session(f"{ln.session}.{k}")
-                taken.add(s.agent)
-                got = s.place(ln, len(ids), counts)
-            loose[ln.ph[-1]] = s
-        branch, kind, after, compaction = got
-        rid = f"{s.agent}:{s.n}"
-        if kind is None:
-            assert branch.last is not None
-            after = [branch.last]
-            for c in branch.children:  # a join: the sub-agents / forks opened since it went on
-                cb = s.branches[c]
-                if cb.last is not None and cb.last != after[0]:
-                    after.append(cb.last)
-            branch.children = [c for c in branch.children if s.branches[c].last is None]
-        elif kind != "main" and not after:
-            parent = s.branches[branch.parent] if branch.parent else None
-            if parent is not None and parent.last is not None:
-                after = [parent.last]
-        after = list(dict.fromkeys(after))
-        if s.n == 0:  # the session starts at its first converted request
-            s.t0 = ln.t
-        ready = max((s.done[a] for a in after), default=s.t0)
-        req = TraceRequest(
-            id=rid, agent=s.agent, branch=branch.id, input_tokens=len(ids), output_tokens=ln.n_out,
-            blocks=blocks_from_tokens(ids, bs), kind=kind, parent_branch=branch.parent if kind in ("fork", "subagent") else None,
-            after=after, pause_s=round(max(0.0, ln.t - ready), 6) if after else 0.0,
-            t_s=round(ln.t - s.t0, 6), arrival_s=s.t0 if s.n == 0 else None, compaction=compaction,
-            model=ln.model,
-        )
-        counts["requests"] += 1
-        counts["compactions"] += bool(compaction)
-        if kind is not None:
-            counts[f"branches_{kind}"] += 1
-        if ln.n_prompt is not None:
-            counts["provider_prompt_tokens"] += ln.n_prompt
-        counts["input_tokens"] += len(ids)
-        s.done[rid] = ln.end if ln.end is not None else ln.t
-        s.n += 1
-        s.record(ln, branch, rid, len(ids))
-        s.last_req[branch.id] = req
-        out.append(req)
-    live = [s for s in sessions.values() if s.n]
-    counts["sessions"] += len(live)
-    return out, live
+                name = f"{ln.session}.{k}"
+            s = sessions[name] = _Session(name)
+            taken.add(name)
+            got = s.place(ln, len(ids), counts)
+        loose[ln.ph[-1]] = s
+    branch, kind, after, compaction = got
+    rid = f"{s.agent}:{s.n}"
+    if kind is None:
+        assert branch.last is not None
+        after = [branch.last]
+        for c in branch.children:  # a join: the sub-agents / forks opened since it went on
+            cb = s.branches[c]
+            if cb.last is not None and cb.last != after[0]:
+                after.append(cb.last)
+        branch.children = [c for c in branch.children if s.branches[c].last is None]
+    elif kind != "main" and not after:
+        parent = s.branches[branch.parent] if branch.parent else None
+        if parent is not None and parent.last is not None:
+            after = [parent.last]
+    after = list(dict.fromkeys(after))
+    if s.n == 0:  # the session starts at its first converted request
+        s.t0 = ln.t
+    ready = max((s.done[a] for a in after), default=s.t0)
+    req = TraceRequest(
+        id=rid, agent=s.agent, branch=branch.id, input_tokens=len(ids), output_tokens=ln.n_out,
+        blocks=blocks_from_tokens(ids, bs), kind=kind, parent_branch=branch.parent if kind in ("fork", "subagent") else None,
+        after=after, pause_s=round(max(0.0, ln.t - ready), 6) if after else 0.0,
+        t_s=round(ln.t - s.t0, 6), arrival_s=s.t0 if s.n == 0 else None, compaction=compaction,
+        model=ln.model,
+    )
+    counts["requests"] += 1
+    counts["compactions"] += bool(compaction)
+    if kind is not None:
+        counts[f"branches_{kind}"] += 1
+    if ln.n_prompt is not None:
+        counts["provider_prompt_tokens"] += ln.n_prompt
+    counts["input_tokens"] += len(ids)
+    s.done[rid] = ln.end if ln.end is not None else ln.t
+    if ln.end is not None:
+        s.ended.add(rid)
+    s.n += 1
+    s.record(ln, branch, rid, len(ids))
+    s.last_req[branch.id] = req
+    return req
 
 
 def convert(
@@ -531,8 +627,9 @@ def convert(
 
     def gen() -> Iterator[TraceRequest]:
         lines: list[_Line] = []
+        hdr = min((p.name for p in files), default="").split(".")[0]  # lines with branch headers but no session id: one session
         for fi, p in enumerate(progress_iter(files, enabled=progress, desc=KIND)):
-            skipped.call(p, lambda p=p, fi=fi: _read_file(p, fi, counts, skipped, lines))  # type: ignore[misc]
+            skipped.call(p, lambda p=p, fi=fi: _read_file(p, fi, counts, skipped, lines, hdr))  # type: ignore[misc]
         if counts["send_times_over_1e11"]:
             print(f"warning: {counts['send_times_over_1e11']} send time(s) are over 1e11 s (after the year 5000): "
                   "milliseconds? the converter reads unix seconds", file=sys.stderr)
