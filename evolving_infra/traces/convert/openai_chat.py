@@ -5,20 +5,22 @@ harness or an OpenAI-compatible proxy (e.g. LiteLLM's StandardLoggingPayload) lo
 Fields (the first name found is used; ``a.b`` is a nested key; header names are matched
 case-insensitively):
 
-* the request body: ``request`` or ``body``, else the line itself: ``messages`` (required),
-  ``tools`` (else ``model_parameters.tools``), ``model``;
+* the request body: ``request`` or ``body``, else the line itself: ``messages`` (required;
+  Anthropic-format ``tool_use`` / ``tool_result`` / ``thinking`` blocks become text parts, a
+  top-level ``system`` a first system message), ``tools`` (else ``model_parameters.tools``), ``model``;
 * send time: ``timestamp``, ``start_time``, ``startTime``, ``created``, ``request_time``
   (unix seconds, or an ISO 8601 string; finite); optional ``end_time`` / ``endTime`` /
   ``completed_at`` (when the answer was complete);
 * completion tokens of the answer: ``response.usage.completion_tokens``,
   ``usage.completion_tokens``, ``completion_tokens``, ``usage.output_tokens``, else
   ``max_tokens`` / ``max_completion_tokens`` of the request (or of ``model_parameters``;
-  counted as ``output_tokens_from_max_tokens``);
+  counted as ``output_tokens_from_max_tokens``); an integer in 0..2**31, else a bad row;
 * a line with ``status`` ``failure`` (LiteLLM), ``error`` or ``failed`` is a failed call: not
   a request (counted ``failed_calls_skipped``);
 * session (the trace's agent): ``session_id``, ``session``, ``conversation_id``,
   ``metadata.session_id``, ``trace_id`` (LiteLLM's, from ``litellm_session_id``), header
-  ``X-Agent-Id``, ``user``, ``end_user``; none: see "no session" below;
+  ``X-Agent-Id``, ``user``, ``end_user`` (on the line, else in the stored request body); none,
+  or an id on one line only (LiteLLM's random ``trace_id``): see "no session" below;
 * the caller inside a session (a sub-agent has its own): ``agent_id``,
   ``metadata.agent_id``;
 * branch headers where the harness sends them: ``X-Branch-Id``, ``X-Parent-Branch-Id``,
@@ -35,38 +37,45 @@ stays one agent):
   length (the provider's ``prompt_tokens``, when logged, is summed in ``meta.counts``).
   A line the template cannot render (its ``raise_exception`` included) is a bad row.
 * **Message identity** (for "extends"): role, content, name, tool calls, tool call id; a
-  content part without ``cache_control`` (a text part: its type and text).
+  content part without ``cache_control`` (a text part: its type and text); a list of text parts
+  only is its texts joined by newlines; content None, "" and [] are equal.
 * **Branches** from headers when a line has ``X-Branch-Id``; otherwise inferred per session
   and caller (``agent_id``): a request whose messages start with all the messages of the
   last request of one of the caller's branches continues that branch (the longest such);
   the first request of a session opens its ``main`` branch; a request that extends an
   earlier (not the last) request (of more than one message) of the caller opens a ``fork``
-  after it; one that extends nothing, keeps the first (system) message of the caller's
-  latest main/fork branch (else its latest branch), is shorter (in tokens) than that
-  branch's last request and is sent after its answer is a **compaction** of that branch
+  after it; one whose system prompt differs but whose later messages extend a branch's last
+  request's later messages continues that branch; one that extends nothing, keeps the first
+  (system) message of the caller's latest main/fork branch (else its latest branch), is shorter
+  (in tokens) than that branch's last request, is sent after its logged end and is not followed
+  by a line of the caller extending that request (look-ahead) is a **compaction** of that branch
   (``compaction: true``, same branch); anything else (another caller's first request
   included) opens a ``subagent`` branch whose parent is the latest main/fork branch of the
   session's main caller (the caller of its first request).
 * **No session.** A line without a session id (and without branch headers) is its own
-  agent (``FILE.N``, FILE = the file's name up to its first dot) unless its messages start
-  with all the messages of an earlier such request: it then continues that request's
-  branch, or forks after it when the branch went on.
+  agent (``FILE.N``, FILE = the file's name up to its first dot; a one-line session id is
+  such a line and keeps its id) unless its messages start with all the messages of an
+  earlier such request and go on (more messages): it then continues that request's branch,
+  or forks after it when the branch went on. Branch-header lines without a session id are
+  one session over all inputs.
 * **Order.** ``after`` = the branch's previous request, plus (a join) the last request of
   every child branch of it that was opened since and has a request; a new fork / sub-agent
   branch waits on its parent branch's latest request (a fork: the request it extends).
   ``pause_s`` = send time − the latest end (``end_time``, else send time) of the ``after``
   requests, clipped at 0; ``t_s`` from the session's first request; ``arrival_s`` = that
-  request's time. Lines are ordered by send time (input order, then line order on ties);
+  request's time. Lines are ordered by send time (file name, then line on ties);
   every branch's last request ends it.
 
 Placement costs O(a request's messages): branches are indexed by the chained hash of their
-last request's messages, forks by the hashes of all earlier requests.
+last request's messages, forks by the hashes of all earlier requests. A placed line's
+messages are dropped.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import io
 import math
 import sys
 from collections import Counter
@@ -239,20 +248,28 @@ def _anthropic(msgs: list[Any], system: Any) -> list[Any]:
     return out
 
 
-def _prefix_hashes(msgs: list[Any]) -> list[bytes]:
-    """``h[k]`` = a 128-bit digest of messages ``0..k`` (chained: O(the messages' bytes))."""
+def _prefix_hashes(msgs: list[Any]) -> tuple[list[bytes], list[bytes]]:
+    """``(h, t)``: ``h[k]`` = a 128-bit digest of messages ``0..k`` (chained: O(the messages' bytes));
+    when message 0 is a system message, ``t[k]`` = the same of messages ``1..k+1`` (the history
+    without the system prompt), else ``t`` is empty."""
     out: list[bytes] = []
-    h = b""
-    for m in msgs:
+    tail: list[bytes] = []
+    h = t = b""
+    sys0 = isinstance(msgs[0], dict) and msgs[0].get("role") == "system"
+    for i, m in enumerate(msgs):
         n = _norm(m)
-        h = hashlib.blake2b(h + len(n).to_bytes(8, "little") + n, digest_size=16).digest()
+        ln = len(n).to_bytes(8, "little")
+        h = hashlib.blake2b(h + ln + n, digest_size=16).digest()
         out.append(h)
-    return out
+        if sys0 and i:
+            t = hashlib.blake2b(t + ln + n, digest_size=16).digest()
+            tail.append(t)
+    return out, tail
 
 
 class _Line:
     __slots__ = ("branch_hdr", "caller", "end", "fi", "has_session", "kind_hdr", "line", "n_out", "n_prompt",
-                 "parent_hdr", "path", "ph", "raw", "session", "t", "tools", "model")
+                 "parent_hdr", "path", "ph", "raw", "session", "t", "tools", "model", "tph")
 
     def __init__(self, d: dict[str, Any], path: Path, fi: int, line: int, default_session: str, hdr_session: str,
                  counts: Counter[str]) -> None:
@@ -267,7 +284,7 @@ class _Line:
         if not isinstance(msgs, list) or not msgs:
             raise ConvertError("no 'messages' list (in 'request', 'body' or the line itself)")
         self.raw = _anthropic(msgs, body.get("system"))
-        self.ph = _prefix_hashes(self.raw)
+        self.ph, self.tph = _prefix_hashes(self.raw)
         tools = body.get("tools") or params.get("tools")
         self.tools = tools if isinstance(tools, list) and tools else None
         self.model = str(body.get("model") or d.get("model") or "") or None
@@ -315,7 +332,8 @@ class _Line:
 
 
 class _Branch:
-    __slots__ = ("caller", "children", "first", "id", "kind", "last", "last_hash", "last_n", "last_tokens", "parent")
+    __slots__ = ("caller", "children", "first", "id", "kind", "last", "last_hash", "last_n", "last_tail", "last_tokens",
+                 "parent")
 
     def __init__(self, bid: str, caller: str, parent: str | None, kind: BranchKind) -> None:
         self.id = bid
@@ -325,6 +343,7 @@ class _Branch:
         self.last: str | None = None  # id of its latest request
         self.last_hash = b""  # prefix hash of that request's messages
         self.last_n = 0  # its message count
+        self.last_tail = b""  # hash of its messages after the system prompt (b"": none, or no system prompt)
         self.last_tokens = 0  # its rendered length
         self.first = b""  # hash of the first message of its latest request
         self.children: list[str] = []  # opened since this branch's last request, not joined yet
@@ -346,6 +365,7 @@ class _Session:
         self.caller_line: dict[str, str] = {}  # caller -> the same among its main / fork branches (not sub-agents)
         self.by_last: dict[tuple[str, bytes], str] = {}  # (caller, hash of a branch's last request) -> branch
         self.by_req: dict[tuple[str, bytes], tuple[str, str]] = {}  # (caller, hash of any request) -> (branch, request)
+        self.by_tail: dict[tuple[str, bytes], str] = {}  # (caller, last_tail of a branch) -> branch
         self.n = 0
         self.done: dict[str, float] = {}  # request id -> end (or send) time
         self.ended: set[str] = set()  # requests whose end time is logged
@@ -404,6 +424,12 @@ class _Session:
         got = self.extension(ln, 2)
         if got is not None:
             return got
+        # a system prompt that changes every turn (a clock in it): the history after it extends a branch
+        for k in range(len(ln.tph), 0, -1):
+            tb = self.by_tail.get((ln.caller, ln.tph[k - 1]))
+            if tb is not None:
+                counts["system_prompt_changed"] += 1
+                return self.branches[tb], None, [], False
         # a compaction: the caller's latest main / fork branch (else its latest) again, after its last
         # answer (its end logged), its first (system) message kept, shorter than that last request (the
         # harness summarised), and no later line of the caller extends that last request
@@ -421,6 +447,11 @@ class _Session:
         """``rid`` (line ``ln``) is now ``branch``'s latest request."""
         if branch.last is not None and self.by_last.get((branch.caller, branch.last_hash)) == branch.id:
             del self.by_last[(branch.caller, branch.last_hash)]
+        if branch.last_tail and self.by_tail.get((branch.caller, branch.last_tail)) == branch.id:
+            del self.by_tail[(branch.caller, branch.last_tail)]
+        branch.last_tail = ln.tph[-1] if ln.tph else b""
+        if branch.last_tail:
+            self.by_tail[(branch.caller, branch.last_tail)] = branch.id
         branch.last = rid
         branch.last_hash = ln.ph[-1]
         branch.last_n = len(ln.ph)
@@ -456,7 +487,7 @@ def _read_file(path: Path, fi: int, counts: Counter[str], skipped: Skipped, line
     """
     raw = read_input(path)
     default = path.name.split(".")[0]
-    for i, text in enumerate(raw.splitlines(), 1):
+    for i, text in enumerate(io.BytesIO(raw), 1):  # one line at a time: no second copy of the file
         if not text.strip():
             continue
         try:
@@ -505,7 +536,7 @@ def _convert_lines(lines: list[_Line], tok: Any, bs: int, counts: Counter[str],
         try:
             req = _place_line(ln, pos, tok, errors, bs, counts, skipped, sessions, later, single, loose, loose_n, taken)
         finally:  # placed: its messages are no longer needed
-            del ln.raw, ln.ph, ln.tools
+            del ln.raw, ln.ph, ln.tph, ln.tools
         if req is not None:
             out.append(req)
     live = [s for s in sessions.values() if s.n]

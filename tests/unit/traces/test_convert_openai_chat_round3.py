@@ -224,3 +224,18 @@ def test_placed_lines_drop_their_messages(tmp_path: Path) -> None:
     oc._read_file(src, 0, Counter(), Skipped(False), lines, "m")
     reqs, _ = oc._convert_lines(lines, load_tokenizer("sim"), BS, Counter(), Skipped(False))
     assert len(reqs) == 3 and not any(hasattr(ln, "raw") or hasattr(ln, "ph") for ln in lines)
+
+
+def test_a_system_prompt_with_a_clock_keeps_the_branch(tmp_path: Path) -> None:
+    """The current time in the system prompt made every turn a parallel sub-agent."""
+    rows = []
+    m: list[Any] = [u("fix the bug")]
+    for i in range(4):
+        s = {"role": "system", "content": f"You are an agent. Current time: 2026-12-06 10:0{i}:00. " + "rule " * 80}
+        rows.append(row(i * 10, [s, *m], end=i * 10 + 3))
+        m = m + [a(f"step {i}"), {"role": "tool", "tool_call_id": "x", "content": f"result {i}"}]
+    rows.append(row(50, [SYS, u("another task")], end=51))  # only the system prompt in common: a sub-agent
+    reqs, meta = conv(write(tmp_path / "sysclock.jsonl", rows))
+    assert [reqs[f"s:{i}"].branch for i in range(4)] == ["s:main"] * 4
+    assert [reqs[f"s:{i}"].after for i in range(1, 4)] == [["s:0"], ["s:1"], ["s:2"]]
+    assert meta["counts"]["system_prompt_changed"] == 3 and reqs["s:4"].kind == "subagent"
