@@ -1000,15 +1000,21 @@ class WorkerService:
         the requests held here it no longer has in flight, and drop those; drop every request of a
         router nobody has answered for ``owner_gone_after_s`` (``owners.py``). In between, every
         ``min(interval, SILENT_RETRY_S)``, ask again only the routers that answered "no responders"
-        (missing: SIGKILLed, restarting), so a restarted one's answer comes right after it subscribes."""
+        (missing: SIGKILLed, restarting), so a restarted one's answer comes right after it subscribes.
+        A re-ask about requests answered "not in flight" comes :data:`OWNER_RECHECK_S` after that answer, and
+        no sooner than ``min(interval, SILENT_RETRY_S)`` after the previous check ended: a re-ask that got no
+        verdict (the router gone since, NATS down) leaves that time in the past, and the loop then ran back to
+        back (thousands of asks a second) until ``--owner-gone-after-s``."""
         interval = self.cfg.owner_check_interval_s
         retry = min(interval, SILENT_RETRY_S)
         next_full = time.monotonic() + interval
+        recheck_floor = 0.0  # monotonic s: no "not in flight" re-ask before it
         while True:
             now = time.monotonic()
             wake = min(next_full, now + retry) if self._leases.silent() else next_full
             if self._not_in_flight:  # re-ask about those answered "not in flight" once OWNER_RECHECK_S has passed
-                wake = min(wake, min(t for _, _, t in self._not_in_flight.values()) + OWNER_RECHECK_S)
+                due = min(t for _, _, t in self._not_in_flight.values()) + OWNER_RECHECK_S
+                wake = min(wake, max(due, recheck_floor))
             await asyncio.sleep(max(0.0, wake - now))
             only: set[str] | None = None
             if time.monotonic() >= next_full:
@@ -1020,6 +1026,7 @@ class WorkerService:
             except Exception as e:  # never let a bad reply stop the checks
                 self.counters["owners.check_errors"] += 1
                 self.log.warning("owner check failed", error=repr(e))
+            recheck_floor = time.monotonic() + retry
 
     async def _check_owners_once(self, only: set[str] | None = None) -> None:
         """One owner check; ``only``: ask just these routers (a re-ask of missing ones), None = all."""

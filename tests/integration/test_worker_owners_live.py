@@ -9,12 +9,13 @@ the router had been subscribed all along."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import structlog
 
 from shared import messages as m
-from services.worker.service import OWNER_RECHECK_S
+from services.worker.service import OWNER_RECHECK_S, WorkerService
 from shared.subjects import ROUTE_HELD, WORK_ABORT, WORK_PREFILL, Subjects
 from tests.integration.polling import until
 from tests.integration.test_worker_live import Client, prompt, workers
@@ -165,3 +166,65 @@ async def test_the_drop_warning_counts_the_output_a_redispatched_request_had_bef
     drops = [x for x in logs if x["event"] == "request dropped: its owning router no longer wants it (its stream is lost)"]
     assert len(drops) == 1 and drops[0]["rid"] == "cont-1" and drops[0]["cause"] == "not_in_flight", drops
     assert 700 >= drops[0]["tokens_done"] >= last.index >= 502, (drops, last)  # 500 + at most its 200 tokens
+
+
+async def _not_in_flight_once(c, rid: str, router: str):  # type: ignore[no-untyped-def]
+    """Stream ``rid`` owned by ``router`` on w0, answer w0's first ``route.held.<router>`` "not in flight", and
+    unsubscribe right after (the router dies then); returns w0's ``counter``."""
+    counter = await _stream_owned(c, rid, router)
+    asked: list[m.HeldQuery] = []
+
+    async def once(q: m.HeldQuery, _subject: str) -> m.HeldReply:
+        asked.append(q)
+        return m.HeldReply(dropped=list(q.rids))
+
+    sub = await c.bus.serve(ROUTE_HELD, once, router=router)
+    await c.bus.flush()
+    await until(lambda: len(asked) >= 1, 5.0, "the first owner check", every=0.01)
+    await sub.unsubscribe()
+    await c.bus.flush()
+    return counter
+
+
+async def test_a_router_gone_after_a_not_in_flight_answer_is_asked_again_at_the_retry_pace_not_back_to_back(nats_url):
+    """After a "not in flight" answer the node re-asks ``OWNER_RECHECK_S`` later. Before, a re-ask that got no
+    verdict (here: the router died right after its answer, so no responders) left that time in the past and the
+    owner-check loop asked again at once, back to back: 3076 no-responders answers in 2 s, 0.6 s CPU, until
+    ``--owner-gone-after-s``. Now no sooner than ``SILENT_RETRY_S`` (0.25 s) after the previous check: ~8 in 2 s."""
+    c = await Client.connect(nats_url)
+    spec = {"node": "w0", "speedup": 0.02, "owner_check_interval_s": 2.0, "owner_gone_after_s": 30.0}
+    async with workers(nats_url, spec):
+        counter = await _not_in_flight_once(c, "x-1", "r9")
+        await asyncio.sleep(OWNER_RECHECK_S + 0.2)  # the re-ask is due, and got no responders
+        n0 = await counter("owners.no_responders")
+        assert n0 >= 1
+        await asyncio.sleep(2.0)
+        n = await counter("owners.no_responders") - n0
+        assert n <= 2.0 / 0.25 + 4, f"{n} no-responders answers in 2 s"
+        assert not c.finished("x-1") and await counter("owners.dropped") == 0  # nothing decided without a verdict
+    await c.bus.close()
+
+
+async def test_nats_down_after_a_not_in_flight_answer_does_not_spin_the_owner_checks(nats_server, monkeypatch):
+    """The same with NATS down after the "not in flight" answer: each check returns at once (not connected),
+    and before, the loop ran them back to back (1.7 s CPU in 3 s); now one per ``SILENT_RETRY_S`` at most."""
+    calls: list[float] = []
+    real = WorkerService._check_owners_once
+
+    async def counted(self: WorkerService, only: set[str] | None = None) -> None:
+        calls.append(time.monotonic())
+        await real(self, only)
+
+    monkeypatch.setattr(WorkerService, "_check_owners_once", counted)
+    c = await Client.connect(nats_server.url)
+    spec = {"node": "w0", "speedup": 0.02, "owner_check_interval_s": 2.0, "owner_gone_after_s": 30.0}
+    async with workers(nats_server.url, spec):
+        await _not_in_flight_once(c, "x-2", "r8")
+        nats_server.stop()
+        await asyncio.sleep(OWNER_RECHECK_S + 0.2)
+        n0 = len(calls)
+        await asyncio.sleep(2.0)
+        n = len(calls) - n0
+        nats_server.restart()
+        assert n <= 2.0 / 0.25 + 4, f"{n} owner checks in 2 s with NATS down"
+    await c.bus.close()
