@@ -202,8 +202,11 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Restarts of one service (or the embedded nats-server) within ``restart_window_s`` before the cluster gives up
     (systemd's ``StartLimitBurst`` within ``StartLimitIntervalSec``): its exit past that many in the window ends the
     cluster. Every exit counts (a crash, a liveness kill, a clean exit) except a clean exit (code 0: a SIGTERM's
-    stop, a rolling restart) after ``stable_s`` of uptime, which is a deliberate stop of a healthy service. Before, a
-    streak that reset after ``stable_s`` up was counted: a service crashing every ~61 s was restarted forever."""
+    stop, a rolling restart) after ``stable_s`` of uptime, which is a deliberate stop of a healthy service. Exits are
+    counted in the window, not as a streak that resets after ``stable_s`` up (which restarted a service crashing every
+    ~61 s forever whatever the limit); with the defaults (10 in 600 s) such a loop, 9 or 10 exits in any 600 s, still
+    goes on: from its 5th exit within an hour a "crash loop" warning line names it (:data:`CRASH_LOOP_WARN_AT`); a
+    lower ``max_restarts`` (3: the 4th exit within 600 s) gives it up."""
     restart_window_s: float = 600.0
     """The window (wall s) over which ``max_restarts`` counts a service's restarts."""
     restart_backoff_s: float = 0.5
