@@ -560,7 +560,10 @@ class LocalCluster:
     _nats_killed: bool = False
     """The supervisor SIGKILLed the running nats-server (silent too long) and waits, pass by pass, for it to exit."""
     _last_pass: float | None = None
-    """``now`` of the previous :meth:`supervise_once` (a longer gap than :data:`SUPERVISE_GAP_S`: liveness clocks restart)."""
+    """When the previous :meth:`supervise_once` ended (its ``now`` plus the time it spent restarting nats-server): a
+    longer gap than :data:`SUPERVISE_GAP_S` to the next one's ``now`` is a pause of the supervisor."""
+    _late: bool = False
+    """The previous pass came more than :data:`SUPERVISE_GAP_S` after the one before it."""
     _hour_exits: dict[str, list[float]] = field(default_factory=dict)
     """Service (or ``nats-server``) -> times of its exits counted within :data:`CRASH_LOOP_WINDOW_S`."""
     _loop_warned: dict[str, float] = field(default_factory=dict)
@@ -923,12 +926,14 @@ class LocalCluster:
         now = time.monotonic() if now is None else now
         started: list[str] = []
         window = f"{s.restart_window_s:g} s"
-        if self._last_pass is not None and paused(self._last_pass, now):
+        gap = 0.0 if self._last_pass is None else now - self._last_pass
+        if paused(self._last_pass, now, late=self._late, timeout_s=s.liveness_timeout_s):
             # nobody watched during the gap: the silences in it say nothing about the processes (up was stopped)
-            log.warning(f"supervision paused {now - self._last_pass:.0f} s (up itself was stopped or blocked); liveness "
-                        "clocks start again", gap_s=round(now - self._last_pass, 1))
+            log.warning(f"supervision paused {gap:.0f} s (up itself was stopped or blocked); liveness "
+                        "clocks start again", gap_s=round(gap, 1))
             self._nats_watch_from = now
             self._bus_ok_since = None
+        self._late = gap > SUPERVISE_GAP_S
         self._last_pass = now
         if self.nats is not None:
             if self.nats.alive():
@@ -959,8 +964,9 @@ class LocalCluster:
                 log.warning("nats-server exited; restarting on the same port", code=code, port=self.nats.port,
                             exit=exit_text(code), restart=self.nats_restarts + 1, backoff_s=delay)
             elif self._nats_restart_at is not None and now >= self._nats_restart_at:
+                began = time.monotonic()
                 try:
-                    self.nats.restart()
+                    self.nats.restart()  # waits for its port, up to 10 s: no pause of the supervision
                 except NatsServerError as e:
                     log.warning("nats-server restart failed; will retry", error=str(e))
                     self._nats_restart_at = None  # counts as one more exit in the streak
@@ -970,6 +976,8 @@ class LocalCluster:
                     self._nats_restart_at = None
                     started.append("nats-server")
                     log.warning("nats-server restarted", port=self.nats.port, restarts=self.nats_restarts)
+                finally:
+                    self._last_pass = now + (time.monotonic() - began)  # the next gap counts from its end
         # the services' beats come over NATS: judged only while the launcher's own connection answers its PINGs (since
         # it answered again after a gap), and only up to its latest answer: a silence after it may be the bus's own
         self._bus_ok_since, seen_until = bus_watch(now, self._bus_last_ok, self._bus_ok_since)

@@ -48,7 +48,9 @@ SIGKILLs healthy processes."""
 SUPERVISE_GAP_S = 3.0
 """Wall seconds between two supervision passes (one every 0.2 s) past which the supervisor itself was not running
 (``up`` stopped by Ctrl-Z, a paused VM, a blocked event loop): after such a gap every liveness clock starts again
-(nothing is judged silent for a time nobody watched), as after a start."""
+(nothing is judged silent for a time nobody watched), as after a start. Only the first of late passes in a row does
+so, or one later than the liveness timeout (:func:`paused`). ``up`` measures a gap from the end of its previous pass:
+the time that pass spent restarting nats-server (up to 10 s) is no pause."""
 
 
 def liveness_overdue(
@@ -87,10 +89,16 @@ def count_exit(exits: list[float], now: float, window_s: float) -> int:
     return len(exits)
 
 
-def paused(last_pass: float | None, now: float) -> bool:
+def paused(last_pass: float | None, now: float, *, late: bool = False, timeout_s: float = 0.0) -> bool:
     """Whether the supervisor itself was not running between its previous pass (``last_pass``; None: none yet) and
-    ``now``: a gap over :data:`SUPERVISE_GAP_S`, after which every liveness clock starts again."""
-    return last_pass is not None and now - last_pass > SUPERVISE_GAP_S
+    ``now``: a gap over :data:`SUPERVISE_GAP_S`, after which every liveness clock starts again.
+
+    ``late``: the previous pass came after such a gap too. Passes late in a row (the supervisor starved of CPU, a pass
+    every 3.1 s) still watch: after the first, only a gap over ``timeout_s`` (the liveness timeout, s) is a pause.
+    Restarting the clocks at each of them, a hung process never reached the timeout and was never killed."""
+    if last_pass is None or now - last_pass <= SUPERVISE_GAP_S:
+        return False
+    return not late or now - last_pass > timeout_s
 
 
 def bus_watch(now: float, last_ok: float | None, ok_since: float | None) -> tuple[float | None, float]:

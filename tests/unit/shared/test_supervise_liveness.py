@@ -172,6 +172,39 @@ def test_a_stall_of_up_itself_kills_nothing(tmp_path, capsys):
         _close(child)
 
 
+def test_passes_always_a_little_late_still_kill_a_hung_service(tmp_path, capsys):
+    """``up`` starved of CPU: every pass 3.1 s after the previous one (past ``SUPERVISE_GAP_S``). Before, each pass
+    started the liveness clocks again and a hung service was never killed (not within 600 s); now only the first late
+    pass does, and the service is killed once silent past the timeout from then."""
+    c = _cluster(tmp_path, liveness_timeout_s=10.0)
+    child = c.children[0]
+    try:
+        os.kill(child.proc.pid, signal.SIGSTOP)
+        t0 = child.started_at
+        _beat(c, child, t0)
+        t, killed_at = t0, None
+        while t < t0 + 600.0:
+            c._bus_last_ok = t  # up's own NATS answers (its probe ran just before this pass)
+            c.supervise_once(t)
+            if child.killed:
+                killed_at = t - t0
+                break
+            t += 3.1
+        out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+        assert killed_at == pytest.approx(3.1 * 5), (killed_at, out)  # the clocks restarted at the first late pass, +3.1
+        assert out.count("supervision paused") == 1, out
+    finally:
+        _close(child)
+
+
+def test_paused_only_at_the_first_of_late_passes_in_a_row_or_past_the_timeout():
+    from evolving_infra.liveness import paused
+
+    assert not paused(None, 100.0) and not paused(10.0, 13.0) and paused(10.0, 13.1)
+    assert not paused(10.0, 13.1, late=True, timeout_s=10.0)  # starved, still watching
+    assert paused(10.0, 20.1, late=True, timeout_s=10.0)  # a real stop during a starved spell
+
+
 def test_liveness_off_never_kills(tmp_path):
     c = _cluster(tmp_path, liveness_timeout_s=0.0)
     child = c.children[0]
@@ -398,3 +431,42 @@ def test_the_crash_loop_line_says_how_often_and_the_give_up_limit(tmp_path, caps
                 f"see {child.log_path}") in out, out
     finally:
         _close(child)
+
+
+def test_the_time_a_pass_spends_restarting_nats_server_is_no_pause_of_the_supervision(tmp_path, capsys, monkeypatch):
+    """``nats.restart()`` waits for the new server's port (up to 10 s) inside a pass. Before, the next pass's gap was
+    counted from the start of that pass: a restart that took 5 s read as "supervision paused 5 s" and restarted every
+    liveness clock. Now from its end (a fake clock: the restart takes 5 s of it)."""
+    import types
+
+    from evolving_infra import cluster
+
+    clock = [0.0]
+    monkeypatch.setattr(cluster, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    c = _with_nats(tmp_path)
+    real_restart = c.nats.restart
+
+    def slow_restart():  # type: ignore[no-untyped-def]
+        clock[0] += 5.0
+        return real_restart()
+
+    monkeypatch.setattr(c.nats, "restart", slow_restart)
+    try:
+        for t in (0.0, 1.0, 2.0):
+            c._bus_last_ok = c._nats_last_ok = c._nats_tried_at = clock[0] = t
+            assert c.supervise_once(t) == []
+        watched_from, bus_since = c._nats_watch_from, c._bus_ok_since
+        c.nats.proc.kill()
+        c.nats.proc.wait(10)
+        clock[0] = 2.2
+        assert c.supervise_once(2.2) == []  # its exit: a restart in 0.1 s
+        clock[0] = 2.4
+        c._bus_last_ok = 2.4
+        assert c.supervise_once(2.4) == ["nats-server"] and clock[0] == 7.4  # the restart took 5 s
+        c._bus_last_ok = 7.6
+        assert c.supervise_once(7.6) == []  # 0.2 s after the end of the previous pass
+        out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+        assert "supervision paused" not in out, out
+        assert c._nats_watch_from == watched_from and c._bus_ok_since == bus_since is not None
+    finally:
+        c.nats.stop()
