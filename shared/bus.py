@@ -27,10 +27,14 @@ without its last writes; from the start of a new stream when the server came bac
 store at all, e.g. a new container without a volume: the stream is made again after the
 reconnect, by the first bus allowed to). What a client wrote in the moments before the server
 died may never have been stored: each reliable message carries a
-``Nats-Msg-Id``, the publisher keeps the last ``RESEND_WINDOW_S`` of them and
-publishes them again on reconnect; the stream drops the copies it already has
-(its duplicate window) and each consumer drops an id it has handled, so nothing
-is lost or handled twice. One known limit on order: nats-py flushes its reconnect buffer (what was published during
+``Nats-Msg-Id``, the publisher keeps them (its resend window) until the server is known to have read them
+``RESEND_WINDOW_S`` before (a PING each ``CONFIRM_PING_S``, sent when nothing is queued, confirms every publish made
+before it by its PONG: :meth:`Bus._confirm_loop`; the last 2-3 s in normal operation) and publishes them again on
+reconnect; the stream drops the copies it already has (its duplicate window) and each consumer drops an id it has
+handled, so nothing is lost or handled twice. A server that hangs (SIGSTOP) keeps the TCP connection open and answers
+no PING: what is published during the freeze sits in the socket and stays in the window (up to ``RESEND_MAX_MSGS``),
+so the kill that ends the freeze loses none of it; before, only the last ``RESEND_WINDOW_S`` before the disconnect was
+kept (``tests/integration/test_bus_freeze_kill_live.py``). One known limit on order: nats-py flushes its reconnect buffer (what was published during
 the outage) before the reconnected callback, where the bus publishes the older window again, so a server that kept
 its store stores an outage's publishes ahead of the window's unstored ones (a router holds the later token chunks up
 to ``CHUNK_GAP_WAIT_S``, 7 s, for the older ones, then sends them in order, else fails the request with a 502:
@@ -210,7 +214,13 @@ CONSUMER_HEARTBEAT_S = 0.5
 """Idle heartbeat of an ordered consumer; two missed ones make it resume (seconds)."""
 RESEND_WINDOW_S = 2.0
 """Reliable messages published this many seconds before a disconnect are published again
-on reconnect (they may have died in the socket or in the server's write buffer)."""
+on reconnect (they may have died in the socket or in the server's write buffer); on a bus made by
+:meth:`Bus.connect` also every one the server has not yet been seen to read that long ago (:data:`CONFIRM_PING_S`)."""
+CONFIRM_PING_S = 1.0
+"""Seconds between the PINGs with which a bus that publishes reliable messages learns what the server has read
+(:meth:`Bus._confirm_loop`): a reliable publish leaves the resend window only once a PING sent after it got its PONG
+``RESEND_WINDOW_S`` ago. A server that hangs (SIGSTOP, a stuck host) keeps the TCP connection open and answers none,
+so everything published since stays in the window until the kill that ends the freeze, and is published again."""
 RESEND_MAX_MSGS = 50_000
 """Bound in messages of the resend window (merged over disconnects no reconnect's check took, :meth:`Bus._put_back`:
 past it the oldest are dropped, counted ``resend_dropped``) and of the reliable publishes kept while the stream may be
@@ -466,7 +476,15 @@ class Bus:
         self.superseded_by = ""
         self._msg_no = 0
         self._recent: deque[tuple[float, str, bytes, dict[str, str]]] = deque()
-        """(monotonic time, subject, payload, headers) of recent reliable publishes."""
+        """(monotonic time, subject, payload, headers) of recent reliable publishes: the resend window."""
+        self._confirms: deque[tuple[float, float]] = deque()
+        """``(sent, answered)`` monotonic seconds of the PINGs of :meth:`_confirm_loop` that got their PONG, on the
+        connection of the time, sent when nothing was queued before them: the server had read every publish made
+        before ``sent`` by ``answered``. Only the latest answered more than ``RESEND_WINDOW_S`` ago and those after it
+        are kept (:meth:`_trim_recent`)."""
+        self._confirming = False
+        """True on a bus made by :meth:`connect`: its first reliable publish on JetStream starts :meth:`_confirm_loop`."""
+        self._confirm_task: asyncio.Task[None] | None = None
         self._resend: list[tuple[float, str, bytes, dict[str, str]]] = []
         self._holding = False
         """True from a disconnect (on JetStream) until the stream is known to be there after the reconnect: reliable
@@ -544,6 +562,7 @@ class Bus:
         """
         bus = cls(NatsClient(), subjects, service=service, instance=instance)
         bus.identity = auth.name if auth is not None and auth.enabled else ""
+        bus._confirming = True
         refused = asyncio.Event()
         connected = False
 
@@ -1262,6 +1281,9 @@ class Bus:
                 kept = (now, full, data, hdr)
                 self._recent.append(kept)
                 self._trim_recent(now)
+                if self._confirming and self._confirm_task is None and not self._closing:
+                    self._confirm_task = asyncio.create_task(self._confirm_loop(), name=f"bus-confirm-{self.instance}")
+                    self._tasks.append(self._confirm_task)
                 if self._holding:
                     if self._stream_lost and self._held_full(len(data)):
                         # only kept, never sent, and no room: refused, as nats-py refuses a publish past its reconnect
@@ -1504,11 +1526,84 @@ class Bus:
                 return
 
     def _trim_recent(self, now: float) -> None:
-        """Keep in ``_recent`` only the reliable publishes of the last ``RESEND_WINDOW_S`` (``now``: monotonic
-        seconds), at most ``RESEND_MAX_MSGS`` of them: what a reconnect publishes again."""
+        """Cut the resend window ``_recent`` (what a reconnect publishes again; ``now``: monotonic seconds).
+
+        With :meth:`_confirm_loop` running (a bus made by :meth:`connect` that published a reliable message), a publish
+        leaves it only once the server is known to have read it ``RESEND_WINDOW_S`` ago: made before the ``sent`` of a
+        PING whose PONG came more than ``RESEND_WINDOW_S`` ago (:attr:`_confirms`). At a PING each
+        ``CONFIRM_PING_S`` (1 s) that holds the last 2-3 s of publishes in normal operation (before: the last 2 s).
+        While the server hangs nothing is confirmed and everything is kept. Before, only the last ``RESEND_WINDOW_S``
+        was, whatever the server had read: publishes made during a freeze sat in the socket, and the kill that ended
+        it lost all but the last 2 s of them (``tests/integration/test_bus_freeze_kill_live.py``). Without the loop
+        (a bus built on a client directly, the unit tests' fakes) the window is the last ``RESEND_WINDOW_S``.
+
+        Either way at most ``RESEND_MAX_MSGS`` are kept: an older publish dropped for that (not known to be read)
+        is counted ``resend_window_dropped`` and logged (rate-bounded); lost if the server was then killed."""
         recent = self._recent
-        while recent and (now - recent[0][0] > RESEND_WINDOW_S or len(recent) > RESEND_MAX_MSGS):
-            recent.popleft()
+        if self._confirm_task is None:
+            bound = now - RESEND_WINDOW_S
+            while recent and recent[0][0] < bound:
+                recent.popleft()
+        else:
+            confirms = self._confirms
+            while len(confirms) > 1 and now - confirms[1][1] > RESEND_WINDOW_S:
+                confirms.popleft()
+            if confirms and now - confirms[0][1] > RESEND_WINDOW_S:
+                bound = confirms[0][0]
+                while recent and recent[0][0] < bound:
+                    recent.popleft()
+        excess = len(recent) - RESEND_MAX_MSGS
+        if excess > 0:
+            for _ in range(excess):
+                recent.popleft()
+            self.counters["resend_window_dropped"] += excess
+            self.droplog.event("resend_window", "reliable publishes dropped from the resend window before the server "
+                               "was seen to read them: RESEND_MAX_MSGS reached (a hung server?)", dropped=excess,
+                               kept=len(recent), max_msgs=RESEND_MAX_MSGS)  # fmt: skip
+
+    async def _confirm_loop(self) -> None:
+        """Learn what the server has read, for :meth:`_trim_recent`: each ``CONFIRM_PING_S`` a PING, sent once nothing
+        is queued in the client (so it follows every publish made before it on the connection; waited for up to
+        ``CONFIRM_PING_S``, else the round confirms nothing), and its PONG appends ``(sent, answered)`` to
+        :attr:`_confirms`. A round that fails (the client refused the PING) is logged (rate-bounded) and the loop
+        goes on; it ends with the bus (:meth:`close` cancels it).
+
+        As the router's NATS probe (``services/router/service.py``, ``_bus_probe_loop``) the PING is never given up
+        on while its connection lasts: nats-py's own ``flush`` timeout cancels the PONG's future, and a PONG that comes
+        later then ends the client's read loop (nats-py 2.16). A reconnect forgets the PINGs sent before it (nats-py
+        drops their futures; their PONGs never come): the round ends then, confirming nothing."""
+        while True:
+            try:
+                await self._confirm_once()
+            except Exception as e:  # a PING the client refused (connection closed under it): the next round tries again
+                self.droplog.event("confirm", "resend window PING failed", error=repr(e)[:300])
+            await asyncio.sleep(CONFIRM_PING_S)
+
+    async def _confirm_once(self) -> None:
+        """One round of :meth:`_confirm_loop`."""
+        nc = self.nc
+        waited = time.monotonic() + CONFIRM_PING_S
+        while nc.is_connected and nc.pending_data_size and time.monotonic() < waited:
+            await asyncio.sleep(0.005)  # nats-py's flusher writes what is queued as a rule within a loop turn
+        reading = getattr(nc, "_reading_task", None)
+        if not nc.is_connected or nc.pending_data_size or reading is None or reading.done():
+            return  # down, busy, or a client whose flush sends no PING (its read loop ended): nothing to confirm
+        sent, conn = time.monotonic(), self.reconnected_at
+        ping = asyncio.ensure_future(nc.flush(timeout=PING_NO_TIMEOUT_S))  # type: ignore[arg-type]  # int in nats-py's hints only
+        self._pings.add(ping)  # cancelled at close if still waiting then
+        ping.add_done_callback(self._pings.discard)
+        while True:
+            done, _ = await asyncio.wait({ping}, timeout=CONFIRM_PING_S)
+            if done:
+                break
+            if self.reconnected_at != conn:  # reconnected: nats-py forgot this PING, no PONG can reach it now
+                ping.cancel()
+                return
+        if ping.cancelled() or ping.exception() is not None or self.reconnected_at != conn:
+            return
+        now = time.monotonic()
+        self._confirms.append((sent, now))
+        self._trim_recent(now)  # a quiet bus lets go of its window (and the confirms it no longer needs) too
 
     def _wrong_subject(self, template: str, raw: NatsMsg) -> None:
         """Count (``dropped.<template>``, ``wrong_subject.<template>``) and drop a message that came
