@@ -161,6 +161,12 @@ def process_identity(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[19])
 
 
+def process_age_s(start_ticks: int) -> float:
+    """Seconds since a process started, from its ``/proc/PID/stat`` start time (``start_ticks``, clock ticks since
+    boot: :func:`process_identity`), on ``CLOCK_BOOTTIME`` (the clock that start time counts on); never below 0."""
+    return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def read_pid_file(path: Path) -> tuple[int, int] | None:
     """``(pid, supervisor pid)`` from a ``supervise`` pid file (``PID SUPERVISOR_PID``); None: missing or unreadable
     (a file being written is read again at the next pass)."""
@@ -205,16 +211,33 @@ class Watch:
     bus_ok_since: float | None = None
     nats_tried_at: float | None = None
     last_pass: float | None = None
+    late: bool = False
+    """The previous pass came more than :data:`SUPERVISE_GAP_S` after the one before (:func:`paused`'s ``late``)."""
 
-    def observe(self, name: str, ident: tuple[int, int] | None, now: float) -> None:
+    def observe(self, name: str, ident: tuple[int, int] | None, now: float, *, age_s: float | None = None) -> None:
         """Note that ``name`` runs as ``ident`` (``(pid, start ticks)``; None: not running now). A new identity is a
-        new process: its clocks start at ``now`` (the watcher cannot know an earlier start)."""
+        new process: its clocks start at ``now``, or from its real start when ``age_s`` (the process's age at ``now``,
+        s: ``/proc/PID/stat``'s start time, :func:`process_age_s`) is given.
+
+        A process first seen with an age is judged as one watched since its start: one past its start-up allowance
+        (``max(timeout_s, start_timeout_s)``) at ``now`` should have beaten by then, so it gets ``timeout_s`` from
+        ``now`` (the watcher saw no beat before it watched); one still starting keeps the rest of its allowance, and
+        never less than ``timeout_s`` from ``now``. Before, every process first seen (all of them when the watch
+        itself started or restarted) got the whole start-up allowance from ``now``: an already-hung service was
+        killed only after up to 300 s (READY_TIMEOUT)."""
         procs = self.procs
         cur = procs.get(name)
         if ident is None:
             procs[name] = None
         elif cur is None or (cur.pid, cur.start_ticks) != ident:
-            procs[name] = Watched(pid=ident[0], start_ticks=ident[1], started_at=now, watch_from=now)
+            w = Watched(pid=ident[0], start_ticks=ident[1], started_at=now, watch_from=now)
+            if age_s is not None and age_s > 0:
+                allowance = max(self.timeout_s, self.start_timeout_s)
+                if allowance - age_s <= self.timeout_s:
+                    w.last_ok = now  # past (or nearly past) its start-up: silent from now, its limit timeout_s
+                else:
+                    w.started_at = w.watch_from = now - age_s  # still starting: the rest of its allowance
+            procs[name] = w
 
     def on_beat(self, name: str, pid: int, now: float) -> None:
         """A heartbeat of instance ``name`` from process ``pid`` at ``now``: a sign of life of the running one only."""
@@ -235,9 +258,11 @@ class Watch:
 
     def overdue(self, now: float) -> list[tuple[str, int, float]]:
         """One pass: ``(name, pid, silent s)`` of each running process silent past its limit, marked killed (not
-        named again); after a pause of the watcher itself every clock starts again and nothing is named."""
+        named again); after a pause of the watcher itself every clock starts again and nothing is named. Passes late
+        in a row (the watcher starved of CPU) are one pause, not one each: a hung service is still killed."""
         procs = self.procs
-        gap = paused(self.last_pass, now)
+        gap = paused(self.last_pass, now, late=self.late, timeout_s=self.timeout_s)
+        self.late = self.last_pass is not None and now - self.last_pass > SUPERVISE_GAP_S
         self.last_pass = now
         if gap:
             for p in procs.values():
@@ -344,7 +369,8 @@ class Watcher:
                     raise exc
                 now = time.monotonic()
                 for name in self.names:
-                    self.watch.observe(name, self.current(name), now)
+                    ident = self.current(name)
+                    self.watch.observe(name, ident, now, age_s=None if ident is None else process_age_s(ident[1]))
                 for name, pid, silent in self.watch.overdue(now):
                     self.kill(name, pid, silent)
                 await asyncio.sleep(interval_s)
