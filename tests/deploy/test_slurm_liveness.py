@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -114,6 +115,34 @@ def test_a_crash_loop_slower_than_the_stable_period_fails_the_job_with_the_servi
         assert re.search(r"planner exited \(status \d+\) 6 times in 300 s \(RESTART_WINDOW_S\): giving up", text), text
         assert "FAILED: planner ended" in text, text
         assert "liveness watch" not in text  # LIVENESS_TIMEOUT_S=0: off
+        time.sleep(0.5)
+        assert job_pids(job.run) == {}, job_pids(job.run)
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(150)
+def test_the_stop_waits_for_the_liveness_watch_a_few_seconds_not_stop_grace(tmp_path):
+    """The stop stops the liveness watch first (nothing a stop makes silent is SIGKILLed). It holds nothing: a watch
+    that does not stop (here SIGSTOPped) is SIGKILLed after 5 s. Before, that wait was STOP_GRACE (here 60 s), on
+    top of the router's, the others' and nats-server's."""
+    from tests.deploy.test_slurm_supervision import service_pid
+
+    job = Job(tmp_path, LIVENESS_TIMEOUT_S="10", STOP_GRACE="60")
+    try:
+        job.wait_for("liveness watch: nats, kvdirectory, planner, router", 100)
+        os.kill(service_pid(job.run, "evolving_infra.liveness"), signal.SIGSTOP)
+        t0 = time.monotonic()
+        os.kill(job.proc.pid, signal.SIGTERM)  # scancel --batch --signal=TERM
+        try:
+            rc = job.proc.wait(45)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job still runs 45 s after its SIGTERM (its watch stopped):\n{job.text()}")
+        took, text = time.monotonic() - t0, job.text()
+        assert rc == 0, text
+        assert "still running 5 s after their stop signal (the liveness watch's own bound): liveness (SIGTERM); SIGKILL" in text, text
+        assert text.index("the liveness watch's own bound") < text.index("] stopped"), text
+        assert took < 40, (took, text)
         time.sleep(0.5)
         assert job_pids(job.run) == {}, job_pids(job.run)
     finally:
