@@ -28,8 +28,8 @@ store at all, e.g. a new container without a volume: the stream is made again af
 reconnect, by the first bus allowed to). What a client wrote in the moments before the server
 died may never have been stored: each reliable message carries a
 ``Nats-Msg-Id``, the publisher keeps them (its resend window) until the server is known to have read them
-``RESEND_WINDOW_S`` before (a PING each ``CONFIRM_PING_S``, sent when nothing is queued, confirms every publish made
-before it by its PONG: :meth:`Bus._confirm_loop`; the last 2-3 s in normal operation) and publishes them again on
+``RESEND_WINDOW_S`` before (a PING each ``CONFIRM_PING_S`` confirms by its PONG every publish that had reached the
+connection's transport before it: :meth:`Bus._confirm_loop`; the last 2-3 s in normal operation) and publishes them again on
 reconnect; the stream drops the copies it already has (its duplicate window) and each consumer drops an id it has
 handled, so nothing is lost or handled twice. A server that hangs (SIGSTOP) keeps the TCP connection open and answers
 no PING: what is published during the freeze sits in the socket and stays in the window (up to ``RESEND_MAX_MSGS``),
@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import re
 import time
@@ -221,6 +222,10 @@ CONFIRM_PING_S = 1.0
 (:meth:`Bus._confirm_loop`): a reliable publish leaves the resend window only once a PING sent after it got its PONG
 ``RESEND_WINDOW_S`` ago. A server that hangs (SIGSTOP, a stuck host) keeps the TCP connection open and answers none,
 so everything published since stays in the window until the kill that ends the freeze, and is published again."""
+CONFIRM_QUEUE_WAIT_S = 0.05
+"""Seconds a confirm round waits for nats-py's outgoing queue to empty before its PING (so that the PING confirms
+everything published before it, a quiet bus's last publish at once); a queue still busy then (a publisher sending
+back to back) confirms what was published before it was last seen empty (``Bus._clear``)."""
 RESEND_MAX_MSGS = 50_000
 """Bound in messages of the resend window (merged over disconnects no reconnect's check took, :meth:`Bus._put_back`:
 past it the oldest are dropped, counted ``resend_dropped``) and of the reliable publishes kept while the stream may be
@@ -479,9 +484,14 @@ class Bus:
         """(monotonic time, subject, payload, headers) of recent reliable publishes: the resend window."""
         self._confirms: deque[tuple[float, float]] = deque()
         """``(sent, answered)`` monotonic seconds of the PINGs of :meth:`_confirm_loop` that got their PONG, on the
-        connection of the time, sent when nothing was queued before them: the server had read every publish made
-        before ``sent`` by ``answered``. Only the latest answered more than ``RESEND_WINDOW_S`` ago and those after it
+        connection of the time: the server had read every publish made before ``sent`` (the PING's time when nothing
+        was queued, else :attr:`_clear`'s) by ``answered``. Only the latest answered more than ``RESEND_WINDOW_S`` ago and those after it
         are kept (:meth:`_trim_recent`)."""
+        self._clear: tuple[float, object] = (-math.inf, None)
+        """``(monotonic time, connection)`` of the latest reliable publish that found nats-py's outgoing queue empty:
+        every publish made before that time had been written to that connection's transport, so a PING written to it
+        afterwards follows them (nats-py writes a PING straight to the transport, ahead of what is still queued). The
+        connection is nats-py's ``_pongs`` list, which it makes anew at each (re)connect."""
         self._confirming = False
         """True on a bus made by :meth:`connect`: its first reliable publish on JetStream starts :meth:`_confirm_loop`."""
         self._confirm_task: asyncio.Task[None] | None = None
@@ -1279,6 +1289,8 @@ class Bus:
                 hdr = {MSG_ID: f"{self.instance}-{self._boot}-{self._msg_no}"}
                 now = time.monotonic()
                 kept = (now, full, data, hdr)
+                if getattr(self.nc, "pending_data_size", None) == 0:  # all before it is in the transport: a PING follows it
+                    self._clear = (now, getattr(self.nc, "_pongs", None))
                 self._recent.append(kept)
                 self._trim_recent(now)
                 if self._confirming and self._confirm_task is None and not self._closing:
@@ -1557,15 +1569,17 @@ class Bus:
             for _ in range(excess):
                 recent.popleft()
             self.counters["resend_window_dropped"] += excess
+            last = self._confirms[-1][1] if self._confirms else None
             self.droplog.event("resend_window", "reliable publishes dropped from the resend window before the server "
-                               "was seen to read them: RESEND_MAX_MSGS reached (a hung server?)", dropped=excess,
-                               kept=len(recent), max_msgs=RESEND_MAX_MSGS)  # fmt: skip
+                               "was seen to read them: RESEND_MAX_MSGS reached (a hung server, when no PING was answered "
+                               "for a while; else more publishes a second than the window holds)", dropped=excess,
+                               kept=len(recent), max_msgs=RESEND_MAX_MSGS,
+                               last_confirm_s_ago=None if last is None else round(now - last, 1))  # fmt: skip
 
     async def _confirm_loop(self) -> None:
-        """Learn what the server has read, for :meth:`_trim_recent`: each ``CONFIRM_PING_S`` a PING, sent once nothing
-        is queued in the client (so it follows every publish made before it on the connection; waited for up to
-        ``CONFIRM_PING_S``, else the round confirms nothing), and its PONG appends ``(sent, answered)`` to
-        :attr:`_confirms`. A round that fails (the client refused the PING) is logged (rate-bounded) and the loop
+        """Learn what the server has read, for :meth:`_trim_recent`: each ``CONFIRM_PING_S`` a PING, whose PONG appends
+        ``(sent, answered)`` to :attr:`_confirms` (``sent``: the time before which every publish had reached the
+        connection's transport, ahead of the PING: :meth:`_confirm_once`). A round that fails (the client refused the PING) is logged (rate-bounded) and the loop
         goes on; it ends with the bus (:meth:`close` cancels it).
 
         As the router's NATS probe (``services/router/service.py``, ``_bus_probe_loop``) the PING is never given up
@@ -1580,15 +1594,24 @@ class Bus:
             await asyncio.sleep(CONFIRM_PING_S)
 
     async def _confirm_once(self) -> None:
-        """One round of :meth:`_confirm_loop`."""
+        """One round of :meth:`_confirm_loop`. What its PONG confirms: every publish made before the PING when nothing
+        was queued then, else those made before :attr:`_clear` on this connection (a publisher that keeps the queue
+        busy, thousands a second, still gets confirms: before, a round waited for an empty queue and, finding none in
+        ``CONFIRM_PING_S``, confirmed nothing, so its window grew to ``RESEND_MAX_MSGS``)."""
         nc = self.nc
-        waited = time.monotonic() + CONFIRM_PING_S
+        reading = getattr(nc, "_reading_task", None)
+        if not nc.is_connected or reading is None or reading.done():
+            return  # down, or a client whose flush sends no PING (its read loop ended): nothing to confirm
+        waited = time.monotonic() + CONFIRM_QUEUE_WAIT_S
         while nc.is_connected and nc.pending_data_size and time.monotonic() < waited:
             await asyncio.sleep(0.005)  # nats-py's flusher writes what is queued as a rule within a loop turn
-        reading = getattr(nc, "_reading_task", None)
-        if not nc.is_connected or nc.pending_data_size or reading is None or reading.done():
-            return  # down, busy, or a client whose flush sends no PING (its read loop ended): nothing to confirm
+        pongs = getattr(nc, "_pongs", None)  # this connection's: nats-py makes a new list at each (re)connect
         sent, conn = time.monotonic(), self.reconnected_at
+        if nc.pending_data_size:
+            at, on = self._clear
+            if on is not pongs or pongs is None:
+                return  # no publish found the queue empty on this connection yet: nothing it could confirm
+            sent = at
         ping = asyncio.ensure_future(nc.flush(timeout=PING_NO_TIMEOUT_S))  # type: ignore[arg-type]  # int in nats-py's hints only
         self._pings.add(ping)  # cancelled at close if still waiting then
         ping.add_done_callback(self._pings.discard)
@@ -1596,7 +1619,11 @@ class Bus:
             done, _ = await asyncio.wait({ping}, timeout=CONFIRM_PING_S)
             if done:
                 break
-            if self.reconnected_at != conn:  # reconnected: nats-py forgot this PING, no PONG can reach it now
+            # cancelled only once nats-py forgot it (a reconnect made a new _pongs list): a PING sent on a new
+            # connection before reconnected_cb ran (nats-py sets connected, then awaits its own flush, then calls it)
+            # is in the new list, and cancelling it made its late PONG end the client's read loop (InvalidStateError
+            # in _process_pong): connected, deaf, for minutes (review rr-bus52's proxy run)
+            if getattr(nc, "_pongs", None) is not pongs if pongs is not None else self.reconnected_at != conn:
                 ping.cancel()
                 return
         if ping.cancelled() or ping.exception() is not None or self.reconnected_at != conn:

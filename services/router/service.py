@@ -2262,11 +2262,20 @@ class RouterService(WatchedService):
                 await asyncio.sleep(interval)
                 continue
             sent, conn = time.monotonic(), self.bus.reconnected_at
-            probe = asyncio.ensure_future(self.bus.nc.flush(timeout=_PROBE_NO_TIMEOUT_S))  # type: ignore[arg-type]  # int in nats-py's hints only
+            nc = self.bus.nc
+            pongs = getattr(nc, "_pongs", None)  # this connection's PONG futures: nats-py makes a new list at a reconnect
+            probe = asyncio.ensure_future(nc.flush(timeout=_PROBE_NO_TIMEOUT_S))  # type: ignore[arg-type]  # int in nats-py's hints only
+
+            def held() -> bool:
+                """nats-py still holds this PING's future (no reconnect since it was sent). Judged by its ``_pongs``
+                list, not ``reconnected_at``: a PING sent on a new connection before ``reconnected_cb`` ran is in the
+                new list, and cancelling it made its late PONG end the client's read loop (rr-bus52)."""
+                return getattr(nc, "_pongs", None) is pongs if pongs is not None else self.bus.reconnected_at == conn
+
             done, _ = await asyncio.wait({probe}, timeout=self._bus_stall_s)
             if not done:  # a PONG already read but not processed yet (a busy loop ran this timer first) is no stall
                 done, _ = await asyncio.wait({probe}, timeout=0.01)
-            while not done and self.bus.reconnected_at == conn:
+            while not done and held():
                 if self._bus_stalled_at is None and self.bus.nc.is_connected:
                     self._bus_stalled_at = sent
                     self.counters["bus.stalls"] += 1
