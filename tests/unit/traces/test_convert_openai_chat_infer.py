@@ -11,39 +11,10 @@ from typing import Any
 
 import pytest
 
-from evolving_infra.traces.convert import ConvertError, convert_inputs
-from evolving_infra.traces.schema import TraceRequest
+from evolving_infra.traces.convert import ConvertError
 from evolving_infra.traces.tokens import chained_prefix_len
 from shared.tokenizer import load_tokenizer
-
-BS = 16
-SYS = {"role": "system", "content": "You are an agent. " + "rule " * 80}
-
-
-def u(text: str) -> dict[str, str]:
-    return {"role": "user", "content": text}
-
-
-def a(text: str) -> dict[str, str]:
-    return {"role": "assistant", "content": text}
-
-
-def row(t: float | str, msgs: list[Any], session: object = "s", **kw: object) -> dict[str, object]:
-    r: dict[str, object] = {"timestamp": t, "messages": msgs, "usage": {"completion_tokens": 3}, **kw}
-    if session is not None:
-        r["session_id"] = session
-    return r
-
-
-def write(path: Path, rows: list[Any]) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def conv(path: Path | list[Path], **kw: Any) -> tuple[dict[str, TraceRequest], dict[str, Any]]:
-    t = convert_inputs("openai-chat", path if isinstance(path, list) else [path], block_size=BS, **kw)
-    return {r.id: r for r in t.requests}, t.header.meta
-
+from tests.unit.traces.openai_chat_log import SYS, a, conv, row, u, write
 
 def test_a_templates_raise_exception_skips_its_line_and_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A model's template raising (roles must alternate) killed the whole batch with a traceback."""
