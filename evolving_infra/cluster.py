@@ -32,8 +32,9 @@ import msgspec
 import structlog
 
 from shared import messages as m
+from shared.cancel import cancel_until_done
 from shared.auth import AuthError, Credentials, NatsAuth, generate, redact_url, router_names
-from shared.bus import Bus, BusError, PermissionDenied, StreamLacksSubjects, stream_api_subject, stream_name
+from shared.bus import PING_NO_TIMEOUT_S, Bus, BusError, PermissionDenied, StreamLacksSubjects, stream_api_subject, stream_name
 from shared.config import ENV_PREFIX, CommonConfig, ConfigError, field_from_text
 from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent, exit_text, signal_text
 from shared.net import http_url, listen_socket
@@ -851,20 +852,36 @@ class LocalCluster:
         """Every ``interval_s``: probe the embedded nats-server (:func:`nats_info_probe`) and PING it through the
         launcher's own connection (a round trip, at most :data:`NATS_PROBE_TIMEOUT_S`); note when each answered,
         for :meth:`supervise_once`'s liveness decisions."""
-        while True:
-            if self.nats is not None and self.nats.alive() and self.nats.port is not None:
-                tried = time.monotonic()
-                if await nats_info_probe(self.nats.port):
-                    self._nats_last_ok = time.monotonic()
-                self._nats_tried_at = tried
-            if self._bus is not None:
-                try:
-                    await asyncio.wait_for(self._bus.nc.flush(), NATS_PROBE_TIMEOUT_S)
-                except Exception:  # not connected, a timeout: the beats cannot be seen now (supervise_once)
-                    pass
-                else:
-                    self._bus_last_ok = time.monotonic()
-            await asyncio.sleep(interval_s)
+        # The PING is never cancelled while nats-py holds it (as the bus's own confirm loop, shared/bus.py): a
+        # wait_for around flush cancelled its PONG future at the timeout, and a PONG that came later ended nats-py's
+        # read loop: up's connection deaf, every later PING unanswered, the services' liveness never judged again.
+        ping: asyncio.Future[None] | None = None
+        pongs: object = None
+        try:
+            while True:
+                if self.nats is not None and self.nats.alive() and self.nats.port is not None:
+                    tried = time.monotonic()
+                    if await nats_info_probe(self.nats.port):
+                        self._nats_last_ok = time.monotonic()
+                    self._nats_tried_at = tried
+                if self._bus is not None:
+                    nc = self._bus.nc
+                    if ping is None and nc.is_connected:
+                        pongs = getattr(nc, "_pongs", None)
+                        ping = asyncio.ensure_future(nc.flush(timeout=PING_NO_TIMEOUT_S))  # type: ignore[arg-type]  # int in nats-py's hints only
+                    if ping is not None:
+                        done, _ = await asyncio.wait({ping}, timeout=NATS_PROBE_TIMEOUT_S)
+                        if done:
+                            if not ping.cancelled() and ping.exception() is None:
+                                self._bus_last_ok = time.monotonic()
+                            ping = None  # (a refused PING: not connected; the beats cannot be seen now, supervise_once)
+                        elif getattr(nc, "_pongs", None) is not pongs:  # a reconnect: nats-py forgot it, no PONG comes
+                            ping.cancel()
+                            ping = None
+                await asyncio.sleep(interval_s)
+        finally:
+            if ping is not None:
+                ping.cancel()
 
     def _spawn(self, child: _Child) -> None:
         if child.log_file is None:
@@ -1234,16 +1251,13 @@ class LocalCluster:
         ``--routers 2`` and one router SIGTERMed, the other's open streams ended with 503 "router shutting down".
         No drain when the embedded nats-server is what exited (or exited meanwhile): without the bus no stream can
         finish, and the drain waited out the whole grace (21 s with the default 20 s; ~1 s before that drain)."""
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            with contextlib.suppress(BaseException):
-                await self._supervisor
-            self._supervisor = None
-        if self._prober is not None:
-            self._prober.cancel()
-            with contextlib.suppress(BaseException):
-                await self._prober
-            self._prober = None
+        # cancelled until they have ended (shared/cancel.py): one cancel can be lost (Python 3.11's wait_for returns
+        # the inner result when it completes as the cancel comes), and the liveness probe, looping on, then held this
+        # stop forever at "stopping ..." (3 of the suite's `up` tests timed out in one run, 2 of 4 here in a loop)
+        tasks = [t for t in (self._supervisor, self._prober) if t is not None]
+        self._supervisor = self._prober = None
+        if tasks:
+            await cancel_until_done(tasks, limit_s=5.0)
         order = sorted(self.children, key=lambda c: 0 if is_router(c.name) else {"planner": 1, "kvdirectory": 2}.get(c.name, 3))
         bus_down = self.nats is not None and not self.nats.alive()
         if drain_routers and bus_down:
