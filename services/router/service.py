@@ -638,38 +638,33 @@ async def _call_watched(
         on_close()
 
 
-class _SseResponse(StreamingResponse):
-    """A streaming response that calls ``on_close`` when it ends in any way (cancelled too),
-    for the case where the body generator never started and so never ran its own ``finally``; with ``on_stall``,
-    calls it once when one of its sends has waited ``stall_s`` wall seconds (:class:`_SendWatch`)."""
+class _WatchedCall:
+    """What :class:`_SseResponse` and :class:`_WatchedResponse` add to their Starlette response: ``on_close`` called
+    when the response's call ends in any way (cancelled too), ``on_stall`` once when one of its sends has waited
+    ``stall_s`` wall seconds (:class:`_SendWatch`, :func:`_call_watched`)."""
 
     def __init__(
-        self, content: AsyncIterator[bytes], *, on_close: Any, on_stall: Callable[[], None] | None = None,
+        self, content: Any, *, on_close: Callable[[], None], on_stall: Callable[[], None] | None = None,
         stall_s: float = 0.0, **kwargs: Any,
     ) -> None:
-        super().__init__(content, **kwargs)
+        super().__init__(content, **kwargs)  # type: ignore[call-arg]  # the response class after this one in the MRO
         self._on_close = on_close
         self._on_stall = on_stall
         self._stall_s = stall_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _call_watched(super().__call__, scope, receive, send, on_close=self._on_close, on_stall=self._on_stall, stall_s=self._stall_s)
+        await _call_watched(super().__call__, scope, receive, send,  # type: ignore[misc]  # the response's own call
+                            on_close=self._on_close, on_stall=self._on_stall, stall_s=self._stall_s)
 
 
-class _WatchedResponse(Response):
-    """A whole (non-streamed) response with :class:`_SseResponse`'s ``on_close`` and ``on_stall``: a generation
-    request's body, whose request is counted when its sends are done (``_Pending.response_on``)."""
+class _SseResponse(_WatchedCall, StreamingResponse):
+    """A streaming response with :class:`_WatchedCall`'s hooks: ``on_close`` covers the case where the body
+    generator never started and so never ran its own ``finally``."""
 
-    def __init__(
-        self, content: bytes, *, on_close: Callable[[], None], on_stall: Callable[[], None], stall_s: float, **kwargs: Any,
-    ) -> None:
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-        self._on_stall = on_stall
-        self._stall_s = stall_s
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await _call_watched(super().__call__, scope, receive, send, on_close=self._on_close, on_stall=self._on_stall, stall_s=self._stall_s)
+class _WatchedResponse(_WatchedCall, Response):
+    """A whole (non-streamed) response with :class:`_WatchedCall`'s hooks: a generation request's body, whose request
+    is counted when its sends are done (``_Pending.response_on``)."""
 
 
 class _SendStallGuard:
