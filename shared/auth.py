@@ -11,9 +11,9 @@ identity          may publish (relative to ``ei.<partition>.``)
                   ``branch.events``, ``route.placed``, ``route.sent`` (read by the other routers),
                   ``req.*.out.<its name>`` (the end of a request that ended parked);
                   requests ``kv.lookup``, ``split.get``, ``route.held.*`` (does the router that placed an
-                  ``X-Request-ID`` sent here still have it?)
+                  ``X-Request-ID`` sent here still have it?), ``branch.query`` (the state of a branch it never saw)
 ``kvdirectory``   ``kv.counts.*``, ``kv.liveness``, ``branch.sync``; requests ``kv.resync.*`` (reads ``node.state.*``;
-                  answers ``kv.countsync.*``)
+                  answers ``kv.lookup``, ``branch.query``, ``kv.countsync.*``)
 ``worker-<n>``    ``kv.events.<n>``, ``node.state.<n>``, ``node.iters.<n>`` (its own node only),
                   ``split.applied``, ``req.*.out.<n>`` (output of its own node only), ``work.*.decode``
                   (hand-off to a decode node);
@@ -196,12 +196,12 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
     elif ident.kind == "router":
         # route.held.*: a request with an X-Request-ID another router placed asks that router whether it still has it
         pub = ["work.*.prefill", "work.*.decode", "work.*.abort", "branch.events", "route.placed", "route.sent", "kv.lookup", "split.get",
-               "route.held.*", f"req.*.out.{ident.name}"]  # fmt: skip
+               "branch.query", "route.held.*", f"req.*.out.{ident.name}"]  # fmt: skip
         sub = ["node.state.*", "split.commands", "planner.models", "req.*.out.*", "route.sent", "kv.liveness", "branch.sync",
                f"route.bind.{ident.name}", f"work.requeue.{ident.name}", f"route.held.{ident.name}"]  # fmt: skip
     elif ident.kind == "kvdirectory":
         pub = ["kv.counts.*", "kv.resync.*", "kv.liveness", "branch.sync"]
-        sub = ["kv.events.*", "branch.events", "route.placed", "split.applied", "kv.lookup", "node.state.*", "kv.countsync.*"]
+        sub = ["kv.events.*", "branch.events", "route.placed", "split.applied", "kv.lookup", "branch.query", "node.state.*", "kv.countsync.*"]
     elif ident.kind == "worker":
         if not n:
             raise AuthError(f"worker identity {ident.name!r} names no node")

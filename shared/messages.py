@@ -6,6 +6,7 @@ Producer → consumer flow, in the order of the subject table:
     kvdirectory ──kv.resync.<node>─▶ worker           (KvResyncRequest → KvSnapshot)
     router ──kv.lookup─────────────▶ kvdirectory      (KvLookupRequest → KvLookupReply)
     router ──branch.events─────────▶ kvdirectory      (BranchStart | BranchEnd)
+    router ──branch.query──────────▶ kvdirectory      (BranchQuery → BranchQueryReply: a branch this router never saw)
     router ──route.placed──────────▶ kvdirectory      (RoutePlaced)
     kvdirectory ──kv.counts.<node>─▶ worker           (CountUpdates, per-node seq)
     kvdirectory ◀─kv.countsync.<node>─ worker         (CountSyncRequest → CountSnapshot, after a seq gap)
@@ -248,6 +249,32 @@ class BranchToolCall(Msg, frozen=True, kw_only=True, tag=True):
 
 
 BranchEvent = Union[BranchStart, BranchEnd, BranchToolCall]
+
+
+# branch.query  (router → directory, request/reply)
+
+BranchState = Literal["active", "expired", "ended", "unknown"]
+"""A branch's state at the KV directory, the cluster's record of branches (every router's ``BranchStart`` reaches
+it): ``active`` (started, neither ended nor expired: its blocks counted), ``expired`` (silent for its TTL or
+evicted by a router's cap: counts released, resumable), ``ended`` (a ``BranchEnd`` came; remembered for a TTL, at
+most ``ended_memory`` ids) or ``unknown`` (never started there, or forgotten)."""
+
+
+class BranchQuery(Msg, frozen=True, kw_only=True):
+    """What state is ``branch_id`` in? Asked by a router whose branch table does not hold the id when a harness
+    ends it or sends its tool-call hint (``POST /v1/branches/{id}/end`` / ``tool-call``): another router served
+    it, or this router restarted since. The directory answers from its branch table (no side effect)."""
+
+    branch_id: str
+
+
+class BranchQueryReply(Msg, frozen=True, kw_only=True):
+    """The directory's answer to :class:`BranchQuery`: the branch's :data:`BranchState` when asked. It does not
+    wait for ``branch.events``: a ``BranchStart`` still in the stream (published an instant before) is answered
+    ``unknown``."""
+
+    branch_id: str
+    state: BranchState = "unknown"
 
 
 class RoutePlaced(Msg, frozen=True, kw_only=True):

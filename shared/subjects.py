@@ -63,6 +63,9 @@ KV_COUNT_SYNC = Subject(
 )
 KV_POOL = Subject("kv.pool.{node}", m.PoolLocate, m.PoolLocation, doc="worker → worker: locate blocks in a real-bytes host KV pool")
 BRANCH_EVENTS = Subject("branch.events", m.BranchEvent, doc="router → directory: branch start/end", reliable=True)
+BRANCH_QUERY = Subject(
+    "branch.query", m.BranchQuery, m.BranchQueryReply, doc="router → directory: state of a branch the router never saw (its end, its tool call)"
+)
 ROUTE_PLACED = Subject("route.placed", m.RoutePlaced, doc="router → directory: branch placed on node", reliable=True)
 NODE_STATE = Subject("node.state.{node}", m.NodeState, doc="worker → router, planner: node state")
 NODE_ITERS = Subject("node.iters.{node}", m.IterationRecords, doc="worker → planner: iteration records")
@@ -104,6 +107,7 @@ ALL: tuple[Subject, ...] = (
     KV_COUNT_SYNC,
     KV_POOL,
     BRANCH_EVENTS,
+    BRANCH_QUERY,
     ROUTE_PLACED,
     NODE_STATE,
     NODE_ITERS,

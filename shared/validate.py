@@ -290,6 +290,12 @@ def _branch(e: m.BranchStart | m.BranchEnd | m.BranchToolCall, p: dict[str, str]
         _tok(e.rid, "rid", optional=True)
 
 
+def _branch_query(q: m.BranchQuery | m.BranchQueryReply, p: dict[str, str], nodes: Collection[str] | None) -> None:
+    _text(q.branch_id, "branch_id", MAX_ID_LEN)
+    if not q.branch_id:
+        raise Invalid("empty branch_id")
+
+
 def _placed(r: m.RoutePlaced, p: dict[str, str], nodes: Collection[str] | None) -> None:
     _tok(r.rid, "rid")
     _tok(r.node, "node")
@@ -684,6 +690,8 @@ CHECKERS: dict[type, Checker] = {
     m.BranchStart: _branch,
     m.BranchEnd: _branch,
     m.BranchToolCall: _branch,
+    m.BranchQuery: _branch_query,
+    m.BranchQueryReply: _branch_query,
     m.RoutePlaced: _placed,
     m.NodeState: _node_state,
     m.IterationRecords: _iters,

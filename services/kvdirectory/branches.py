@@ -30,7 +30,10 @@ Transitions (one method each):
                                  covers (P→P, D→D) are released once n holds v_β (the last block
                                  of π_β is present on n); other-phase nodes keep their counts
 ``end``                          ``Release(β, m)`` for m ∈ N_β; β is forgotten (its id remembered
-                                 for ``ended_memory`` ids so a late placement is refused)
+                                 for ``ended_memory`` ids so a late placement is refused); the end
+                                 may come through a router that never saw β (it asked
+                                 ``branch.query``, :meth:`BranchTable.state`: another router served
+                                 β, or it restarted since)
 ``node_phase_changed`` D→P       ``Release(β, n)`` for every β counting on n; P→D keeps counts
 ``expire``                       a branch silent for ``ttl_s`` is ended and counted (a start or
                                  placement of a fork / sub-agent counts as activity of its parents;
@@ -911,6 +914,23 @@ class BranchTable:
         self._remember_ended(bid, now)
         self.counters["branch.ended"] += 1
         return "ended"
+
+    def state(self, bid: str, now: float) -> str:
+        """The state of ``bid`` for a router that never saw it (``branch.query``): ``active``, ``expired``,
+        ``ended`` or ``unknown``. Pure: a branch silent past its TTL (and any hold's TTL) that :meth:`expire` has
+        not swept yet reads ``expired``, as the sweep will make it; an ended id is remembered for a TTL after its
+        end (at most ``ended_memory`` ids), an expired one while remembered (``ended_memory`` ids); past that
+        an id reads ``unknown``. O(1).
+
+        The router relays a ``BranchEnd`` (or a ``BranchToolCall``) for ``active`` and ``expired``: :meth:`end`
+        takes both (``branch.ended``, ``branch.ended_after_expiry``), :meth:`hold` resumes an expired one."""
+        b = self.branches.get(bid)
+        if b is not None:
+            lapsed = b.last_seen + self.ttl_s <= now and b.hold_until + self.ttl_s <= now
+            return "expired" if lapsed else "active"
+        if bid in self.ended:
+            return "ended"
+        return "expired" if bid in self.expired else "unknown"
 
     def _drop_branch(self, b: Branch) -> None:
         for m in list(b.counted):

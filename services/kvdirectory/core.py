@@ -675,6 +675,11 @@ class KvDirectory:
         """End a branch: release its counts everywhere. Returns ``ended``/``duplicate_end``/``unknown``."""
         return self.branches.end(branch_id, now)
 
+    def branch_state(self, branch_id: str, now: float) -> str:
+        """The branch's state for ``branch.query`` (a router that never saw it ends it or holds it):
+        ``active``/``expired``/``ended``/``unknown`` (see ``BranchTable.state``). Pure query."""
+        return self.branches.state(branch_id, now)
+
     def branch_evict(self, branch_id: str, rid: str | None = None) -> str:
         """A router evicted the branch from its capped table: expire it now, as the TTL does (counts
         released everywhere, resumable), unless ``rid`` (``BranchEnd.rid``, the router's latest

@@ -5,7 +5,8 @@ bus), calls the core with ``clock.local_now()`` (monotonic), publishes the core'
 what the core's results report, and runs the resync requests.
 
 Subjects in: ``kv.events.*``, ``branch.events``, ``route.placed``,
-``split.applied``, ``node.state.*`` (KV liveness); served: ``kv.lookup``, ``kv.countsync.*``
+``split.applied``, ``node.state.*`` (KV liveness); served: ``kv.lookup``, ``branch.query`` (a branch's state, for a
+router that never saw it), ``kv.countsync.*``
 (a worker's counts after it lost a ``kv.counts`` message: ``CountSnapshot`` pieces); out:
 ``kv.counts.<node>`` (count changes; every ``count_seq_beacon_s`` a seq beacon with the node's last
 ``seq``), ``kv.liveness``, ``branch.sync`` (once, at start: the routers
@@ -33,6 +34,7 @@ from shared.ratelog import RateLimitedLog
 from shared.service import BackgroundTasks, WatchedService
 from shared.subjects import (
     BRANCH_EVENTS,
+    BRANCH_QUERY,
     BRANCH_SYNC,
     KV_COUNT_SYNC,
     KV_COUNTS,
@@ -149,6 +151,7 @@ class DirectoryService(WatchedService):
         await self.bus.subscribe(ROUTE_PLACED, self._on_placed)
         await self.bus.subscribe(SPLIT_APPLIED, self._on_split)
         await self.bus.serve(KV_LOOKUP, self._on_lookup)
+        await self.bus.serve(BRANCH_QUERY, self._on_branch_query, query=True)
         await self.bus.serve(KV_COUNT_SYNC, self._on_count_sync)
         await self.bus.subscribe(NODE_STATE, self._on_state)
         # a restarted directory has lost its branch table: the routers republish it (issue #22)
@@ -436,6 +439,14 @@ class DirectoryService(WatchedService):
             reply = usable_lookup(reply, lambda n: n not in stale) or reply
         self._lookup_s.observe(time.perf_counter() - t0)
         return reply
+
+    async def _on_branch_query(self, q: m.BranchQuery, subject: str) -> m.BranchQueryReply:
+        """``branch.query``: a router that never saw the branch (another router served it, or it restarted) asks its
+        state before it relays the harness's end or tool call; counted ``branch_queries.<state>``. Answered from
+        the branch table as it stands: a ``BranchStart`` still in ``branch.events``' stream reads ``unknown``."""
+        state = self.core.branch_state(q.branch_id, self.clock.local_now())
+        self.counters[f"branch_queries.{state}"] += 1
+        return m.BranchQueryReply(branch_id=q.branch_id, state=state)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ #
     # resync (never blocks other nodes' ingestion: one task per node)

@@ -333,3 +333,14 @@ def test_auth_gen_routers_count_is_capped(tmp_path, capsys):
         assert not (tmp_path / "x").exists()
     assert main(["auth", "gen", "--dir", str(tmp_path / "ok"), "--nodes", "w0", "--routers", "3"]) == 0
     assert {"router", "router-1", "router-2"} <= {p.stem for p in (tmp_path / "ok").iterdir()}
+
+
+def test_a_router_asks_branch_query_and_only_the_directory_answers():
+    """``branch.query``: a router asks the directory the state of a branch it never saw (its end or tool call); no
+    other identity may ask (a worker could learn which branch ids exist) or answer (forge ``active``: the router
+    would relay an end)."""
+    q = Subjects("p0").prefix + "branch.query"
+    for n in SERVICES:
+        perm = permissions(identity(n))
+        assert allowed(perm, "publish", q) == (n == "router"), n
+        assert allowed(perm, "subscribe", q) == (n == "kvdirectory"), n
