@@ -12,8 +12,17 @@ Transitions (one branch id)::
     ended   --observe--> error BranchEnded        (HTTP 400, param X-Branch-Id)
     ended   --end------> error BranchAlreadyEnded (the router answers an end 200 ``"already": true``, idempotent;
                                                    a tool call on it: HTTP 410 Gone)
-    unknown --end------> error UnknownBranch      (HTTP 404)
+    unknown --end------> error UnknownBranch      (the router asks the KV directory, ``branch.query``:
+                                                   :func:`unseen_verdict`; a branch it holds is ended
+                                                   here by :meth:`BranchTable.end_unseen`, else HTTP 404)
     unknown --observe with a parent that leads back to it--> error BranchCycle (HTTP 400, param X-Parent-Branch-Id)
+
+A branch this table does not hold may still be one of the cluster's: the KV directory gets every router's
+``BranchStart``, so it knows the branches another router served (two routers behind one address) and those this
+router served before it restarted (this table is in memory). Its end or tool call is therefore not refused at
+once: the shell asks the directory (``branch.query``) and acts on :func:`unseen_verdict` (relay it; ``already``;
+404; 503 when the directory does not answer). A relayed end is remembered here (:meth:`BranchTable.end_unseen`);
+a relayed tool call is not (this table would need the branch's kind and parents to hold it).
 
 No refusal is a 408, 409, 429 or 5xx: the OpenAI Python SDK retries those (``openai._base_client._should_retry``,
 twice by default, with backoff), and each refusal here is answered the same again while the table holds the id
@@ -58,8 +67,35 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Literal
 
-from shared.messages import BranchEnd, BranchKind, BranchStart, BranchToolCall, RoutePlaced
+from shared.messages import BranchEnd, BranchKind, BranchStart, BranchState, BranchToolCall, RoutePlaced
+
+
+UnseenVerdict = Literal["relay", "ended", "unknown", "unanswered"]
+
+
+def unseen_verdict(state: BranchState | None) -> UnseenVerdict:
+    """What the router does with an end or a tool-call hint of a branch its table does not hold, given the KV
+    directory's answer to ``branch.query`` (``state``; None: no answer within the wait, or a bus error). Pure.
+
+    ======================  ===========================================================================================
+    ``state``               verdict: the router's answer
+    ======================  ===========================================================================================
+    ``active``, ``expired`` ``relay``: publish its ``BranchEnd`` / ``BranchToolCall`` on ``branch.events``, as for a
+                            branch of its own (the directory ends it, or holds it, resuming an expired one); 200
+    ``ended``               ``ended``: an end answers 200 ``"already": true``, a tool call 410, as for its own ended one
+    ``unknown``             ``unknown``: 404, as before. Also for a ``BranchStart`` still in the stream (its first
+                            request was answered an instant before): the harness may retry
+    None                    ``unanswered``: 503 with ``Retry-After: 1`` (the OpenAI SDK retries it), never a 404 for
+                            "the router does not know"
+    ======================  ===========================================================================================
+    """
+    if state == "active" or state == "expired":
+        return "relay"
+    if state == "ended" or state == "unknown":
+        return state
+    return "unanswered"
 
 
 class BranchError(Exception):
@@ -440,6 +476,23 @@ class BranchTable:
             UnknownBranch: if no request of it was seen.
         """
         self.check_end(branch_id)
+        return self.end_unseen(branch_id, now, ts=ts)
+
+    def end_unseen(self, branch_id: str, now: float, *, ts: float | None = None) -> BranchEnd:
+        """End ``branch_id`` whatever this table holds of it: the router relays the end of a branch the KV directory
+        holds although this table never saw it (another router served it, or this one restarted since;
+        :func:`unseen_verdict`). Remembered as ended, as by :meth:`end` (a request on it is then refused, a repeated
+        end answers ``already``), and taken out of the active or expired set should a request of it have arrived
+        meanwhile. ``now`` and ``ts`` as in :meth:`observe`.
+
+        Returns:
+            The ``BranchEnd`` (the shell published it already).
+
+        Raises:
+            BranchAlreadyEnded: an end of it here came first.
+        """
+        if branch_id in self._ended:
+            raise BranchAlreadyEnded(f"branch {branch_id!r} already ended")
         if self._active.pop(branch_id, None) is None:
             self._expired.pop(branch_id, None)
         if self.max_ended:

@@ -80,6 +80,7 @@ from shared.service import BackgroundTasks, WatchedService
 from shared.validate import epoch_step_ok
 from shared.subjects import (
     BRANCH_EVENTS,
+    BRANCH_QUERY,
     BRANCH_SYNC,
     KV_LIVENESS,
     KV_LOOKUP,
@@ -100,7 +101,7 @@ from shared.subjects import (
 
 from services.router import api, toolcalls
 from services.router.ingress import KEY_ID_SCOPE_KEY, RESET_EXTENSION, ApiKeyError, IngressGuard, guarded_h11, key_id, load_api_keys
-from services.router.branches import BranchAlreadyEnded, BranchError, BranchTable
+from services.router.branches import BranchAlreadyEnded, BranchError, BranchTable, UnknownBranch, unseen_verdict
 from services.router.config import LOOKUP_TIMEOUT_HINT, RouterConfig
 from services.router.core import DecodeBinding, NoRoute, RouteDecision, RouterCore
 from services.router.faults import continuation
@@ -217,6 +218,13 @@ worker's bus publishes its last ``RESEND_WINDOW_S`` of reliable messages again (
 the server), and the bus does that only once its stream lookup has been answered (``STREAM_LOOKUP_TIMEOUT_S`` at
 most per try): chunk k + 1 can reach the router that long before chunk k (reviewer rr-gap). A lookup retried past
 that (a server that stays unanswering) fails the request; ``RouterService.chunk_gap_wait_s`` is this value."""
+
+BRANCH_QUERY_TIMEOUT_S = 2.0
+"""Wall seconds a router waits for the KV directory's answer to ``branch.query`` (the state of a branch its table does
+not hold, asked when a harness ends it or sends its tool-call hint); none within it is a 503 with ``Retry-After: 1``.
+Only those calls wait on it, and only for an id the router never saw (another router's, or its own before a restart):
+a reply takes milliseconds, so the wait is long enough for a loaded host's and short of the OpenAI SDK's 10-minute
+timeout by far."""
 
 _PEER_HELD_TIMEOUT_S = 1.0
 """Wall seconds a router waits for another router's answer to ``route.held`` when a request arrives
@@ -3021,9 +3029,19 @@ class RouterService(WatchedService):
         the table ended it first: the retry got 410 "already ended" although no ``BranchEnd`` had gone out (the
         directory kept its counts until its TTL). Two ends at once both publish (the directory counts the second a
         ``duplicate_end``); the one that ends it in the table second answers ``already``; it is counted once
-        (``branches_ended``)."""
+        (``branches_ended``).
+
+        A branch the table does not hold (another router served it, or this router restarted since) is not a 404 at
+        once: the router asks the KV directory (``branch.query``, :data:`BRANCH_QUERY_TIMEOUT_S`) and acts on
+        ``services.router.branches.unseen_verdict``: ``active`` or ``expired`` there → the ``BranchEnd`` is published
+        as for its own, the id remembered ended here, 200 (counted ``branches_ended`` and ``branch_ends_relayed``);
+        ``ended`` → 200 ``"already": true``; ``unknown`` → 404; no answer or a bus error → 503 with
+        ``Retry-After: 1`` (``branch_queries_failed``), never a 404 for "cannot tell". The directory answers from the
+        ``branch.events`` it has read: the ``BranchStart`` of a branch whose first request another router answered an
+        instant before may still be in the stream, and its end a 404 the harness may retry."""
         branch_id = request.path_params["branch_id"]
         already = {"branch_id": branch_id, "ended": True, "already": True}
+        unseen = False
         try:
             api.path_branch_id(branch_id, request.scope.get("raw_path"), self.cfg.max_id_len)
             self.branches.check_end(branch_id)
@@ -3032,6 +3050,14 @@ class RouterService(WatchedService):
         except BranchAlreadyEnded:
             self.counters["branch_ends_repeated"] += 1
             return self._json(already)
+        except UnknownBranch as e:
+            verdict = await self._unseen_branch(branch_id)
+            if verdict == "ended":
+                self.counters["branch_ends_repeated"] += 1
+                return self._json(already)
+            if verdict != "relay":
+                return self._unseen_refusal(branch_id, verdict, e)
+            unseen = True
         except BranchError as e:
             return self._error(e.status, e.reason)
         try:
@@ -3040,7 +3066,10 @@ class RouterService(WatchedService):
             self.counters["bus_errors"] += 1
             return self._json(api.error_body(503, f"message bus unavailable, retry later: {e}"), 503, headers={"retry-after": "1"})
         try:
-            self.branches.end(branch_id, self.clock.local_now())
+            if unseen:  # a request of it may have come meanwhile: ended here whatever the table holds
+                self.branches.end_unseen(branch_id, self.clock.local_now())
+            else:
+                self.branches.end(branch_id, self.clock.local_now())
         except BranchAlreadyEnded:  # another end of it, at once, ended it while this one published
             self.counters["branch_ends_repeated"] += 1
             return self._json(already)
@@ -3048,26 +3077,78 @@ class RouterService(WatchedService):
             return self._error(e.status, e.reason)
         self.core.end_branch(branch_id, self.clock.now())
         self.counters["branches_ended"] += 1
+        if unseen:
+            self.counters["branch_ends_relayed"] += 1
         return self._json({"branch_id": branch_id, "ended": True})
 
+    async def _unseen_branch(self, branch_id: str) -> str:
+        """Ask the KV directory for the state of ``branch_id``, which the table does not hold (``branch.query``,
+        :data:`BRANCH_QUERY_TIMEOUT_S`), and return ``services.router.branches.unseen_verdict`` of its answer:
+        ``relay``, ``ended``, ``unknown`` or ``unanswered`` (no answer, or a bus error: counted
+        ``branch_queries_failed`` and logged at warning). Never raises ``BusError``."""
+        try:
+            rep = await self.bus.request(BRANCH_QUERY, m.BranchQuery(branch_id=branch_id), timeout=BRANCH_QUERY_TIMEOUT_S)
+        except BusError as e:
+            self.counters["branch_queries_failed"] += 1
+            self.log.warning("branch.query failed: the KV directory did not say whether it holds the branch", branch=branch_id,
+                             error=str(e), timeout_s=BRANCH_QUERY_TIMEOUT_S)  # fmt: skip
+            return unseen_verdict(None)
+        state = rep.state if rep.branch_id == branch_id else None  # an answer about another id answers nothing
+        self.counters[f"branch_queries.{state or 'mismatched'}"] += 1
+        return unseen_verdict(state)
+
+    def _unseen_refusal(self, branch_id: str, verdict: str, unknown: UnknownBranch) -> Response:
+        """The answer to an end or tool call of a branch neither this router nor the KV directory holds (``unknown``:
+        the table's 404, saying the directory does not know it either) or that the directory did not say
+        (``unanswered``: 503 with ``Retry-After: 1``, which the OpenAI SDK retries)."""
+        if verdict == "unknown":
+            return self._error(404, f"{unknown.reason}, and the KV directory does not know it (a branch whose first request "
+                               "another router answered an instant ago may not have reached it yet: retry)")  # fmt: skip
+        return self._json(
+            api.error_body(503, f"branch {branch_id!r} is not in this router's table and the KV directory did not answer "
+                           f"whether it holds it (branch.query, {BRANCH_QUERY_TIMEOUT_S:g} s): retry later"),  # fmt: skip
+            503,
+            headers={"retry-after": "1"},
+        )
+
     async def _tool_call(self, request: Request) -> Response:
-        """``POST /v1/branches/{id}/tool-call``: the branch waits for a tool (issue 21)."""
+        """``POST /v1/branches/{id}/tool-call``: the branch waits for a tool (issue 21).
+
+        A branch the table does not hold is asked of the KV directory (``branch.query``), as an end is
+        (:meth:`_end_branch`): ``active`` or ``expired`` there → its ``BranchToolCall`` is published (the directory
+        holds it, resuming an expired one; counted ``branch_tool_calls_relayed``) and the answer's ``expected_s`` is
+        the hold this hint gets (an earlier, longer one of another router's may still run there); ``ended`` → 410;
+        ``unknown`` → 404; no answer → 503 with ``Retry-After: 1``. The table does not take the branch in (it would
+        need its kind and parents): its next request here starts it, a duplicate start the directory ignores."""
         branch_id = request.path_params["branch_id"]
+        relayed = False
         try:
             api.path_branch_id(branch_id, request.scope.get("raw_path"), self.cfg.max_id_len)
             body = await self._read_body(request)
             outstanding, expected_s = api.parse_tool_call(body)
             now = self.clock.local_now()  # the TTL and holds on the monotonic clock, as the directory's
-            ev = self.branches.tool_call(branch_id, now, outstanding=outstanding, expected_s=expected_s, ts=self.clock.now())
-            # the hold the branch holds, as the directory does: 0 or past --max-tool-hold-s is that cap (1e12 was echoed
-            # as asked), a shorter hint after a longer one leaves the longer one running, a release holds 0 (N was echoed)
-            held_s = self.branches.hold_left(branch_id, now)
+            try:
+                ev = self.branches.tool_call(branch_id, now, outstanding=outstanding, expected_s=expected_s, ts=self.clock.now())
+                # the hold the branch holds, as the directory does: 0 or past --max-tool-hold-s is that cap (1e12 was echoed
+                # as asked), a shorter hint after a longer one leaves the longer one running, a release holds 0 (N was echoed)
+                held_s = self.branches.hold_left(branch_id, now)
+            except UnknownBranch as e:
+                verdict = await self._unseen_branch(branch_id)
+                if verdict == "ended":
+                    raise BranchAlreadyEnded(f"branch {branch_id!r} was ended") from None
+                if verdict != "relay":
+                    return self._unseen_refusal(branch_id, verdict, e)
+                ev = m.BranchToolCall(branch_id=branch_id, outstanding=outstanding, expected_s=expected_s, ts=self.clock.now())
+                held_s = round(self.branches.hold_span(expected_s), 6) if outstanding else 0.0
+                relayed = True
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
         except BranchError as e:
             return self._error(e.status, e.reason)
         await self.bus.publish(BRANCH_EVENTS, ev)
         self.counters["branch_tool_calls"] += 1
+        if relayed:
+            self.counters["branch_tool_calls_relayed"] += 1
         await self._publish_evicted()  # a resumed branch past the cap
         return self._json({"branch_id": branch_id, "outstanding": outstanding, "expected_s": held_s})
 

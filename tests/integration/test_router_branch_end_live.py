@@ -89,3 +89,56 @@ async def test_ending_a_branch_again_answers_200_already_and_publishes_nothing(n
         assert sorted(bool(x.json().get("already")) for x in (a, b)) == [False, True], (a.text, b.text)
         await _wait_for(lambda: _ends(env).count("b3") == 2, what="both BranchEnds")
         assert svc.counters["branches_ended"] == 2 and svc.counters["branch_ends_repeated"] == 2
+
+
+async def test_an_end_of_a_branch_this_router_never_saw_follows_the_directorys_answer(nats_url, tmp_path):
+    """Another router served the branch, or this one restarted since: the end asks the directory (``branch.query``,
+    played by ``FakeCluster``) and is relayed for a branch it holds (active or expired), ``already`` for one it
+    ended, a 404 for one it does not know, a 503 with ``Retry-After: 1`` when it does not answer. Before: 404 for each,
+    nothing published, the directory's counts kept until its TTL."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        svc = env.service
+        env.cluster.branch_states.update({"there": "active", "lapsed": "expired", "done": "ended", "mute": None})
+        r = await env.http.post("/v1/branches/there/end")
+        assert r.status_code == 200 and r.json() == {"branch_id": "there", "ended": True}, r.text
+        await _wait_for(lambda: _ends(env) == ["there"], what="the relayed BranchEnd")
+        again = await env.http.post("/v1/branches/there/end")  # remembered here: no second query, nothing published
+        assert again.status_code == 200 and again.json()["already"] is True, again.text
+        gen = await env.http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers={"X-Branch-Id": "there"})
+        assert gen.status_code == 400 and gen.json()["error"]["param"] == "X-Branch-Id", gen.text
+        r = await env.http.post("/v1/branches/lapsed/end")
+        assert r.status_code == 200 and r.json() == {"branch_id": "lapsed", "ended": True}, r.text
+        r = await env.http.post("/v1/branches/done/end")
+        assert r.status_code == 200 and r.json() == {"branch_id": "done", "ended": True, "already": True}, r.text
+        r = await env.http.post("/v1/branches/never/end")
+        msg = r.json()["error"]["message"]
+        assert r.status_code == 404 and "unknown branch 'never'" in msg and "the KV directory does not know it" in msg, r.text
+        r = await env.http.post("/v1/branches/mute/end")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "did not answer" in r.json()["error"]["message"], r.text
+        await _wait_for(lambda: _ends(env) == ["there", "lapsed"], what="both relayed BranchEnds")
+        await asyncio.sleep(0.2)
+        assert _ends(env) == ["there", "lapsed"]  # `already`, 404 and 503 published nothing
+        assert env.cluster.branch_queries == ["there", "lapsed", "done", "never", "mute"]
+        c = svc.counters
+        assert (c["branch_ends_relayed"], c["branches_ended"], c["branch_ends_repeated"], c["branch_queries_failed"]) == (2, 2, 2, 1)
+
+
+async def test_a_tool_call_on_a_branch_this_router_never_saw_follows_the_directorys_answer(nats_url, tmp_path):
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        env.cluster.branch_states.update({"held": "active", "lapsed": "expired", "done": "ended", "mute": None})
+        r = await env.http.post("/v1/branches/held/tool-call", json={"expected_s": 30})
+        assert r.status_code == 200 and r.json() == {"branch_id": "held", "outstanding": True, "expected_s": 30.0}, r.text
+        r = await env.http.post("/v1/branches/lapsed/tool-call")  # no hint: held up to --max-tool-hold-s
+        assert r.status_code == 200 and r.json()["expected_s"] == 14400.0, r.text
+        r = await env.http.post("/v1/branches/held/tool-call", json={"outstanding": False})
+        assert r.status_code == 200 and r.json() == {"branch_id": "held", "outstanding": False, "expected_s": 0.0}, r.text
+        calls = lambda: [(e.branch_id, e.outstanding, e.expected_s) for e in env.cluster.branch_events if isinstance(e, m.BranchToolCall)]  # noqa: E731
+        await _wait_for(lambda: len(calls()) == 3, what="the relayed BranchToolCalls")
+        assert calls() == [("held", True, 30.0), ("lapsed", True, 0.0), ("held", False, 0.0)]
+        r = await env.http.post("/v1/branches/done/tool-call")
+        assert r.status_code == 410 and "was ended" in r.json()["error"]["message"], r.text
+        assert (await env.http.post("/v1/branches/never/tool-call")).status_code == 404
+        r = await env.http.post("/v1/branches/mute/tool-call")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert not env.service.branches.is_active("held")  # relayed, not taken in: its next request here starts it
+        assert env.service.counters["branch_tool_calls_relayed"] == 3 and env.service.counters["branch_tool_calls"] == 3

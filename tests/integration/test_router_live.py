@@ -2,7 +2,7 @@
 
 The router runs in-process through the same shell as ``python -m services.router``
 (``shared.service.serve_until_stopped``); a :class:`FakeCluster` on its own NATS
-connection answers ``split.get`` and ``kv.lookup``, publishes ``NodeState``s,
+connection answers ``split.get``, ``kv.lookup`` and ``branch.query``, publishes ``NodeState``s,
 consumes ``work.*.prefill`` and answers with ``TokenChunk``s on ``req.<rid>.out``.
 HTTP is driven with httpx.
 """
@@ -27,6 +27,7 @@ from shared.clock import SimClock
 from shared.hashing import block_hashes, unpack_tokens
 from shared.subjects import (
     BRANCH_EVENTS,
+    BRANCH_QUERY,
     KV_LIVENESS,
     KV_LOOKUP,
     NODE_STATE,
@@ -88,6 +89,9 @@ class FakeCluster:
     lookup_enabled: bool = True
     lookup_delay_s: float = 0.0
     """Wall seconds kv.lookup takes to answer (a slow directory)."""
+    branch_states: dict[str, str | None] = field(default_factory=dict)
+    """branch id -> its state answered to ``branch.query`` (absent: ``unknown``; ``None``: no answer)."""
+    branch_queries: list[str] = field(default_factory=list)
     works: list[m.PrefillWork] = field(default_factory=list)
     aborts: list[tuple[str, m.RequestAbort]] = field(default_factory=list)
     branch_events: list[Any] = field(default_factory=list)
@@ -99,6 +103,7 @@ class FakeCluster:
     async def start(self) -> None:
         await self.bus.serve(SPLIT_GET, self._split_get)
         await self.bus.serve(KV_LOOKUP, self._lookup)
+        await self.bus.serve(BRANCH_QUERY, self._branch_query)
         await self.bus.subscribe(WORK_PREFILL, self._work)
         await self.bus.subscribe(WORK_ABORT, self._abort)
         await self.bus.subscribe(BRANCH_EVENTS, self._record(self.branch_events))
@@ -142,6 +147,11 @@ class FakeCluster:
         n = len(req.block_hashes)
         nodes = [m.NodePrefix(node=k, local_blocks=min(v, n), gpu_blocks=min(v, n)) for k, v in self.cached.items() if v]
         return m.KvLookupReply(block_size=req.block_size, nodes=nodes, longest_any=max((p.local_blocks for p in nodes), default=0))
+
+    async def _branch_query(self, q: m.BranchQuery, _s: str) -> m.BranchQueryReply | None:
+        self.branch_queries.append(q.branch_id)
+        state = self.branch_states.get(q.branch_id, "unknown")
+        return None if state is None else m.BranchQueryReply(branch_id=q.branch_id, state=state)  # type: ignore[arg-type]
 
     async def _abort(self, msg: m.RequestAbort, subject: str) -> None:
         self.aborts.append((subject.split(".")[-2], msg))

@@ -368,3 +368,31 @@ def test_expire_ends_when_the_ttl_is_below_the_clocks_float_step() -> None:
     except subprocess.TimeoutExpired:
         raise AssertionError("expire() did not return") from None
     assert out.strip() == "[] True True"
+
+
+def test_the_verdict_on_a_branch_the_table_never_saw_follows_the_directory():
+    """``branch.query``'s answer → what the router does with an end or tool call of an id its table does not hold:
+    relay it (active, expired), answer it ended (ended), 404 (unknown), 503 (no answer: never a 404 for "cannot tell")."""
+    from services.router.branches import unseen_verdict
+
+    assert [unseen_verdict(s) for s in ("active", "expired", "ended", "unknown", None)] == [
+        "relay", "relay", "ended", "unknown", "unanswered"]  # fmt: skip
+
+
+def test_an_end_relayed_for_an_unseen_branch_is_remembered_ended():
+    t = BranchTable(max_ended=2)
+    assert t.end_unseen("elsewhere", 1.0, ts=5.0) == BranchEnd(branch_id="elsewhere", ts=5.0)
+    with pytest.raises(BranchAlreadyEnded):
+        t.check_end("elsewhere")  # a repeated end answers `already`
+    with pytest.raises(BranchEnded):
+        t.observe("elsewhere", 2.0)  # a request on it is refused, as on an end of its own
+    with pytest.raises(BranchAlreadyEnded):
+        t.end_unseen("elsewhere", 2.0)  # a second relayed end at once: `already`
+    # a request of it came here while the directory was asked: ended here too
+    t.observe("raced", 3.0)
+    t.end_unseen("raced", 4.0)
+    assert not t.is_active("raced") and t.active_count == 0 and t.ended_count == 2
+    t.end_unseen("third", 5.0)  # at most max_ended remembered, oldest first out
+    assert t.ended_count == 2
+    with pytest.raises(UnknownBranch):
+        t.check_end("elsewhere")
