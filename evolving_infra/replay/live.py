@@ -314,15 +314,35 @@ class LiveReplayer:
                 wake.set()
 
             async def end(action: EndBranch) -> None:
+                """End the branch; sent again while :attr:`retry` allows when refused with 429 / 503 (a router that
+                could not ask the KV directory about a branch it did not see answers 503 ``Retry-After: 1``) or the
+                connection failed: an end is idempotent at the router (a repeat answers 200 ``"already"``), so a
+                retry of one that did arrive is harmless. Before, one 503 lost the end (the directory kept the
+                branch's counts until its TTL)."""
                 nonlocal end_failures
-                try:
-                    resp = await http.post(f"/v1/branches/{branch_path(self.branch_prefix + action.branch)}/end")
-                    if resp.status_code >= 400:
+                retries = 0
+                while True:
+                    retry_after: float | None = None
+                    try:
+                        resp = await http.post(f"/v1/branches/{branch_path(self.branch_prefix + action.branch)}/end")
+                        if resp.status_code < 400:
+                            return
+                        failure = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                        retryable = resp.status_code in RETRY_STATUSES
+                        if retryable:
+                            retry_after = parse_retry_after(resp.headers.get("retry-after"), time.time())
+                    except _RETRY_ERRORS as e:
+                        failure, retryable = repr(e), True
+                    except Exception as e:  # noqa: BLE001 - httpx's, or InvalidURL / UnicodeEncodeError for an id no URL holds
+                        failure, retryable = repr(e), False
+                    delay = self.retry.delay_s(retries, retry_after, random.random()) if retryable else None
+                    if delay is None:
                         end_failures += 1
-                        log.warning("branch end refused", branch=action.branch, status=resp.status_code, body=resp.text[:200])
-                except Exception as e:  # noqa: BLE001 - httpx's, or InvalidURL / UnicodeEncodeError for an id no URL holds
-                    end_failures += 1
-                    log.warning("branch end failed", branch=action.branch, error=repr(e))
+                        log.warning("branch end failed", branch=action.branch, error=failure, retries=retries)
+                        return
+                    retries += 1
+                    log.info("branch end retried", branch=action.branch, error=failure, retry=retries, wait_s=round(delay, 3))
+                    await asyncio.sleep(delay)
 
             closing = False
 

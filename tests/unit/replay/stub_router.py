@@ -37,11 +37,15 @@ class StubRouter:
             connection closed mid-stream).
         hold_ends: when given, a branch end (``POST /v1/branches/{id}/end``) is answered only once it is set (a
             router whose bus is gone); ``ends_received`` counts those that arrived.
+        end_faults: what the next branch ends get instead of their answer, one per end in order, as ``faults``:
+            ``"503"`` (``Retry-After: 0.05``: a router that could not ask the KV directory), ``"drop"``, ``"500"``.
     """
 
     def __init__(self, hold: asyncio.Event | None = None, speedup: float | None = None,
-                 faults: list[str] | None = None, hold_ends: asyncio.Event | None = None) -> None:
+                 faults: list[str] | None = None, hold_ends: asyncio.Event | None = None,
+                 end_faults: list[str] | None = None) -> None:
         self.speedup = speedup
+        self.end_faults = list(end_faults or ())
         self.hold_ends = hold_ends
         self.ends_received = 0
         self.faults = list(faults or ())
@@ -82,8 +86,9 @@ class StubRouter:
                     headers[k.strip().lower()] = v.strip()
                 n = int(headers.get("content-length", "0"))
                 body = await reader.readexactly(n) if n else b""
-                if target == "/v1/completions" and self.faults:
-                    fault = self.faults.pop(0)
+                is_end = target.startswith("/v1/branches/") and target.endswith("/end")
+                if (target == "/v1/completions" and self.faults) or (is_end and self.end_faults):
+                    fault = (self.end_faults if is_end else self.faults).pop(0)
                     self.seen.append((target, {k: v for k, v in headers.items() if k.startswith("x-")}))
                     if fault == "drop":
                         return
@@ -92,7 +97,7 @@ class StubRouter:
                         writer.write(b"HTTP/1.1 200 X\r\nContent-Type: text/event-stream\r\nContent-Length: 1000\r\n\r\n" + sse)
                         await writer.drain()
                         return
-                    code, after = {"503": (503, "0.05"), "503-bare": (503, None), "429": (429, "0.05")}[fault]
+                    code, after = {"503": (503, "0.05"), "503-bare": (503, None), "429": (429, "0.05"), "500": (500, None)}[fault]
                     msg = b'{"error": {"message": "router draining; retry on another router"}}'
                     writer.write(f"HTTP/1.1 {code} X\r\nContent-Type: application/json\r\n".encode()
                                  + (f"Retry-After: {after}\r\n".encode() if after else b"")

@@ -36,10 +36,11 @@ def _trace() -> list[TraceRequest]:
     ]
 
 
-async def _replay_on_stub(trace: list[TraceRequest], *, branch_prefix: str = "", on_record=None, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
-    """Replay ``trace`` closed-loop (one agent at a time) against a fresh :class:`StubRouter`, within
-    ``timeout_s``; returns ``(result, what the stub saw)`` (``(target, headers)`` per HTTP request)."""
-    stub = StubRouter()
+async def _replay_on_stub(trace: list[TraceRequest], *, branch_prefix: str = "", on_record=None, timeout_s: float = 10.0,  # type: ignore[no-untyped-def]
+                          end_faults: list[str] | None = None):
+    """Replay ``trace`` closed-loop (one agent at a time) against a fresh :class:`StubRouter` (``end_faults`` as its),
+    within ``timeout_s``; returns ``(result, what the stub saw)`` (``(target, headers)`` per HTTP request)."""
+    stub = StubRouter(end_faults=end_faults)
     url = await stub.start()
     try:
         replayer = LiveReplayer(url, SimClock(1000.0), block_size=4, progress=False, branch_prefix=branch_prefix)
@@ -348,3 +349,16 @@ def test_replay_start_asks_the_router_each_of_its_answers_once(tmp_path, monkeyp
         assert rc == 0 and report["requests_failed"] == 0
         asked = [target for target, _ in stub.seen if target in ("/v1/models", "/v1/cluster")]
     assert sorted(asked) == ["/v1/cluster", "/v1/models"], asked
+
+
+async def test_a_branch_end_refused_with_503_or_a_dropped_connection_is_sent_again():
+    """A router asked to end a branch it did not see (restarted, or another router behind the address) asks the KV
+    directory and answers 503 ``Retry-After: 1`` when that gets no answer; the replayer counted the end failed and
+    never sent it again (the directory kept the branch's counts until its TTL). An end is idempotent, so it is now
+    retried as a request is (429 / 503, a connection closed before an answer); a 500 is not retried."""
+    res, seen = await _replay_on_stub(_trace(), end_faults=["503", "drop"])
+    assert res.branch_end_failures == 0 and [r.ok for r in res.records] == [True] * 3
+    ends = [t for t, _ in seen if t.endswith("/end")]
+    assert len(ends) == 4 and len(set(ends)) == 2, ends  # two refused sends, then each of the two ends answered
+    res, seen = await _replay_on_stub(_trace(), end_faults=["500"])
+    assert res.branch_end_failures == 1 and len([t for t, _ in seen if t.endswith("/end")]) == 2
