@@ -34,9 +34,10 @@ import structlog
 from shared import messages as m
 from shared.cancel import cancel_until_done
 from shared.auth import AuthError, Credentials, NatsAuth, generate, redact_url, router_names
-from shared.bus import PING_NO_TIMEOUT_S, Bus, BusError, PermissionDenied, StreamLacksSubjects, stream_api_subject, stream_name
+from shared.bus import Bus, BusError, PermissionDenied, StreamLacksSubjects, stream_api_subject, stream_name
 from shared.config import ENV_PREFIX, CommonConfig, ConfigError, field_from_text
 from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent, exit_text, signal_text
+from shared.natsping import Ping
 from shared.net import http_url, listen_socket
 from shared.profile import Profile, load_profile, with_kv_tokens
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
@@ -852,11 +853,11 @@ class LocalCluster:
         """Every ``interval_s``: probe the embedded nats-server (:func:`nats_info_probe`) and PING it through the
         launcher's own connection (a round trip, at most :data:`NATS_PROBE_TIMEOUT_S`); note when each answered,
         for :meth:`supervise_once`'s liveness decisions."""
-        # The PING is never cancelled while nats-py holds it (as the bus's own confirm loop, shared/bus.py): a
-        # wait_for around flush cancelled its PONG future at the timeout, and a PONG that came later ended nats-py's
-        # read loop: up's connection deaf, every later PING unanswered, the services' liveness never judged again.
-        ping: asyncio.Future[None] | None = None
-        pongs: object = None
+        # The PING is never cancelled while nats-py holds it (shared/natsping.py): a wait_for around flush cancelled its
+        # PONG future at the timeout, and a PONG that came later ended nats-py's read loop: up's connection deaf, every
+        # later PING unanswered, the services' liveness never judged again. One not answered within the round's wait
+        # is waited for again in the next round, until its PONG comes or a reconnect loses it.
+        ping: Ping | None = None
         try:
             while True:
                 if self.nats is not None and self.nats.alive() and self.nats.port is not None:
@@ -865,23 +866,18 @@ class LocalCluster:
                         self._nats_last_ok = time.monotonic()
                     self._nats_tried_at = tried
                 if self._bus is not None:
-                    nc = self._bus.nc
-                    if ping is None and nc.is_connected:
-                        pongs = getattr(nc, "_pongs", None)
-                        ping = asyncio.ensure_future(nc.flush(timeout=PING_NO_TIMEOUT_S))  # type: ignore[arg-type]  # int in nats-py's hints only
+                    if ping is None and self._bus.nc.is_connected:
+                        ping = self._bus.ping()
                     if ping is not None:
-                        done, _ = await asyncio.wait({ping}, timeout=NATS_PROBE_TIMEOUT_S)
-                        if done:
-                            if not ping.cancelled() and ping.exception() is None:
-                                self._bus_last_ok = time.monotonic()
-                            ping = None  # (a refused PING: not connected; the beats cannot be seen now, supervise_once)
-                        elif getattr(nc, "_pongs", None) is not pongs:  # a reconnect: nats-py forgot it, no PONG comes
-                            ping.cancel()
-                            ping = None
+                        got = await ping.wait(NATS_PROBE_TIMEOUT_S)
+                        if got:
+                            self._bus_last_ok = time.monotonic()
+                        if got is not None:
+                            ping = None  # (not answered: refused, lost to a reconnect; the beats cannot be seen now)
                 await asyncio.sleep(interval_s)
         finally:
             if ping is not None:
-                ping.cancel()
+                ping.drop()  # left to its PONG while nats-py holds it; the bus's close cancels it
 
     def _spawn(self, child: _Child) -> None:
         if child.log_file is None:

@@ -74,6 +74,8 @@ from nats.aio.subscription import Subscription
 from shared import messages as m
 from shared.cancel import cancel_until_done
 from shared.auth import BEAT_WATCHERS, NatsAuth, client_options, redact_url, subject_matches
+from shared import natsping
+from shared.natsping import Ping
 from shared.ratelog import RateLimitedLog
 from shared import tracing
 from shared.subjects import SVC_HEARTBEAT, SVC_STATS, Subject, Subjects
@@ -181,11 +183,6 @@ def _refusal(url: str, instance: str, auth: NatsAuth | None) -> BusError:
 PENDING_BYTES = 256 * 1024 * 1024
 """Bytes a client buffers while disconnected (nats-py ``pending_size``); beyond it a
 publish raises :class:`BusUnavailable` instead of growing without bound."""
-PING_NO_TIMEOUT_S = 365 * 86400.0
-"""The timeout given to nats-py's ``flush`` (PING, wait for the PONG): one it never reaches. At its timeout
-nats-py cancels the PONG's future, and a PONG that comes later then ends its read loop (nats-py 2.16); the
-bus bounds the wait itself and leaves the PING to its PONG (:meth:`Bus.flush`)."""
-
 RECONNECT_WAIT_S = 0.25
 """Seconds between reconnect attempts to the same server."""
 CLOSE_DRAIN_S = 5.0
@@ -469,8 +466,9 @@ class Bus:
         saw it: a different one after a reconnect is a new stream (the server lost its store)."""
         self.reconnected_at: float | None = None
         """``time.monotonic()`` of the last reconnect (None: never disconnected)."""
-        self._pings: set[asyncio.Future[None]] = set()
-        """PINGs of :meth:`flush` that timed out, left to their PONGs (cancelled at :meth:`close`)."""
+        self._pings: set[Ping] = set()
+        """PINGs of this bus and its users (:meth:`ping`) still waiting for their PONGs, including those given up on
+        and left to them (never cancelled while nats-py holds them: ``shared.natsping``); cancelled at :meth:`close`."""
         self._boot = os.urandom(4).hex()
         self.boot = m.new_boot(time.time_ns(), os.urandom(4))
         """This process's incarnation (``Heartbeat.boot``)."""
@@ -491,7 +489,7 @@ class Bus:
         """``(monotonic time, connection)`` of the latest reliable publish that found nats-py's outgoing queue empty:
         every publish made before that time had been written to that connection's transport, so a PING written to it
         afterwards follows them (nats-py writes a PING straight to the transport, ahead of what is still queued). The
-        connection is nats-py's ``_pongs`` list, which it makes anew at each (re)connect."""
+        connection is nats-py's ``_pongs`` list, which it makes anew at each (re)connect (``natsping.connection_of``)."""
         self._confirming = False
         """True on a bus made by :meth:`connect`: its first reliable publish on JetStream starts :meth:`_confirm_loop`."""
         self._confirm_task: asyncio.Task[None] | None = None
@@ -682,6 +680,7 @@ class Bus:
                 raise _refusal(url, instance, auth) from e
             raise
         connected = True
+        natsping.check_client(bus.nc)  # one warning at the start if this nats-py lacks what natsping reads
         return bus
 
     def _permission_error(self, full: str) -> PermissionDenied | None:
@@ -1290,7 +1289,7 @@ class Bus:
                 now = time.monotonic()
                 kept = (now, full, data, hdr)
                 if getattr(self.nc, "pending_data_size", None) == 0:  # all before it is in the transport: a PING follows it
-                    self._clear = (now, getattr(self.nc, "_pongs", None))
+                    self._clear = (now, natsping.connection_of(self.nc))
                 self._recent.append(kept)
                 self._trim_recent(now)
                 if self._confirming and self._confirm_task is None and not self._closing:
@@ -1505,15 +1504,16 @@ class Bus:
         PING is written only when nothing is queued, so it follows everything sent before it, and the
         server answers one connection's commands in order.
 
-        A PING not answered in time is left to its PONG (never cancelled): nats-py's own ``flush`` timeout
-        cancels the PONG's future, and the PONG that comes later (a server that hung, SIGSTOP) then ends
-        the client's read loop (``InvalidStateError`` in ``_process_pong``, nats-py 2.16): the bus stayed
+        A PING not answered in time is left to its PONG (:meth:`ping`, ``shared.natsping``): nats-py's own
+        ``flush`` timeout cancels the PONG's future, and the PONG that comes later (a server that hung, SIGSTOP)
+        then ends the client's read loop (``InvalidStateError`` in ``_process_pong``, nats-py 2.16): the bus stayed
         connected and received nothing for good (``tests/integration/test_bus_flush_live.py``).
 
         Raises:
             ValueError: ``timeout_s`` is not positive.
-            BusUnavailable: no PONG within ``timeout_s`` seconds in all (connection down or closed),
-                or commands still queued all that time (others keep publishing on this connection).
+            BusUnavailable: no PONG within ``timeout_s`` seconds in all (connection down or closed; a client whose
+                read loop ended, ``DeafClient``: nats-py's flush returned at once without a PING there), or commands
+                still queued all that time (others keep publishing on this connection).
         """
         if not timeout_s > 0:
             raise ValueError(f"flush timeout must be positive seconds, got {timeout_s!r}")
@@ -1523,19 +1523,22 @@ class Bus:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise BusUnavailable(f"flush: commands still queued after {timeout_s} s")
-            # also lets nats-py's flusher write what is queued; nats-py's timeout is never reached (see above)
-            ping = asyncio.ensure_future(self.nc.flush(timeout=PING_NO_TIMEOUT_S))  # type: ignore[arg-type]  # int in nats-py's hints only
-            try:
-                await asyncio.wait_for(asyncio.shield(ping), left)
-            except (nats.errors.Error, asyncio.TimeoutError, asyncio.CancelledError) as e:
-                if not ping.done():  # left to its PONG; a reconnect forgets it (no PONG then): cancelled at close
-                    self._pings.add(ping)
-                    ping.add_done_callback(self._pings.discard)
-                if isinstance(e, asyncio.CancelledError):  # the caller's (Bus.close's drain cut short): its PING kept
-                    raise
-                raise BusUnavailable(f"flush: no answer from NATS within {timeout_s} s: {type(e).__name__}") from e
+            # also lets nats-py's flusher write what is queued; a PING not answered in time is left to its PONG
+            # (the caller's cancel, Bus.close's drain cut short, too): cancelled once a reconnect forgot it, or at close
+            ping = self.ping()
+            if not await ping.wait(left):
+                e = ping.future.exception() if ping.future.done() and not ping.future.cancelled() else None
+                why = "TimeoutError" if e is None else type(e).__name__
+                raise BusUnavailable(f"flush: no answer from NATS within {timeout_s} s: {why}") from e
             if clean:
                 return
+
+    def ping(self) -> Ping:
+        """Send a PING on this bus's connection now (:class:`shared.natsping.Ping`; send it while connected): watch
+        its PONG with :meth:`Ping.wait`, give up on it with :meth:`Ping.drop`. It is never cancelled while nats-py
+        holds it (a cancelled PONG future that nats-py answers later ends its read loop: connected, deaf); one a
+        reconnect made nats-py forget is cancelled at the next PING of the bus, what is left at :meth:`close`."""
+        return Ping(self.nc, conn=lambda: self.reconnected_at, keep=self._pings)
 
     def _trim_recent(self, now: float) -> None:
         """Cut the resend window ``_recent`` (what a reconnect publishes again; ``now``: monotonic seconds).
@@ -1583,9 +1586,10 @@ class Bus:
         goes on; it ends with the bus (:meth:`close` cancels it).
 
         As the router's NATS probe (``services/router/service.py``, ``_bus_probe_loop``) the PING is never given up
-        on while its connection lasts: nats-py's own ``flush`` timeout cancels the PONG's future, and a PONG that comes
-        later then ends the client's read loop (nats-py 2.16). A reconnect forgets the PINGs sent before it (nats-py
-        drops their futures; their PONGs never come): the round ends then, confirming nothing."""
+        on while its connection lasts (:meth:`ping`, ``shared.natsping``): nats-py's own ``flush`` timeout cancels the
+        PONG's future, and a PONG that comes later then ends the client's read loop (nats-py 2.16). A reconnect forgets
+        the PINGs sent before it (nats-py drops their futures; their PONGs never come): the round ends then, confirming
+        nothing."""
         while True:
             try:
                 await self._confirm_once()
@@ -1599,34 +1603,27 @@ class Bus:
         busy, thousands a second, still gets confirms: before, a round waited for an empty queue and, finding none in
         ``CONFIRM_PING_S``, confirmed nothing, so its window grew to ``RESEND_MAX_MSGS``)."""
         nc = self.nc
-        reading = getattr(nc, "_reading_task", None)
-        if not nc.is_connected or reading is None or reading.done():
+        if not nc.is_connected or natsping.deaf(nc):
             return  # down, or a client whose flush sends no PING (its read loop ended): nothing to confirm
         waited = time.monotonic() + CONFIRM_QUEUE_WAIT_S
         while nc.is_connected and nc.pending_data_size and time.monotonic() < waited:
             await asyncio.sleep(0.005)  # nats-py's flusher writes what is queued as a rule within a loop turn
-        pongs = getattr(nc, "_pongs", None)  # this connection's: nats-py makes a new list at each (re)connect
+        pongs = natsping.connection_of(nc)  # this connection's: nats-py makes a new list at each (re)connect
         sent, conn = time.monotonic(), self.reconnected_at
         if nc.pending_data_size:
             at, on = self._clear
             if on is not pongs or pongs is None:
                 return  # no publish found the queue empty on this connection yet: nothing it could confirm
             sent = at
-        ping = asyncio.ensure_future(nc.flush(timeout=PING_NO_TIMEOUT_S))  # type: ignore[arg-type]  # int in nats-py's hints only
-        self._pings.add(ping)  # cancelled at close if still waiting then
-        ping.add_done_callback(self._pings.discard)
-        while True:
-            done, _ = await asyncio.wait({ping}, timeout=CONFIRM_PING_S)
-            if done:
-                break
-            # cancelled only once nats-py forgot it (a reconnect made a new _pongs list): a PING sent on a new
-            # connection before reconnected_cb ran (nats-py sets connected, then awaits its own flush, then calls it)
-            # is in the new list, and cancelling it made its late PONG end the client's read loop (InvalidStateError
-            # in _process_pong): connected, deaf, for minutes (review rr-bus52's proxy run)
-            if getattr(nc, "_pongs", None) is not pongs if pongs is not None else self.reconnected_at != conn:
-                ping.cancel()
-                return
-        if ping.cancelled() or ping.exception() is not None or self.reconnected_at != conn:
+        ping = self.ping()
+        # given up on only once lost (Ping.wait: nats-py forgot it, a reconnect made a new _pongs list): a PING sent on
+        # a new connection before reconnected_cb ran (nats-py sets connected, then awaits its own flush, then calls
+        # it) is in the new list, and cancelling it made its late PONG end the client's read loop (InvalidStateError
+        # in _process_pong): connected, deaf, for minutes (review rr-bus52's proxy run)
+        got = await ping.wait(CONFIRM_PING_S)
+        while got is None:
+            got = await ping.wait(CONFIRM_PING_S)
+        if not got or self.reconnected_at != conn:
             return
         now = time.monotonic()
         self._confirms.append((sent, now))
@@ -1959,7 +1956,7 @@ class Bus:
             self._resend, self._held_bytes = [], 0
             self._held.clear()
         for ping in list(self._pings):  # the client no longer reads: no PONG can reach them now
-            ping.cancel()
+            ping.future.cancel()
         if caller_cancel is not None:
             raise caller_cancel
 

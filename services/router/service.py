@@ -748,10 +748,6 @@ class _Server(uvicorn.Server):
         pass
 
 
-_PROBE_NO_TIMEOUT_S = 365 * 86400.0
-"""The router's NATS PING (:meth:`RouterService._bus_probe_loop`) is given nats-py's longest wait: never
-given up on while its connection lasts."""
-
 _GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
@@ -2255,38 +2251,29 @@ class RouterService(WatchedService):
         ``no_route_wait_s``, where a server that died and came back cost nothing (fence checks stop while
         it is down). Counted ``bus.stalls``; logged when it stalls and when it answers again.
 
-        The PING is never given up on while its connection lasts: nats-py's ``flush`` cancels the PONG's
-        future at its timeout, and the PONG that comes later then ends the client's read loop
-        (``InvalidStateError`` in ``_process_pong``, nats-py 2.16): connected, it never reads again. A
-        reconnect forgets the PINGs sent before it (their PONGs never come): the probe is dropped then."""
+        The PING is never given up on while its connection lasts (``Bus.ping``, ``shared.natsping``): nats-py's
+        ``flush`` cancels the PONG's future at its timeout, and the PONG that comes later then ends the client's read
+        loop (``InvalidStateError`` in ``_process_pong``, nats-py 2.16): connected, it never reads again. A
+        reconnect forgets the PINGs sent before it (their PONGs never come): the probe is dropped then. Lost is judged
+        by nats-py's PONG list, not ``reconnected_at``: a PING sent on a new connection before ``reconnected_cb`` ran
+        is in the new list, and cancelling it made its late PONG end the client's read loop (rr-bus52)."""
         interval = self._bus_stall_s / 2
         while True:
             if not self.bus.nc.is_connected:
                 await asyncio.sleep(interval)
                 continue
             sent, conn = time.monotonic(), self.bus.reconnected_at
-            nc = self.bus.nc
-            pongs = getattr(nc, "_pongs", None)  # this connection's PONG futures: nats-py makes a new list at a reconnect
-            probe = asyncio.ensure_future(nc.flush(timeout=_PROBE_NO_TIMEOUT_S))  # type: ignore[arg-type]  # int in nats-py's hints only
-
-            def held() -> bool:
-                """nats-py still holds this PING's future (no reconnect since it was sent). Judged by its ``_pongs``
-                list, not ``reconnected_at``: a PING sent on a new connection before ``reconnected_cb`` ran is in the
-                new list, and cancelling it made its late PONG end the client's read loop (rr-bus52)."""
-                return getattr(nc, "_pongs", None) is pongs if pongs is not None else self.bus.reconnected_at == conn
-
-            done, _ = await asyncio.wait({probe}, timeout=self._bus_stall_s)
-            if not done:  # a PONG already read but not processed yet (a busy loop ran this timer first) is no stall
-                done, _ = await asyncio.wait({probe}, timeout=0.01)
-            while not done and held():
+            probe = self.bus.ping()
+            got = await probe.wait(self._bus_stall_s)
+            if got is None:  # a PONG already read but not processed yet (a busy loop ran this timer first) is no stall
+                got = await probe.wait(0.01)
+            while got is None:  # no PONG yet, and nats-py still holds the PING (no reconnect since)
                 if self._bus_stalled_at is None and self.bus.nc.is_connected:
                     self._bus_stalled_at = sent
                     self.counters["bus.stalls"] += 1
                     self.log.warning("NATS does not answer a PING; fencing suspended until it does", waited_s=round(time.monotonic() - sent, 3))
-                done, _ = await asyncio.wait({probe}, timeout=interval)
-            if not done:  # reconnected meanwhile: that PING's PONG never comes, and no PONG can reach it now
-                probe.cancel()
-            elif not probe.cancelled() and probe.exception() is None and self._bus_stalled_at is not None:
+                got = await probe.wait(interval)
+            if got and self._bus_stalled_at is not None:
                 self.log.warning("NATS answers again; fencing resumes once node states have had time to come back",
                                  stalled_s=round(time.monotonic() - self._bus_stalled_at, 3), settle_s=self.cfg.fence_after_s + 1.0)  # fmt: skip
                 self._bus_stalled_at = None
