@@ -30,6 +30,7 @@ from pathlib import Path
 from shared import messages as m
 from shared.auth import NatsAuth
 from shared.bus import Bus
+from shared.natsping import Ping
 from shared.subjects import SVC_HEARTBEAT, Subjects
 
 NATS_PROBE_TIMEOUT_S = 2.0
@@ -334,20 +335,34 @@ class Watcher:
 
     async def probe(self, interval_s: float = 1.0) -> None:
         """Every ``interval_s``: nats-server's INFO line (when the job runs it), then a PING through the watcher's
-        own connection (each at most :data:`NATS_PROBE_TIMEOUT_S`)."""
-        while True:
-            if self.nats_port is not None and NATS in self.names:
-                tried = time.monotonic()
-                ok = await nats_info_probe(self.nats_port)
-                self.watch.nats_probed(tried, time.monotonic() if ok else None)
-            if self.bus is not None:
-                try:
-                    await asyncio.wait_for(self.bus.nc.flush(), NATS_PROBE_TIMEOUT_S)
-                except Exception:  # not connected, a timeout: the beats cannot be seen now (Watch.overdue)
-                    pass
-                else:
-                    self.watch.bus_answered(time.monotonic())
-            await asyncio.sleep(interval_s)
+        own connection (each at most :data:`NATS_PROBE_TIMEOUT_S`; a PING not answered by then is waited for again
+        in the next round, until its PONG comes or a reconnect loses it).
+
+        The PING is never cancelled while nats-py holds it (``Bus.ping``, ``shared.natsping``). Before, it was
+        ``wait_for(nc.flush(), NATS_PROBE_TIMEOUT_S)``: the PONG's future was cancelled at the deadline, and a PONG
+        that came later (nats-server hung a few seconds) ended nats-py's read loop: the watcher heard no heartbeat
+        again while its flush returned at once (no PING sent), so every head service looked silent on a healthy bus
+        and was SIGKILLed after the liveness timeout (``tests/integration/test_liveness_watcher_late_pong_live.py``)."""
+        ping: Ping | None = None
+        try:
+            while True:
+                if self.nats_port is not None and NATS in self.names:
+                    tried = time.monotonic()
+                    ok = await nats_info_probe(self.nats_port)
+                    self.watch.nats_probed(tried, time.monotonic() if ok else None)
+                if self.bus is not None:
+                    if ping is None and self.bus.nc.is_connected:
+                        ping = self.bus.ping()
+                    if ping is not None:
+                        got = await ping.wait(NATS_PROBE_TIMEOUT_S)
+                        if got:
+                            self.watch.bus_answered(time.monotonic())
+                        if got is not None:
+                            ping = None  # (not answered: refused, lost to a reconnect; the beats cannot be seen now)
+                await asyncio.sleep(interval_s)
+        finally:
+            if ping is not None:
+                ping.drop()  # left to its PONG while nats-py holds it; the bus's close cancels it
 
     def kill(self, name: str, pid: int, silent: float) -> None:
         """SIGKILL ``name``'s process ``pid`` if it is still the one its ``supervise`` loop runs (the loop restarts it)."""
