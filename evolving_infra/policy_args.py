@@ -105,11 +105,14 @@ class LivePolicy(FrozenValue):
         set_field(self, "notes", notes)
 
     def describe(self) -> str:
-        """One line for the command's output."""
+        """One line for the command's output. The binding is named as ``--decode-binding`` takes it: the router's
+        ``dispatch`` is what ``enqueue`` and ``route`` both run live (printed bare, a user passing it back got an
+        argparse error)."""
         opts = f" ({', '.join(self.planner_args)})" if self.planner_args else ""
         ropts = f" ({' '.join(self.router_args)})" if self.router_args else ""
+        binding = "at dispatch (enqueue / route)" if self.decode_binding == "dispatch" else self.decode_binding
         return (f"policy {self.name}: routing {self.routing}{ropts}, planner {self.planner}{opts}, eviction {self.eviction}, "
-                f"decode binding {self.decode_binding}")
+                f"decode binding {binding}")
 
     def meta(self) -> dict[str, Any]:
         """For ``report.json``'s ``meta.policy``."""

@@ -249,3 +249,17 @@ def test_simulate_names_a_static_set_by_the_split_it_serves():
     args = build_parser().parse_args(["simulate", "--workload", "claude-code", "--nodes", "4", "--split", "3P1D",
                                       "--sweep", "policies", "static:5P1D,dynamo", "--out", "x"])
     assert [label for label, _ in sweep_items(config_from_args(args), args.sweep)] == ["static:3P1D", "dynamo"]
+
+
+@pytest.mark.parametrize(("policy", "flag"), [("static:2P2D", None), ("evolving", "route"), ("evolving", "enqueue"),
+                                              ("evolving", None)])
+def test_the_banner_names_the_decode_binding_as_the_flag_takes_it(policy, flag, tmp_path):
+    """The banner said "decode binding dispatch" (the router's name) for a static set: `up --decode-binding dispatch`,
+    which a user copies from it, is an argparse error. It now names the flag's values that run that way."""
+    argv = ["up", "--policy", policy, "--log-dir", str(tmp_path)] + (["--decode-binding", flag] if flag else [])
+    args = build_parser().parse_args(argv)
+    _spec(args)
+    said = args.live_policy.describe().rsplit("decode binding ", 1)[1]
+    choices = ("enqueue", "prefill-start", "route")
+    assert said in choices or said == "at dispatch (enqueue / route)", said
+    assert (said == "prefill-start") == (args.live_policy.decode_binding == "prefill-start")
