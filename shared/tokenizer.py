@@ -23,16 +23,24 @@ rendered as JSON.
 model folder holding it) loaded with the ``tokenizers`` package, imported
 lazily — it is not a core dependency. The chat template is the
 ``chat_template`` of the folder's ``tokenizer_config.json`` rendered with
-``jinja2`` (also imported lazily, as transformers does); a folder without a
+``jinja2`` (also imported lazily) in the environment transformers'
+``apply_chat_template`` gives it (:func:`compile_chat_template`); a folder without a
 template falls back to ChatML with a warning in :attr:`HFTokenizer.notes`.
+
+Both take a chat's extra template variables (vLLM's ``chat_template_kwargs``, e.g.
+``{"enable_thinking": false}``: ``template_kwargs``, :func:`check_template_kwargs`) and a
+template of the request's own (``chat_template``, rendered in the same sandbox); the
+built-in ChatML reads no extra variable, so there they change nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -69,8 +77,9 @@ class Tokenizer(Protocol):
     def render_chat(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
         add_generation_prompt: bool = True, continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None, chat_template: str | None = None,
     ) -> str:
-        """The chat template's text of a chat, the very string :meth:`apply_chat_template` encodes (flags as
+        """The chat template's text of a chat, the very string :meth:`apply_chat_template` encodes (arguments as
         there).
 
         Raises:
@@ -81,16 +90,23 @@ class Tokenizer(Protocol):
     def apply_chat_template(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
         add_generation_prompt: bool = True, continue_final_message: bool = False, add_special_tokens: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None, chat_template: str | None = None,
     ) -> list[int]:
         """Token ids of a chat (``encode(render_chat(...), add_special_tokens=add_special_tokens)``), ending with the assistant generation prompt (``add_generation_prompt``, the
         default) or after the last message's end of turn (False), or inside the last message
         (``continue_final_message``: its text left open, no end of turn, as transformers' / vLLM's);
         ``add_special_tokens`` adds the model's special tokens (BOS) on top of the template's.
+        ``template_kwargs``: more variables for the template (transformers' ``**kwargs``, vLLM's
+        ``chat_template_kwargs``; they override the special-token variables such as ``bos_token``; ``documents``
+        is the template's ``documents``); ``chat_template``: a Jinja template rendered instead of the
+        tokenizer's own (:func:`compile_chat_template`).
 
         Raises:
             ValueError: ``continue_final_message`` with ``add_generation_prompt``, or a final message
                 without text (content None) or whose text the rendered chat does not hold (:func:`tag_final`,
-                :func:`continue_final`).
+                :func:`continue_final`); a ``template_kwargs`` key it may not set (:class:`TemplateKwargError`).
+            TokenizerError: ``chat_template`` does not compile (or jinja2 is missing or too old).
+            jinja2.TemplateError: the template refuses the chat (``raise_exception``) or breaks the sandbox.
         """
         ...
 
@@ -300,18 +316,26 @@ class SimTokenizer:
     def render_chat(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
         add_generation_prompt: bool = True, continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None, chat_template: str | None = None,
     ) -> str:
-        """ChatML rendering of ``messages`` (+ tools) (flags: :class:`Tokenizer`). Raises ValueError for both flags
-        true."""
+        """ChatML rendering of ``messages`` (+ tools), or ``chat_template``'s with no special tokens (arguments and
+        errors: :meth:`Tokenizer.apply_chat_template`; ChatML reads no ``template_kwargs``)."""
+        kwargs = check_template_kwargs(template_kwargs)
+        if chat_template is not None:
+            return _render_template(compile_chat_template(chat_template), messages, tools, add_generation_prompt, continue_final_message, {}, kwargs)
         return _render_chatml(messages, tools, add_generation_prompt, continue_final_message)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
         add_generation_prompt: bool = True, continue_final_message: bool = False, add_special_tokens: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None, chat_template: str | None = None,
     ) -> list[int]:
-        """:meth:`render_chat` encoded with :meth:`encode` (flags: :class:`Tokenizer`; ``add_special_tokens``
-        changes nothing here). Raises ValueError for both flags true."""
-        return self.encode(self.render_chat(messages, tools, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message))
+        """:meth:`render_chat` encoded with :meth:`encode` (arguments and errors: :meth:`Tokenizer.apply_chat_template`;
+        ``add_special_tokens`` changes nothing here)."""
+        return self.encode(self.render_chat(
+            messages, tools, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs, chat_template=chat_template,
+        ))
 
 
 # --------------------------------------------------------------------------- #
@@ -472,7 +496,7 @@ class HFTokenizer:
                 cfg = json.loads(cfg_file.read_text())
             except (OSError, ValueError) as e:
                 raise TokenizerError(f"cannot read {cfg_file}: {e}") from e
-            for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            for key in _SPECIAL_TOKEN_KEYS:
                 val = cfg.get(key)
                 if isinstance(val, dict):
                     val = val.get("content")
@@ -487,7 +511,7 @@ class HFTokenizer:
             if jinja_file.is_file():
                 template = jinja_file.read_text()
         if template is not None:
-            self._template = _compile_template(template)
+            self._template = compile_chat_template(template)
         else:
             self.notes.append(f"no chat_template next to {file}; chat requests use ChatML")
 
@@ -537,32 +561,29 @@ class HFTokenizer:
     def render_chat(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
         add_generation_prompt: bool = True, continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None, chat_template: str | None = None,
     ) -> str:
-        """The model's chat template rendered (ChatML without one; flags: :class:`Tokenizer`;
-        ``continue_final_message`` cuts the rendering as transformers does, :func:`continue_final`).
-
-        Raises:
-            ValueError: both flags true, or a final message that cannot be continued.
-        """
-        if self._template is None:
+        """The model's chat template rendered (``chat_template`` instead when given; ChatML for a folder without
+        one), with the model's special tokens as variables and ``template_kwargs`` over them, as transformers'
+        ``apply_chat_template``; ``continue_final_message`` cuts the rendering as transformers does
+        (:func:`continue_final`). Arguments and errors: :meth:`Tokenizer.apply_chat_template`."""
+        kwargs = check_template_kwargs(template_kwargs)
+        template = compile_chat_template(chat_template) if chat_template is not None else self._template
+        if template is None:
             return _render_chatml(messages, tools, add_generation_prompt, continue_final_message)
-        template = self._template
-        return _render_chat(
-            lambda msgs, gen: template.render(messages=msgs, tools=tools, add_generation_prompt=gen, **self._special),
-            messages, add_generation_prompt, continue_final_message,
-        )
+        return _render_template(template, messages, tools, add_generation_prompt, continue_final_message, self._special, kwargs)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], tools: list[Any] | None = None, *,
         add_generation_prompt: bool = True, continue_final_message: bool = False, add_special_tokens: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None, chat_template: str | None = None,
     ) -> list[int]:
-        """:meth:`render_chat` encoded, the model's special tokens added only with ``add_special_tokens`` (flags:
-        :class:`Tokenizer`).
-
-        Raises:
-            ValueError: both flags true, or a final message that cannot be continued.
-        """
-        text = self.render_chat(messages, tools, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+        """:meth:`render_chat` encoded, the model's special tokens added only with ``add_special_tokens`` (arguments
+        and errors: :meth:`Tokenizer.apply_chat_template`)."""
+        text = self.render_chat(
+            messages, tools, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs, chat_template=chat_template,
+        )
         return self._encode(text, add_special_tokens)
 
     def output_ids(self) -> list[int]:
@@ -595,26 +616,202 @@ class HFTokenizer:
 _OUT_WORD = re.compile(r" ?[A-Za-z]{2,16}")
 
 
-def _compile_template(source: str) -> Any:
+# --------------------------------------------------------------------------- #
+# chat templates: Jinja in transformers' environment
+# --------------------------------------------------------------------------- #
+
+JINJA_MIN_VERSION = (3, 1, 6)
+"""Oldest jinja2 a chat template is rendered with, as transformers' ``_compile_jinja_template`` requires: older
+sandboxes have known escapes (3.1.6 fixed CVE-2025-27516, ``|attr`` reaching ``str.format``), and a chat template
+is code from elsewhere (a model's from the Hub; a request's with the router's ``--trust-request-chat-template``)."""
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+"""``tokenizer_config.json``'s named special tokens, each a template variable (transformers'
+``SPECIAL_TOKENS_ATTRIBUTES``, whose ``special_tokens_map`` ``apply_chat_template`` passes to the template)."""
+
+RESERVED_TEMPLATE_KWARGS: dict[str, str] = {
+    "messages": "the conversation is the request's messages",
+    "conversation": "the conversation is the request's messages",
+    "tools": "send tools as the request's tools",
+    "add_generation_prompt": "it is the request's add_generation_prompt",
+    "continue_final_message": "it is the request's continue_final_message",
+    "chat_template": "a template is the request's chat_template",
+    "tokenize": "the template's text is always tokenized by the router",
+}
+"""Template variables a caller's ``template_kwargs`` may not set, and why: the ones the renderer sets itself (in
+transformers' ``apply_chat_template`` a second value is a ``TypeError``; vLLM refuses ``chat_template`` and
+``tokenize`` in ``chat_template_kwargs`` by name, ``resolve_chat_template_kwargs``)."""
+
+
+class TemplateKwargError(ValueError):
+    """A ``template_kwargs`` entry the renderer refuses; ``key`` names it."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(reason)
+        self.key = key
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``kwargs`` as the template's extra variables (a copy; ``{}`` for None), checked.
+
+    Raises:
+        TemplateKwargError: a key of :data:`RESERVED_TEMPLATE_KWARGS`, a key that is not a string, or a
+            ``documents`` that is not a list of objects (transformers' check: "Documents should be a list of dicts").
+    """
+    out = dict(kwargs or {})
+    for key in out:
+        if not isinstance(key, str):
+            raise TemplateKwargError(str(key), f"a template variable's name must be a string, got {key!r}")
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise TemplateKwargError(key, f"template variable {key!r} cannot be set here: {RESERVED_TEMPLATE_KWARGS[key]}")
+    docs = out.get("documents")
+    if docs is not None and not (isinstance(docs, list) and all(isinstance(d, dict) for d in docs)):
+        raise TemplateKwargError("documents", "documents must be a list of objects (each with 'title' and 'text', as transformers asks)")
+    return out
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """``"3.1.6"`` → ``(3, 1, 6)``; a suffix (``3.2.0rc1``) ends the number it is on (``(3, 2, 0)``)."""
+    parts: list[int] = []
+    for piece in version.split(".")[:3]:
+        digits = re.match(r"\d+", piece)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def chat_template_env() -> Any:
+    """The Jinja environment chat templates compile in: the one transformers' ``_compile_jinja_template`` builds
+    (``transformers/utils/chat_template_utils.py``, 5.x), without importing transformers (an optional extra here).
+
+    ``ImmutableSandboxedEnvironment`` (a template cannot call unsafe methods, read ``_``-attributes or change
+    the messages) with ``trim_blocks`` / ``lstrip_blocks``; the ``loopcontrols`` extension (``{% break %}`` /
+    ``{% continue %}``) and a ``{% generation %}`` ... ``{% endgeneration %}`` tag that renders its body
+    (transformers tracks the assistant's spans with it, for ``return_assistant_tokens_mask``; the text is the
+    same); ``tojson`` as ``json.dumps`` (non-ASCII kept, no HTML escaping, ``indent`` / ``separators`` /
+    ``sort_keys``); the globals ``raise_exception(message)`` (a ``TemplateError``), ``strftime_now(format)`` (the
+    local time now, ``datetime.now().strftime``: Llama 3.1's "Today Date"), and transformers' restricted ``dict``
+    and ``namespace`` (a namespace refuses ``_``-prefixed attributes). One per process.
+
+    Raises:
+        TokenizerError: jinja2 is not installed, or older than :data:`JINJA_MIN_VERSION`.
+    """
     try:
-        from jinja2.exceptions import TemplateError
+        import jinja2
+        import jinja2.ext
+        import jinja2.nodes
+        import jinja2.utils
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError as e:
-        raise TokenizerError("this model's chat template needs the 'jinja2' package: pip install jinja2") from e
+        raise TokenizerError("this model's chat template needs the 'jinja2' package: pip install 'jinja2>=3.1.6'") from e
+    if _version_tuple(jinja2.__version__) < JINJA_MIN_VERSION:
+        raise TokenizerError(
+            f"chat templates need jinja2>={'.'.join(map(str, JINJA_MIN_VERSION))} (older sandboxes have known escapes; "
+            f"transformers refuses them too), found {jinja2.__version__}: pip install -U jinja2"
+        )
+
+    class GenerationTag(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}``: its body, as rendered (transformers' ``AssistantTracker``
+        outside tracking)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_generation_support"), [], [], body).set_lineno(lineno)
+
+        def _generation_support(self, caller: Callable[[], str]) -> str:
+            return caller()
 
     def raise_exception(message: str) -> None:
-        raise TemplateError(message)
+        raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    class TemplateDict:
+        """``dict(...)`` / ``dict.fromkeys(...)`` and nothing else of the type (no ``dict.__subclasses__``)."""
+
+        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        """Jinja's ``namespace`` refusing ``_``-prefixed attribute names (no reach into CPython internals)."""
+
+        def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's signature trick: namespace(self=...) works
+            self, rest = args[0], args[1:]
+            attrs = dict(*rest, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}. "
+                    "Please rename the attribute."
+                )
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def compile_chat_template(source: str) -> Any:
+    """``source`` compiled in :func:`chat_template_env` (a ``jinja2.Template``); the last 16 templates are kept,
+    so a model's template compiles once and a request's template (``chat_template``) once per distinct text.
+
+    Raises:
+        TokenizerError: the template does not compile ("invalid chat template: <jinja's reason>"), or jinja2
+            is missing or too old (:func:`chat_template_env`).
+    """
+    env = chat_template_env()
+    from jinja2.exceptions import TemplateError
+
     try:
         return env.from_string(source)
     except TemplateError as e:
         raise TokenizerError(f"invalid chat template: {e}") from e
+
+
+def _render_template(
+    template: Any, messages: list[dict[str, Any]], tools: list[Any] | None, add_generation_prompt: bool,
+    continue_final_message: bool, special: Mapping[str, str], kwargs: Mapping[str, Any],
+) -> str:
+    """``template`` rendered as transformers' ``apply_chat_template`` renders it: variables ``messages``,
+    ``tools``, ``documents`` (None unless ``kwargs`` has them), ``add_generation_prompt``, the special tokens
+    ``special`` and ``kwargs`` over them (checked by :func:`check_template_kwargs`); ``continue_final_message``
+    as :func:`_render_chat`.
+
+    Raises:
+        ValueError: as :func:`_render_chat`.
+        jinja2.TemplateError: what the template raises (``raise_exception``, a sandbox refusal).
+    """
+    variables = {**special, **kwargs}
+    documents = variables.pop("documents", None)
+    return _render_chat(
+        lambda msgs, gen: template.render(messages=msgs, tools=tools, documents=documents, add_generation_prompt=gen, **variables),
+        messages, add_generation_prompt, continue_final_message,
+    )
 
 
 # --------------------------------------------------------------------------- #
