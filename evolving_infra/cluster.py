@@ -232,6 +232,8 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Router ``--enable-auto-tool-choice`` (vLLM's): serve ``tool_choice`` ``auto`` with ``tool_call_parser``."""
     tool_call_parser: str = ""
     """Router ``--tool-call-parser`` (vLLM's name, ``hermes``); empty = none."""
+    trust_request_chat_template: bool = False
+    """Router ``--trust-request-chat-template`` (vLLM's): render a request's own ``chat_template``."""
     otlp_traces_endpoint: str = ""
     """Every service's ``--otlp-traces-endpoint`` (OTLP/HTTP collector URL; empty = each process's own
     ``OTEL_EXPORTER_OTLP_*`` environment, inherited from the launcher)."""
@@ -426,7 +428,7 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     (router ``--routing``/``--decode-binding``/routing options, planner ``--planner``/``--planner-args``/``--split``,
     workers ``--host-eviction``), the profile (and the workers' KV sizes over it; for the torch engine the router's
     and planner's ``--profile-clock wall``, as the workers read it from ``--engine``), block size, tokenizer, served
-    model name, the tool-call flags (``--enable-auto-tool-choice``, ``--tool-call-parser``), for the torch engine
+    model name, the tool-call flags (``--enable-auto-tool-choice``, ``--tool-call-parser``), ``--trust-request-chat-template``, for the torch engine
     the model folder, dtype, context limit and vocabulary size, the liveness
     time (the router's ``--fence-after-s`` and the planner's ``--silent-after-s``, one value), and the
     observability flags (every service's ``--otlp-traces-endpoint``, the router's and workers' ``--log-requests``).
@@ -476,6 +478,7 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
                 + (["--fence-after-s", repr(s.fence_after_s)] if s.fence_after_s > 0 else [])
                 + (["--enable-auto-tool-choice"] if s.enable_auto_tool_choice else [])
                 + (["--tool-call-parser", s.tool_call_parser] if s.tool_call_parser else [])
+                + (["--trust-request-chat-template"] if s.trust_request_chat_template else [])
                 + list(s.router_args) + traces + requests)
     raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
 

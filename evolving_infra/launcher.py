@@ -282,6 +282,13 @@ def _add_cluster_args(
         "..., \"arguments\": {...}}</tool_call> (Qwen2.5/Qwen3, Hermes); vLLM's name (router --tool-call-parser)",
     )
     g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="the routers render a request's own Jinja chat template (chat_template, or chat_template_kwargs."
+        "chat_template) in the model template's sandbox, as vLLM's flag does; without it such a request gets vLLM's "
+        "400. A template is code the router runs for the client (router --trust-request-chat-template)",
+    )
+    g.add_argument(
         "--otlp-traces-endpoint",
         default="",
         metavar="URL",
@@ -1239,6 +1246,7 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
         log_requests=args.log_requests,
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", ""),
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         stream_interval=args.stream_interval,
         ready_timeout_s=args.ready_timeout,

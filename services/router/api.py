@@ -46,7 +46,9 @@ router refuses either with a 400 while a node it may place the request on runs t
 vendor extensions); a known field with a wrong type or value is a 400 naming
 the field (in the message and in the error's ``param``, as OpenAI's API does). vLLM's chat-template
 extras are applied (:func:`render_chat`): chat ``add_generation_prompt`` / ``continue_final_message`` /
-``add_special_tokens`` and completions ``add_special_tokens``; token ids of any size are decoded and the
+``add_special_tokens`` / ``chat_template_kwargs`` (:func:`template_kwargs`) and completions ``add_special_tokens``;
+a request's ``chat_template`` only with the router's ``--trust-request-chat-template``, else vLLM's 400
+(:func:`request_chat_template`); token ids of any size are decoded and the
 router names the first outside the vocabulary (:func:`check_token_ids`).
 An explicit ``null`` is the default for every field OpenAI's spec marks nullable
 (``stream``, ``n``, ``logprobs``, ``echo``, ``stream_options.*``, ...), as vLLM's
@@ -69,6 +71,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from shared.messages import BranchKind, Sampling
+from shared.tokenizer import TemplateKwargError, TokenizerError, check_template_kwargs, compile_chat_template
 from shared.validate import (  # the nodes' bounds of a work's Sampling: the API takes no more than they do
     MAX_ABS_LOGIT_BIAS,
     MAX_LOGIT_BIAS,
@@ -270,6 +273,11 @@ class ChatRequest(_Sampling, kw_only=True):
     needs ``add_generation_prompt`` false (a 400 otherwise, as vLLM's ``check_generation_prompt``)."""
     add_special_tokens: bool = False
     """vLLM's chat extra: True adds the model's special tokens (BOS) on top of the chat template's."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's chat extra: more variables for the chat template (``{"enable_thinking": false}``), :func:`template_kwargs`."""
+    chat_template: str | None = None
+    """vLLM's chat extra: a Jinja chat template for this request; refused unless the router trusts request
+    templates (:func:`check_request_chat_template`)."""
 
 
 _COMPLETION_DEC = msgspec.json.Decoder(CompletionRequest)
@@ -656,11 +664,13 @@ AUTO_TOOL_CHOICE_OFF = '"auto" tool choice requires --enable-auto-tool-choice an
 
 def _check_chat(req: ChatRequest | TokenizeChatRequest) -> None:
     """The checks a chat request and a chat ``/tokenize`` share (in this order): its content parts, its messages'
-    tool calls, its tools, its generation prompt. Raises :class:`ApiError` (400) naming the field."""
+    tool calls, its tools, its generation prompt, its ``chat_template_kwargs`` (:func:`template_kwargs`). Raises
+    :class:`ApiError` (400) naming the field."""
     _check_content_parts(req.messages)
     _check_tool_calls(req.messages)
     _check_tools(req.tools)
     _check_generation_prompt(req)
+    template_kwargs(req)
 
 
 def _check_generation_prompt(req: ChatRequest | TokenizeChatRequest) -> None:
@@ -674,19 +684,89 @@ def _check_generation_prompt(req: ChatRequest | TokenizeChatRequest) -> None:
         raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", param="continue_final_message")
 
 
-def render_chat(tokenizer: Any, req: ChatRequest | TokenizeChatRequest, check: Callable[[str], None] | None = None) -> list[int]:
-    """The prompt ids of a chat request: its messages and tools through ``tokenizer``'s chat template with
-    the request's ``add_generation_prompt`` / ``continue_final_message`` (``Tokenizer.render_chat``), the text
-    encoded with ``add_special_tokens`` (what ``Tokenizer.apply_chat_template`` gives); what ``/v1/chat/completions``
-    serves and ``/tokenize`` counts. ``check``: called with the rendered text before it is encoded (a template
-    may drop text, so a bound on the tokens of a prompt holds for this string, not for the messages).
+TEMPLATE_FLAG_KWARGS = ("add_generation_prompt", "continue_final_message")
+"""``chat_template_kwargs`` keys that are request fields too: the request's field is what the template gets (vLLM's
+``build_chat_params`` merges ``chat_template_kwargs`` with these fields over it)."""
+
+
+def template_kwargs(req: ChatRequest | TokenizeChatRequest) -> dict[str, Any]:
+    """The extra variables a chat request gives its chat template: its ``chat_template_kwargs`` (vLLM's extra, as
+    vLLM passes them to ``apply_chat_template``: ``{"enable_thinking": false}`` turns Qwen3's thinking off; a
+    variable the template does not read changes nothing, as vLLM drops it), less :data:`TEMPLATE_FLAG_KWARGS`
+    (the request's own fields win, as vLLM's merge) and less ``chat_template`` (a request template:
+    :func:`request_chat_template`).
 
     Raises:
-        ValueError (or the template's own error): a conversation the template refuses.
-        ApiError: what ``check`` raises.
+        ApiError: 400 naming ``chat_template_kwargs.<key>`` for a key the renderer sets itself (``messages``,
+            ``tools``, ``tokenize``...: ``shared.tokenizer.RESERVED_TEMPLATE_KWARGS``; vLLM refuses ``tokenize``
+            by name and fails on the others) or a ``documents`` that is not a list of objects.
     """
+    given = req.chat_template_kwargs or {}
+    kwargs = {k: v for k, v in given.items() if k not in TEMPLATE_FLAG_KWARGS and k != "chat_template"}
+    try:
+        return check_template_kwargs(kwargs)
+    except TemplateKwargError as e:
+        raise ApiError(400, f"chat_template_kwargs: {e}", param=f"chat_template_kwargs.{e.key}") from e
+
+
+UNTRUSTED_CHAT_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+"""vLLM's 400 for a request's ``chat_template`` (or ``chat_template_kwargs.chat_template``) that a server without
+``--trust-request-chat-template`` refuses (``_validate_chat_template``)."""
+
+
+def request_chat_template(req: ChatRequest | TokenizeChatRequest, trusted: bool) -> str | None:
+    """The request's own chat template (``chat_template``, else ``chat_template_kwargs.chat_template``, as vLLM
+    takes either), or None to render with the tokenizer's. ``trusted``: the router's
+    ``--trust-request-chat-template``.
+
+    Raises:
+        ApiError: 400 naming the field when a template is sent and ``trusted`` is false (vLLM's
+            :data:`UNTRUSTED_CHAT_TEMPLATE`: a template is code the router runs), or when
+            ``chat_template_kwargs.chat_template`` is not a string.
+    """
+    in_kwargs = (req.chat_template_kwargs or {}).get("chat_template")
+    if req.chat_template is None and in_kwargs is None:
+        return None
+    param = "chat_template" if req.chat_template is not None else "chat_template_kwargs.chat_template"
+    if not trusted:
+        raise ApiError(400, UNTRUSTED_CHAT_TEMPLATE, param=param)
+    if req.chat_template is not None:
+        return req.chat_template
+    if not isinstance(in_kwargs, str):
+        raise ApiError(400, f"chat_template_kwargs.chat_template must be a string, got {type(in_kwargs).__name__}", param=param)
+    return in_kwargs
+
+
+def render_chat(
+    tokenizer: Any, req: ChatRequest | TokenizeChatRequest, check: Callable[[str], None] | None = None, *,
+    trust_request_chat_template: bool = False,
+) -> list[int]:
+    """The prompt ids of a chat request: its messages and tools through ``tokenizer``'s chat template (or the
+    request's own, :func:`request_chat_template`) with the request's ``add_generation_prompt`` /
+    ``continue_final_message`` and its ``chat_template_kwargs`` (:func:`template_kwargs`) (``Tokenizer.render_chat``),
+    the text encoded with ``add_special_tokens`` (what ``Tokenizer.apply_chat_template`` gives); what
+    ``/v1/chat/completions`` serves and ``/tokenize`` counts. ``check``: called with the rendered text before it is
+    encoded (a template may drop text, so a bound on the tokens of a prompt holds for this string, not for the
+    messages). ``trust_request_chat_template``: the router's flag of that name.
+
+    Raises:
+        ApiError: a request template not trusted, or one that does not compile (400 naming ``chat_template``);
+            refused ``chat_template_kwargs``; what ``check`` raises.
+        ValueError (or the template's own error): a conversation the template refuses.
+    """
+    template = request_chat_template(req, trust_request_chat_template)
+    if template is not None:
+        try:
+            compile_chat_template(template)
+        except TokenizerError as e:
+            param = "chat_template" if req.chat_template is not None else "chat_template_kwargs.chat_template"
+            raise ApiError(400, f"{param}: {e}", param=param) from e
     text = tokenizer.render_chat(
         chat_messages(req), req.tools, add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+        template_kwargs=template_kwargs(req), chat_template=template,
     )
     if check is not None:
         check(text)
@@ -1245,7 +1325,7 @@ class TokenizeCompletionRequest(Struct, kw_only=True):
 
 class TokenizeChatRequest(Struct, kw_only=True):
     """``POST /tokenize`` with ``messages`` (vLLM's ``TokenizeChatRequest``); ``chat_template`` /
-    ``chat_template_kwargs`` are ignored as ``/v1/chat/completions`` ignores them, so the count is
+    ``chat_template_kwargs`` are applied (and refused) as ``/v1/chat/completions`` applies them, so the count is
     that request's ``usage.prompt_tokens``."""
 
     model: str | None = None
@@ -1255,6 +1335,8 @@ class TokenizeChatRequest(Struct, kw_only=True):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
 
 
 class DetokenizeRequest(Struct, kw_only=True):

@@ -249,6 +249,13 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
              "--tool-call-parser. Off, such a request gets vLLM's 400 ('\"auto\" tool choice requires "
              "--enable-auto-tool-choice and --tool-call-parser to be set'); tool_choice 'none' is served either way"),
     ] = False
+    trust_request_chat_template: Annotated[
+        bool,
+        Meta(description="vLLM's: render a request's own Jinja chat template (chat_template, or chat_template_kwargs."
+             "chat_template) on /v1/chat/completions and /tokenize, in the same sandbox as the model's; off, such a "
+             "request gets vLLM's 400 ('Chat template is passed with request, but --trust-request-chat-template is not "
+             "set...'). A template is code the router runs for the client: its rendering costs router CPU"),
+    ] = False
     tool_call_parser: Annotated[
         str,
         Meta(description="vLLM's: the tool-call format the model writes, for --enable-auto-tool-choice: hermes "

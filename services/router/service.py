@@ -2904,9 +2904,11 @@ class RouterService(WatchedService):
             self._check_model(req.model)
             try:
                 if isinstance(req, api.TokenizeChatRequest):
-                    ids = api.render_chat(self.tokenizer, req)
+                    ids = api.render_chat(self.tokenizer, req, trust_request_chat_template=self.cfg.trust_request_chat_template)
                 else:
                     ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            except api.ApiError:
+                raise
             except Exception as e:  # a chat template may raise on a malformed conversation
                 raise api.ApiError(400, f"cannot tokenize: {e}", param="messages" if isinstance(req, api.TokenizeChatRequest) else "prompt") from e
             ids = [int(t) for t in ids]
@@ -3256,7 +3258,10 @@ class RouterService(WatchedService):
         try:
             if chat:
                 # bounded as a text prompt, on the template's text (what is tokenized; a template may drop text)
-                ids = api.render_chat(self.tokenizer, req, lambda text: self._check_prompt_len(min_prompt_tokens(self.tokenizer, text), ctx, part, at_least=True))
+                ids = api.render_chat(
+                    self.tokenizer, req, lambda text: self._check_prompt_len(min_prompt_tokens(self.tokenizer, text), ctx, part, at_least=True),
+                    trust_request_chat_template=self.cfg.trust_request_chat_template,
+                )
             elif isinstance(prompt, str):
                 ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
             else:

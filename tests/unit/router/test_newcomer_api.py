@@ -35,7 +35,7 @@ def _service(tokenizer: Any = None, **cfg: Any) -> Any:
     """A RouterService with only what ``_prepare_body`` reads (the router's defaults for the limits)."""
     svc = RouterService.__new__(RouterService)
     base = {"chat_default_max_tokens": 256, "max_output_tokens": 131_072, "max_prompt_tokens": 1_048_576, "block_size": 16,
-            "enable_auto_tool_choice": False}
+            "enable_auto_tool_choice": False, "trust_request_chat_template": False}
     svc.cfg = SimpleNamespace(**{**base, **cfg})  # type: ignore[assignment]
     svc.tokenizer = tokenizer or SimTokenizer()
     svc.vocab_size = svc.tokenizer.vocab_size

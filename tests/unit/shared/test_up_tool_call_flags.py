@@ -42,3 +42,14 @@ def test_the_router_refuses_the_same_at_start():
         load_config(RouterConfig, ["--tool-call-parser", "qwen3_xml"], prog="router", env={})
     with pytest.raises(ConfigError, match="--enable-auto-tool-choice requires --tool-call-parser"):
         load_config(RouterConfig, ["--enable-auto-tool-choice"], prog="router", env={})
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_up_passes_trust_request_chat_template_to_the_router(command, tmp_path):
+    """vLLM's ``--trust-request-chat-template``: without a way to set it from ``up``, a request's own
+    ``chat_template`` could only get the router's 400."""
+    argv = _router_argv(command, tmp_path, "--trust-request-chat-template")
+    assert load_config(RouterConfig, argv, prog="router", env={}).trust_request_chat_template is True
+    plain = _router_argv(command, tmp_path)
+    assert "--trust-request-chat-template" not in plain
+    assert load_config(RouterConfig, plain, prog="router", env={}).trust_request_chat_template is False
