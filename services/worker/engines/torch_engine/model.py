@@ -4,8 +4,12 @@ Loaded from a local Hugging Face folder: ``config.json`` + ``*.safetensors``
 (weights through ``safetensors``). The math follows ``transformers``'
 ``modeling_llama.py`` / ``modeling_qwen3.py``: RMSNorm, rotary embeddings
 (``rotate_half`` layout, ``rope_scaling`` ``linear``, ``dynamic`` is refused,
-``llama3``), grouped-query attention, SwiGLU MLP, optional q/k/v biases
-(Qwen2), per-head q/k RMSNorm (Qwen3), tied or untied embeddings.
+``llama3``), grouped-query attention, gated MLP ``down(act(gate(x)) * up(x))`` with
+the config's ``hidden_act`` (SiLU: SwiGLU; :data:`ACT_FNS`), q/k/v biases (Qwen2;
+Llama and Qwen3 with ``attention_bias``, which also gives ``o_proj`` one), MLP biases
+(Llama's ``mlp_bias``), per-head q/k RMSNorm (Qwen3), tied or untied embeddings.
+Loading is strict (:meth:`ModelConfig.check_tensors`): a checkpoint tensor the config
+does not use, a missing one or one of another shape is an error naming it.
 
 The KV cache is paged (vLLM's layout): per layer one K and one V tensor of
 shape ``[pages, page_size, kv_heads, head_dim]``; a sequence's keys are found
@@ -28,7 +32,9 @@ built once per iteration for all layers.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +43,31 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.engines.torch_engine.config import SUPPORTED_ARCHS, ModelConfig, ModelConfigError  # noqa: F401 (re-exported)
+
+
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``NewGELUActivation`` (``gelu_new``), its expression as written there (``F.gelu``'s
+    tanh form is the same function but rounds differently)."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+ACT_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "gelu_new": _gelu_new,
+    "relu": F.relu,
+    "relu6": F.relu6,
+    "leaky_relu": functools.partial(F.leaky_relu, negative_slope=0.01),
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "mish": F.mish,
+    "hardswish": F.hardswish,
+    "linear": lambda x: x,
+}
+"""The MLP activation of each ``hidden_act`` (:data:`~services.worker.engines.torch_engine.config.ACTIVATIONS`),
+the torch call ``transformers``' ``ACT2FN`` makes for it (5.x ``activations.py``); the same names."""
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -315,7 +346,8 @@ class PagedDecoder(torch.nn.Module):
             (:data:`DECODE_GROUP_OVERHEAD_KEYS`).
 
     Raises:
-        ModelConfigError: a weight the config implies is missing or has the wrong shape.
+        ModelConfigError: a weight the config implies is missing or has the wrong shape, or a
+            weight is one the config does not use (:meth:`ModelConfig.check_tensors`).
     """
 
     def __init__(
@@ -327,12 +359,12 @@ class PagedDecoder(torch.nn.Module):
         self.dtype = dtype
         self.device = device
 
+        cfg.check_tensors({n: tuple(t.shape) for n, t in weights.items()})
+        self.act = ACT_FNS[cfg.hidden_act]
+
         def w(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            t = weights.get(name)
-            if t is None:
-                raise ModelConfigError(f"weight {name} missing from the checkpoint")
-            if tuple(t.shape) != shape:
-                raise ModelConfigError(f"weight {name} has shape {tuple(t.shape)}, config implies {shape}")
+            t = weights[name]  # present, of this shape: check_tensors
+            assert tuple(t.shape) == shape, name
             return t.to(device=device, dtype=dtype).contiguous()
 
         H, D, nh, nkv, I = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
@@ -356,7 +388,7 @@ class PagedDecoder(torch.nn.Module):
                 "gate_up": torch.cat([w(p + "mlp.gate_proj.weight", (I, H)), w(p + "mlp.up_proj.weight", (I, H))], 0),
                 "down": w(p + "mlp.down_proj.weight", (H, I)),
             }
-            if cfg.attention_bias:
+            if cfg.qkv_bias:
                 L["qkv_b"] = torch.cat(
                     [
                         w(p + "self_attn.q_proj.bias", (nh * D,)),
@@ -364,6 +396,11 @@ class PagedDecoder(torch.nn.Module):
                         w(p + "self_attn.v_proj.bias", (nkv * D,)),
                     ]
                 )
+            if cfg.o_bias:
+                L["o_b"] = w(p + "self_attn.o_proj.bias", (H,))
+            if cfg.mlp_bias:
+                L["gate_up_b"] = torch.cat([w(p + "mlp.gate_proj.bias", (I,)), w(p + "mlp.up_proj.bias", (I,))])
+                L["down_b"] = w(p + "mlp.down_proj.bias", (H,))
             if cfg.qk_norm:
                 L["q_norm"] = w(p + "self_attn.q_norm.weight", (D,))
                 L["k_norm"] = w(p + "self_attn.k_norm.weight", (D,))
@@ -411,7 +448,8 @@ class PagedDecoder(torch.nn.Module):
 
         Raises:
             ModelConfigError: missing/unsupported config, no safetensors file, or weights
-                that do not match the config.
+                that do not match the config: missing, unused or mis-shaped, named
+                (:meth:`ModelConfig.check_tensors`).
         """
         from safetensors.torch import load_file
 
@@ -422,6 +460,7 @@ class PagedDecoder(torch.nn.Module):
         weights: dict[str, torch.Tensor] = {}
         for f in files:
             weights.update(load_file(str(f)))
+        cfg.check_tensors({n: tuple(t.shape) for n, t in weights.items()}, f"{folder}: *.safetensors")
         return PagedDecoder(cfg, weights, dtype, device)
 
     def new_cache(self, pages: int, page_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -540,10 +579,14 @@ class PagedDecoder(torch.nn.Module):
                 kch, vch = kc.index_select(0, chunk_pages), vc.index_select(0, chunk_pages)
             outs = [g.attend(q, k, v, kd, vd, scale) if g.kind == "decode" else g.attend(q, k, v, kch, vch, scale) for g in groups]
             attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-            x = torch.addmm(x, attn.reshape(T, nh * D), L["o_t"])  # x + attn·Woᵀ in one op, bit for bit
+            if "o_b" in L:  # x + (b + attn·Woᵀ): transformers' o_proj, then the residual
+                x = x + _linear(attn.reshape(T, nh * D), L["o_t"], L["o_b"])
+            else:
+                x = torch.addmm(x, attn.reshape(T, nh * D), L["o_t"])  # x + attn·Woᵀ in one op, bit for bit
             h = _rms(x, L["post_norm"], c.rms_norm_eps, self._rms_consts)
-            gu = _linear(h, L["gate_up_t"])
-            x = torch.addmm(x, F.silu(gu[:, :I]) * gu[:, I:], L["down_t"])
+            gu = _linear(h, L["gate_up_t"], L.get("gate_up_b"))
+            a = self.act(gu[:, :I]) * gu[:, I:]
+            x = x + _linear(a, L["down_t"], L["down_b"]) if "down_b" in L else torch.addmm(x, a, L["down_t"])
         if kept_k:
             self._dec_gathered = (k_cache[0], plan.dec_pages, plan.dec_ends, kept_k, kept_v, plan.dec_seqs)
         if logits_at is not None:
