@@ -17,12 +17,21 @@ nats-py forgot it: a reconnect makes a new ``_pongs`` list and drops the old one
 nats-py no longer holds can be cancelled safely. A PING left to its PONG is kept in its owner's ``keep`` set
 (``Bus._pings``), which cancels what is left when the connection is closed (no PONG can reach it then).
 
+Which connection a PING went out on is read in the step that sends it (:meth:`Ping._send`: the list is read and
+nats-py's ``flush`` appends the PONG's future to it with no ``await`` between), not when the :class:`Ping` is made: a
+reconnect's new connection can come in the step between. Taken at construction (e30d761), a PING made just before it
+went into the new list while the :class:`Ping` held the old one: it counted as forgotten, a give-up cancelled it, and
+its PONG ended the read loop (``Bus.flush`` during a reconnect: 4 reconnects of 5, review rr-ping53;
+``tests/integration/test_natsping_live.py``).
+
 nats-py privates read (``nats-py>=2.15,<2.17`` in pyproject.toml; checked on 2.15.0 and 2.16.0): ``Client._pongs``
-(which connection a PING went out on: its identity changes at each reconnect) and ``Client._reading_task`` (the read
-loop: a flush on a connected client whose read loop ended sends no PING and returns at once). A nats-py without them
-is warned about once (:func:`check_client`, at ``Bus.connect``) and handled safely: nothing is ever cancelled, a PING
-is waited for while no reconnect happened since it was sent (``conn``, the bus's ``reconnected_at``), and one a
-reconnect may have forgotten is left to its PONG (kept until the close) while the caller sends a fresh one.
+(which connection a PING went out on: its identity changes at each reconnect), ``Client._reading_task`` (the read
+loop) and ``Client._flusher_task`` (its writer): a flush on a connected client where either has ended sends no PING
+and returns at once. A nats-py without ``_pongs`` or ``_reading_task`` is warned about once (:func:`check_client`, at
+``Bus.connect``) and handled safely: a PING is waited for while no reconnect happened since it was sent (``conn``, the
+bus's ``reconnected_at``); one a reconnect may have forgotten is left to its PONG while the caller sends a fresh one,
+and cancelled once a PING sent after it is answered (PONGs come in order: one nats-py still held would have been
+answered first), else at the close.
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ PONGS_ATTR = "_pongs"
 (re)connect). A name, not a literal at each use, so a test can play a nats-py without it."""
 READING_ATTR = "_reading_task"
 """The nats-py ``Client`` attribute holding its read loop's task (a new one at each (re)connect)."""
+FLUSHER_ATTR = "_flusher_task"
+"""The nats-py ``Client`` attribute holding its flusher's task (writes what is queued; a new one at each (re)connect)."""
 
 _log = structlog.get_logger("natsping")
 _warned = False
@@ -85,53 +96,87 @@ def connection_of(nc: Any) -> object:
 
 
 def deaf(nc: Any) -> bool:
-    """True when ``nc`` is connected but its read loop has ended: it reads nothing more (no message, no PONG) until
-    nats-py's own PINGs call the connection stale, and its ``flush`` would return at once without a PING. False when
-    it reads, is not connected (a reconnect makes a new read loop), or this nats-py has no :data:`READING_ATTR`."""
-    reading = getattr(nc, READING_ATTR, None)
-    return bool(nc.is_connected) and reading is not None and reading.done()
+    """True when ``nc`` is connected but its read loop (:data:`READING_ATTR`) or its flusher (:data:`FLUSHER_ATTR`) has
+    ended: nats-py's ``flush`` then writes what is queued, sends no PING and returns at once (its own test, mirrored),
+    and with the read loop ended nothing more is read (no message, no PONG) until nats-py's own PINGs call the
+    connection stale. False when both run, it is not connected (a reconnect makes new ones), or this nats-py has
+    neither attribute (an attribute it lacks is not judged)."""
+    if not nc.is_connected:
+        return False
+    for attr in (READING_ATTR, FLUSHER_ATTR):
+        if hasattr(nc, attr):
+            task = getattr(nc, attr)
+            if task is None or task.done():
+                return True
+    return False
+
+
+def _deaf_why(nc: Any) -> str:
+    """Which of a deaf client's tasks (:func:`deaf`) has ended, in words."""
+    if hasattr(nc, READING_ATTR):
+        reading = getattr(nc, READING_ATTR)
+        if reading is None or reading.done():
+            return "its read loop has ended: no PONG can be read (no PING sent)"
+    return "its flusher has ended: nats-py sends no PING (what was queued is written)"
 
 
 class DeafClient(Exception):
-    """The outcome of a :class:`Ping` on a connected client whose read loop has ended (:func:`deaf`): nats-py's
-    ``flush`` wrote what was queued and sent no PING (it returns at once there, as if answered); nothing can be
-    heard on that connection until nats-py's own PINGs call it stale and it reconnects."""
+    """The outcome of a :class:`Ping` on a connected client whose read loop or flusher has ended (:func:`deaf`):
+    nats-py's ``flush`` wrote what was queued and sent no PING (it returns at once there, as if answered). With the
+    read loop ended nothing can be heard on that connection until nats-py's own PINGs call it stale and it
+    reconnects (``Bus.reconnect_deaf`` makes it reconnect now)."""
+
+
+class NotConnected(Exception):
+    """The outcome of a :class:`Ping` whose send step found the client not connected (reconnecting, or not yet
+    connected): no PING sent. nats-py's ``flush`` returns at once there (its read loop ended with the connection), as
+    if answered; the caller waits for the reconnect and sends a fresh one."""
 
 
 async def _unheard(nc: Any) -> None:
-    """The "PING" of a client whose read loop ended: nats-py's ``flush`` still writes what is queued (it sends no PING
+    """The "PING" of a deaf client (:func:`deaf`): nats-py's ``flush`` still writes what is queued (it sends no PING
     then and returns at once), and the outcome is :class:`DeafClient`, not an answer."""
+    why = _deaf_why(nc)
     await nc.flush(timeout=PING_NO_TIMEOUT_S)
-    raise DeafClient("the client's read loop has ended: it reads no PONG (no PING sent)")
+    raise DeafClient(why)
 
 
 class Ping:
-    """One PING on a nats-py connection, sent at construction; its PONG is never cancelled while nats-py holds it.
+    """One PING on a nats-py connection, sent in the next event-loop step (its task's first, :meth:`_send`); its PONG
+    is never cancelled while nats-py holds it.
 
     Args:
-        nc: the nats-py ``Client``; send only while it is connected (a PING nats-py refuses is an outcome, not an
-            error raised here: :meth:`wait` returns False).
+        nc: the nats-py ``Client``. Not connected at the send step (reconnecting): no PING, the outcome is
+            :class:`NotConnected`; a PING nats-py refuses (closed) is an outcome too, not an error raised here
+            (:meth:`wait` returns False).
         conn: returns a token that changes at each reconnect (``Bus.reconnected_at``); read only where this nats-py
             has no :data:`PONGS_ATTR` (:meth:`lost`). Default: no token (a PING is then never deemed lost).
         keep: where a PING still waiting for its PONG is held (a strong reference; removed once it ends): its
-            owner cancels what is left there when the connection is closed (``Bus.close``). None: not kept.
+            owner cancels what is left there when the connection is closed (``Bus.close``). Each new PING of the
+            same ``keep`` cancels the kept ones nats-py forgot (:meth:`drop`), and each answered one those sent
+            before it on an earlier connection (:meth:`_ended`). None: not kept.
 
     Attributes:
-        sent_at: ``time.monotonic()`` when it was sent (s).
-        future: nats-py's ``flush`` running; done with None (PONG), an exception (refused; :class:`DeafClient`: the
-            read loop had ended, what was queued is written, no PING sent), or
-            cancelled (only by :meth:`drop` once nats-py forgot it, or by the owner of ``keep`` at the close).
+        sent_at: ``time.monotonic()`` when it was made (s); sent in the next step.
+        future: its task (nats-py's ``flush``); done with None (PONG), an exception (:class:`NotConnected`;
+            :class:`DeafClient`: the read loop or the flusher had ended, what was queued is written, no PING sent;
+            nats-py's own: closed), or cancelled (by :meth:`drop` once nats-py forgot it, by a later answered PING of
+            the same ``keep`` once a reconnect lost it, or by the owner of ``keep`` at the close).
     """
+
+    _sends = 0
+    """PINGs sent so far in this process (the order of their send steps, :attr:`_seq`)."""
 
     def __init__(self, nc: Any, *, conn: Callable[[], object] = lambda: None, keep: set[Ping] | None = None) -> None:
         self.nc = nc
         self._conn = conn
         self._conn0 = conn()
-        self._pongs = connection_of(nc)
+        self._pongs = connection_of(nc)  # until the send step: a reconnect before it cancels a PING never sent
+        self._seq: int | None = None
+        """Its place in the order of send steps (None: not sent); a PING answered after it was sent after it."""
         self._keep = keep
         self.sent_at = time.monotonic()
-        self.future: asyncio.Future[None] = asyncio.ensure_future(
-            _unheard(nc) if deaf(nc) else nc.flush(timeout=PING_NO_TIMEOUT_S))  # fmt: skip
+        self.future: asyncio.Future[None] = asyncio.ensure_future(self._send())
         self.future.add_done_callback(self._ended)
         if keep is not None:
             for other in list(keep):  # those a reconnect made nats-py forget since: cancelled now, not at the close
@@ -139,11 +184,33 @@ class Ping:
             if not self.future.done():
                 keep.add(self)
 
+    async def _send(self) -> None:
+        """Send the PING and wait for its PONG: the connection it goes out on is read here, in the step nats-py's
+        ``flush`` appends the PONG's future to that connection's list (no ``await`` between), never earlier."""
+        nc = self.nc
+        if not nc.is_connected and not nc.is_closed:  # closed: nats-py's flush raises ConnectionClosedError
+            raise NotConnected("the client is not connected (reconnecting): no PING sent")
+        if deaf(nc):
+            await _unheard(nc)
+        self._pongs = connection_of(nc)
+        self._conn0 = self._conn()
+        Ping._sends += 1
+        self._seq = Ping._sends
+        await nc.flush(timeout=PING_NO_TIMEOUT_S)
+
     def _ended(self, fut: asyncio.Future[None]) -> None:
         if not fut.cancelled():
             fut.exception()  # retrieved: one left to its PONG and refused later logs nothing at its collection
-        if self._keep is not None:
-            self._keep.discard(self)
+        if self._keep is None:
+            return
+        self._keep.discard(self)
+        if self.answered and self._seq is not None:
+            # PONGs come in order: a PING sent before this one and still unanswered is not in the list nats-py
+            # answers from. One a reconnect lost (a nats-py without _pongs cannot say it forgot it) is cancelled now:
+            # before, each reconnect left one per pinger until the close
+            for other in list(self._keep):
+                if other._seq is not None and other._seq < self._seq and not other.future.done() and other.lost():
+                    other.future.cancel()
 
     @property
     def answered(self) -> bool:
@@ -153,12 +220,14 @@ class Ping:
 
     def forgotten(self) -> bool:
         """True when nats-py is known to have forgotten it: a reconnect replaced the connection's PONG list since it
-        was sent (its PONG never comes), so cancelling it is safe. False when it may still be held or it is unknown."""
+        was sent (its PONG never comes), or since it was made when not sent yet (it never will be), so cancelling it
+        is safe. False when it may still be held or it is unknown."""
         return self._pongs is not None and connection_of(self.nc) is not self._pongs
 
     def lost(self) -> bool:
         """True when no PONG is to be expected for it: :meth:`forgotten`, or (a nats-py without :data:`PONGS_ATTR`) a
-        reconnect since it was sent by the ``conn`` token (then possibly still held: it is never cancelled)."""
+        reconnect since it was sent by the ``conn`` token (then possibly still held: cancelled only once a PING sent
+        after it is answered)."""
         if self._pongs is not None:
             return self.forgotten()
         return self._conn() != self._conn0
@@ -167,8 +236,9 @@ class Ping:
         """Wait at most ``timeout_s`` seconds for its outcome (the caller's cancel ends the wait, never the PING).
 
         Returns:
-            True: its PONG came. False: it ended without one (nats-py refused it: not connected, closed;
-            :class:`DeafClient`), or it is :meth:`lost` (then :meth:`drop`\\ ped: the caller sends a fresh one).
+            True: its PONG came. False: it ended without one (not connected, :class:`NotConnected`; nats-py refused
+            it: closed; :class:`DeafClient`; cancelled: lost to a reconnect), or it is :meth:`lost` (then
+            :meth:`drop`\\ ped: the caller sends a fresh one).
             None: no PONG yet and it is still waited for (the caller may wait again, or :meth:`drop` it).
         """
         if not self.future.done():
@@ -182,6 +252,7 @@ class Ping:
 
     def drop(self) -> None:
         """Stop watching it: cancelled when nats-py forgot it (:meth:`forgotten`); else left to its PONG (in ``keep``
-        until it comes or the owner closes the connection): cancelling a future nats-py holds deafens the client."""
+        until it comes, a later PING is answered after a reconnect lost it, or the owner closes the connection):
+        cancelling a future nats-py holds deafens the client."""
         if not self.future.done() and self.forgotten():
             self.future.cancel()
