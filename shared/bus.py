@@ -198,6 +198,10 @@ A nats-server gone for good held every service's close the whole ``CLOSE_DRAIN_S
 this grace, ``tests/integration/test_bus_close_nats_gone_live.py``)."""
 CLOSE_POLL_S = 0.05
 """Seconds between :meth:`Bus.close`'s looks at the connection and the handlers while it drains."""
+FLUSH_RECHECK_S = 0.25
+"""Seconds at most between :meth:`Bus.flush`'s looks at the connection while it waits for a reconnect or a PONG: the
+bus's reconnected and closed callbacks wake it at once (:meth:`Bus._connection_changed`); the look covers a bus built
+on a client without them. Before, a flush while disconnected spun (1.6 CPU-s in a 2-s flush, review rr-ping53)."""
 ABANDON_S = 5.0
 """Seconds a cancelled :meth:`Bus.connect` keeps cancelling nats-py's connect (every 0.05 s) until it ends: one
 cancel can be lost (Python 3.11's ``asyncio.wait_for`` and a refusal in one loop turn; a later one lands within
@@ -468,7 +472,11 @@ class Bus:
         """``time.monotonic()`` of the last reconnect (None: never disconnected)."""
         self._pings: set[Ping] = set()
         """PINGs of this bus and its users (:meth:`ping`) still waiting for their PONGs, including those given up on
-        and left to them (never cancelled while nats-py holds them: ``shared.natsping``); cancelled at :meth:`close`."""
+        and left to them (never cancelled while nats-py holds them: ``shared.natsping``); those a reconnect lost are
+        cancelled by the bus's next PING or its next answered one, what is left at :meth:`close`."""
+        self._changed = asyncio.Event()
+        """Set (and replaced by a fresh one) when the connection came back or was closed (:meth:`_connection_changed`):
+        wakes a :meth:`flush` waiting for a reconnect or for a PONG a reconnect lost."""
         self._boot = os.urandom(4).hex()
         self.boot = m.new_boot(time.time_ns(), os.urandom(4))
         """This process's incarnation (``Heartbeat.boot``)."""
@@ -608,6 +616,12 @@ class Bus:
         async def reconnected_cb() -> None:
             bus._lost_at = None
             bus.counters["nats.reconnects"] += 1
+            try:
+                await reconnected()
+            finally:
+                bus._connection_changed()  # after reconnected_at: a flush's PING on the old connection is lost by now
+
+        async def reconnected() -> None:
             if bus._closing:
                 # close cancelled the bus's tasks before its drain, and nothing would cancel one started now (its
                 # stream lookup could outlive the close): no stream check, but the resend window is published again
@@ -630,6 +644,7 @@ class Bus:
             bus._tasks.append(asyncio.create_task(bus._after_reconnect(), name=f"bus-reconnect-{instance}"))
 
         async def closed_cb() -> None:
+            bus._connection_changed()
             bus.log.debug("nats connection closed")
 
         options = client_options(url, auth)  # the servers of a list, its credentials percent-decoded
@@ -1504,6 +1519,16 @@ class Bus:
         PING is written only when nothing is queued, so it follows everything sent before it, and the
         server answers one connection's commands in order.
 
+        While disconnected it waits for the reconnect (woken by it, :meth:`_connection_changed`), then PINGs the new
+        connection, where nats-py's reconnect has subscribed everything again and sent what it buffered; what had
+        died in the old connection's socket is the resend window's (:meth:`_trim_recent`), not this flush's. A PING a
+        reconnect lost (nats-py forgot it, or another PING of the bus cancelled it once forgotten) is replaced by a
+        fresh one on the new connection while time is left. Before, a PING sent while disconnected "was answered" at
+        once (nats-py's flush returns at once then): a flush with nothing queued returned as if the server had
+        everything, one with something queued spun until its deadline (1.6 CPU-s in 2 s), and one whose PING a
+        reconnect lost failed with "TimeoutError" at once (another PING's sweep, 0.36 s) or at its deadline (8 s)
+        where a fresh PING was answered in milliseconds (review rr-ping53; ``tests/integration/test_bus_flush_live.py``).
+
         A PING not answered in time is left to its PONG (:meth:`ping`, ``shared.natsping``): nats-py's own
         ``flush`` timeout cancels the PONG's future, and the PONG that comes later (a server that hung, SIGSTOP)
         then ends the client's read loop (``InvalidStateError`` in ``_process_pong``, nats-py 2.16): the bus stayed
@@ -1511,34 +1536,98 @@ class Bus:
 
         Raises:
             ValueError: ``timeout_s`` is not positive.
-            BusUnavailable: no PONG within ``timeout_s`` seconds in all (connection down or closed; a client whose
-                read loop ended, ``DeafClient``: nats-py's flush returned at once without a PING there), or commands
-                still queued all that time (others keep publishing on this connection).
+            BusUnavailable: no PONG within ``timeout_s`` seconds in all (the server did not answer; disconnected and no
+                reconnect in time; PINGs lost to reconnects), the connection is closed, the client is deaf (its read
+                loop or flusher has ended, ``shared.natsping.DeafClient``: nats-py's flush would return at once without
+                a PING; raised at once), or commands still queued all that time (others keep publishing on this
+                connection).
         """
         if not timeout_s > 0:
             raise ValueError(f"flush timeout must be positive seconds, got {timeout_s!r}")
         deadline = time.monotonic() + timeout_s
+        within = f"{round(timeout_s, 2):g}"
+        queued = "commands still queued"
+        why = "the server did not answer"
         while True:
-            clean = self.nc.pending_data_size == 0  # nothing queued: the PING below goes out after all of it
             left = deadline - time.monotonic()
             if left <= 0:
-                raise BusUnavailable(f"flush: commands still queued after {timeout_s} s")
+                if why == queued:
+                    raise BusUnavailable(f"flush: commands still queued after {within} s")
+                raise BusUnavailable(f"flush: no answer from NATS within {within} s: {why}")
+            if not self.nc.is_connected and not self.nc.is_closed:
+                why = "not connected (no reconnect in time)"
+                await _first_of(self._changed.wait(), timeout_s=min(left, FLUSH_RECHECK_S))  # the event of this look
+                continue
+            clean = self.nc.pending_data_size == 0  # nothing queued: the PING below goes out after all of it
             # also lets nats-py's flusher write what is queued; a PING not answered in time is left to its PONG
             # (the caller's cancel, Bus.close's drain cut short, too): cancelled once a reconnect forgot it, or at close
             ping = self.ping()
-            if not await ping.wait(left):
-                e = ping.future.exception() if ping.future.done() and not ping.future.cancelled() else None
-                why = "TimeoutError" if e is None else type(e).__name__
-                raise BusUnavailable(f"flush: no answer from NATS within {timeout_s} s: {why}") from e
-            if clean:
-                return
+            while not ping.future.done() and not ping.lost() and (left := deadline - time.monotonic()) > 0:
+                await _first_of(self._changed.wait(), ping.future, timeout_s=min(left, FLUSH_RECHECK_S))
+            if not ping.future.done():
+                if ping.lost():  # a reconnect lost it: a fresh one on the new connection
+                    ping.drop()
+                    why = "the PINGs were lost to reconnects"
+                else:
+                    why = "the server did not answer"
+                continue
+            if ping.answered:
+                if clean:
+                    return
+                why = queued
+                continue
+            e = None if ping.future.cancelled() else ping.future.exception()
+            if isinstance(e, natsping.DeafClient):
+                raise BusUnavailable(f"flush: the NATS client is deaf, {e}; it hears nothing until nats-py calls the "
+                                     "connection stale (DeafClient)") from e  # fmt: skip
+            if self.nc.is_closed:
+                raise BusUnavailable("flush: no answer from NATS: the connection is closed") from e
+            if isinstance(e, natsping.NotConnected):
+                why = "not connected (no reconnect in time)"
+            elif e is None:  # cancelled by another PING of the bus once a reconnect made nats-py forget it
+                why = "the PINGs were lost to reconnects"
+            else:
+                raise BusUnavailable(f"flush: NATS refused the PING: {e!r}") from e
 
     def ping(self) -> Ping:
-        """Send a PING on this bus's connection now (:class:`shared.natsping.Ping`; send it while connected): watch
-        its PONG with :meth:`Ping.wait`, give up on it with :meth:`Ping.drop`. It is never cancelled while nats-py
-        holds it (a cancelled PONG future that nats-py answers later ends its read loop: connected, deaf); one a
-        reconnect made nats-py forget is cancelled at the next PING of the bus, what is left at :meth:`close`."""
+        """Send a PING on this bus's connection (:class:`shared.natsping.Ping`, in the next event-loop step; found not
+        connected then, it ends ``NotConnected``, no PING sent): watch its PONG with :meth:`Ping.wait`, give up on it
+        with :meth:`Ping.drop`. It is never cancelled while nats-py holds it (a cancelled PONG future that nats-py
+        answers later ends its read loop: connected, deaf); one a reconnect made nats-py forget is cancelled at the
+        next PING of the bus, one a reconnect lost once a later PING of the bus is answered, what is left at
+        :meth:`close`."""
         return Ping(self.nc, conn=lambda: self.reconnected_at, keep=self._pings)
+
+    async def reconnect_deaf(self) -> bool:
+        """Make a deaf client reconnect now: one connected whose read loop or flusher has ended
+        (``shared.natsping.deaf``; its PINGs end ``DeafClient``), which hears nothing (no message, no PONG) until
+        nats-py's own PINGs, every 2 min, two unanswered, call the connection stale. nats-py's public
+        ``Client.force_reconnect`` (2.15 and 2.16) closes the transport and reconnects as after a lost connection: the
+        disconnected and reconnected callbacks run (the resend window published again, the stream checked), every
+        subscription is made again. Counted ``nats.deaf_reconnects``, logged.
+
+        Returns:
+            True when a reconnect was started; False when the client is not deaf (nothing done), its reconnects are
+            off (``allow_reconnect=False``) or this nats-py has no ``force_reconnect`` (logged)."""
+        nc = self.nc
+        if not natsping.deaf(nc):
+            return False
+        force = getattr(nc, "force_reconnect", None)
+        if force is None or not getattr(nc, "options", {}).get("allow_reconnect", False):
+            self.droplog.event("nats.deaf", "nats client deaf (its read loop or flusher has ended) and no reconnect can "
+                               "be forced: it hears nothing until nats-py calls the connection stale",
+                               nats_py=natsping.nats_py_version())  # fmt: skip
+            return False
+        self.counters["nats.deaf_reconnects"] += 1
+        self.log.warning("nats client deaf (its read loop or flusher has ended): it hears nothing; reconnecting now")
+        await force()
+        return True
+
+    def _connection_changed(self) -> None:
+        """The connection came back (after :attr:`reconnected_at`) or was closed: wake whoever waits on :attr:`_changed`
+        (:meth:`flush`), and give the next waiters a fresh event."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     def _trim_recent(self, now: float) -> None:
         """Cut the resend window ``_recent`` (what a reconnect publishes again; ``now``: monotonic seconds).
@@ -2125,6 +2214,18 @@ class Bus:
                 self.log.warning("nats drain at close failed", failed=len(failed), error=repr(failed[0])[:300])
             if running:  # cut short: their outcomes are retrieved and dropped
                 await cancel_until_done(running, limit_s=1.0)
+
+
+async def _first_of(*waits: Awaitable[Any], timeout_s: float) -> None:
+    """Wait until one of ``waits`` (coroutines or futures) ends or ``timeout_s`` seconds pass; the coroutines still
+    running are cancelled, futures (a PING's) are left as they are. Their outcomes are not looked at."""
+    futs = [w if isinstance(w, asyncio.Future) else asyncio.ensure_future(w) for w in waits]
+    mine = [f for f, w in zip(futs, waits) if f is not w]
+    try:
+        await asyncio.wait(futs, timeout=max(0.0, timeout_s), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for f in mine:
+            f.cancel()
 
 
 def _handlers_busy(subs: list[Subscription]) -> bool:

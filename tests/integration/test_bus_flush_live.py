@@ -139,3 +139,100 @@ async def test_a_flush_that_timed_out_leaves_the_bus_able_to_receive(nats_server
         await bus.flush(2.0)  # and its flushes are answered again
     finally:
         await bus.close()
+
+
+async def _until(cond: Any, limit_s: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, f"not within {limit_s} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.timeout(60)
+async def test_a_flush_while_disconnected_waits_for_the_reconnect_without_spinning(nats_server):
+    """While the client reconnects nats-py's ``flush`` returns at once (its read loop ended with the connection).
+    Before, ``Bus.flush`` took that for an answer: with nothing queued it returned at once, as if the server had
+    everything; with a publish queued it spun until its deadline (1.6 CPU-s in a 2-s flush, review rr-ping53). Now it
+    waits for the reconnect (BusUnavailable at its deadline, naming why) and PINGs the new connection."""
+    import resource
+
+    from tests.integration.nats_proxy import NatsProxy
+
+    proxy = NatsProxy(nats_server.port)
+    bus = await Bus.connect(await proxy.start(), Subjects("p0"), service="test", instance="down")
+    loop = asyncio.get_running_loop()
+
+    def cpu_s() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    try:
+        proxy.refusing = True  # the server stays away
+        proxy.links[0].cut()
+        await _until(lambda: not bus.nc.is_connected, 10, "the disconnect")
+        t0 = loop.time()
+        with pytest.raises(BusUnavailable, match=r"within 0\.6 s: not connected"):
+            await bus.flush(0.59999999)  # the number rounded in the message
+        assert loop.time() - t0 >= 0.55, "a flush while disconnected returned before its deadline"
+        await bus.nc.publish("x.y", b"queued while down")
+        assert bus.nc.pending_data_size > 0
+        c0, t0 = cpu_s(), loop.time()
+        with pytest.raises(BusUnavailable, match="not connected"):
+            await bus.flush(1.5)
+        spent, took = cpu_s() - c0, loop.time() - t0
+        assert took >= 1.45 and spent < 0.4, f"{spent:.2f} CPU-s in a {took:.2f}-s flush while disconnected"
+        # a flush begun while disconnected returns once the reconnect's connection answered its PING
+        flushing = asyncio.ensure_future(bus.flush(10))
+        await asyncio.sleep(0.3)
+        assert not flushing.done()
+        proxy.refusing = False
+        await asyncio.wait_for(flushing, 10)
+        assert bus.nc.is_connected and len(proxy.links) == 2 and b"PING\r\n" in proxy.links[1].sent
+    finally:
+        await bus.close()
+        await proxy.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_flush_whose_ping_a_reconnect_lost_pings_the_new_connection(nats_server):
+    """A flush's PING is on a connection that is cut; the client reconnects. Before, the flush failed "TimeoutError":
+    at its deadline (8 s in the review's run) or at once when another PING of the bus cancelled the lost one (0.36 s),
+    where a PING on the new connection is answered in milliseconds. Now it sends that fresh PING and returns."""
+    from tests.integration.nats_proxy import NatsProxy
+
+    proxy = NatsProxy(nats_server.port)
+    bus = await Bus.connect(await proxy.start(), Subjects("p0"), service="test", instance="lost")
+    loop = asyncio.get_running_loop()
+    try:
+        for sweep in (False, True):
+            proxy.links[-1].flowing.clear()  # the server's PONG waits in the proxy
+            reconnects = bus.counters["nats.reconnects"]
+            flushing = asyncio.ensure_future(bus.flush(6))
+            await asyncio.sleep(0.3)
+            assert not flushing.done()
+            proxy.links[-1].cut()
+            await _until(lambda: bus.counters["nats.reconnects"] > reconnects and bus.nc.is_connected, 10, "the reconnect")
+            back = loop.time()
+            if sweep:  # another user of the bus (the router's probe, the confirm loop) PINGs now
+                assert await bus.ping().wait(5) is True
+            await asyncio.wait_for(flushing, 10)
+            assert loop.time() - back < 2.0, f"flush returned {loop.time() - back:.2f} s after the reconnect"
+    finally:
+        await bus.close()
+        await proxy.close()
+
+
+async def test_a_flush_on_a_deaf_client_says_so_at_once(nats_url):
+    """A client whose read loop ended answers no PING: the flush fails at once, saying so. Before it said ``no answer
+    from NATS within 4.999966950000271 s: DeafClient`` (the close's drain log line)."""
+    bus = await Bus.connect(nats_url, Subjects("p0"), service="test", instance="deaf")
+    try:
+        reading = bus.nc._reading_task
+        reading.cancel()
+        await asyncio.wait({reading}, timeout=5)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(BusUnavailable, match="the NATS client is deaf, its read loop has ended") as e:
+            await bus.flush(4.999966950000271)
+        assert asyncio.get_running_loop().time() - t0 < 0.5 and "4.9999" not in str(e.value)
+    finally:
+        await bus.close()
