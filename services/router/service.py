@@ -2256,7 +2256,13 @@ class RouterService(WatchedService):
         loop (``InvalidStateError`` in ``_process_pong``, nats-py 2.16): connected, it never reads again. A
         reconnect forgets the PINGs sent before it (their PONGs never come): the probe is dropped then. Lost is judged
         by nats-py's PONG list, not ``reconnected_at``: a PING sent on a new connection before ``reconnected_cb`` ran
-        is in the new list, and cancelling it made its late PONG end the client's read loop (rr-bus52)."""
+        is in the new list, and cancelling it made its late PONG end the client's read loop (rr-bus52).
+
+        A client found deaf (its read loop or flusher ended: the PING ends ``DeafClient``, ``shared.natsping``) is made
+        to reconnect now (:meth:`Bus.reconnect_deaf`, counted ``bus.deaf_reconnects``). Before, the probe saw no
+        answer, the router heard no node state and fenced them all after ``fence_after_s``, and nothing reconnected
+        it until nats-py's own PINGs (every 2 min, two unanswered) called the connection stale
+        (``tests/integration/test_router_bus_stall_live.py``)."""
         interval = self._bus_stall_s / 2
         while True:
             if not self.bus.nc.is_connected:
@@ -2265,6 +2271,10 @@ class RouterService(WatchedService):
             sent, conn = time.monotonic(), self.bus.reconnected_at
             probe = self.bus.ping()
             got = await probe.wait(self._bus_stall_s)
+            if got is False and await self.bus.reconnect_deaf():  # deaf (DeafClient): reconnected now
+                self.counters["bus.deaf_reconnects"] += 1
+                await asyncio.sleep(interval)  # the reconnect settles the bus (reconnected_at) as any other
+                continue
             if got is None:  # a PONG already read but not processed yet (a busy loop ran this timer first) is no stall
                 got = await probe.wait(0.01)
             while got is None:  # no PONG yet, and nats-py still holds the PING (no reconnect since)

@@ -62,3 +62,32 @@ async def test_a_hung_nats_server_makes_the_router_not_ready_until_it_settled_an
     assert after[-1][1] == 200, after
     assert all(s == 503 and "NATS does not answer a PING" in text for _, s, text in after[:-1]), after
     assert after[-1][0] <= FENCE_S / 2 + 0.5 and ready_after, after
+
+
+async def test_a_deaf_router_bus_reconnects_at_its_next_probe_and_fences_nothing(nats_server, tmp_path):
+    """The router's nats-py client goes deaf (its read loop ends, as an ``InvalidStateError`` in ``_process_pong`` ends
+    it; the client stays "connected"): its probe's PING ends ``DeafClient`` (no PING sent) and the bus is made to
+    reconnect at once (``Bus.reconnect_deaf``, nats-py's ``force_reconnect``). Before, it heard no node state, fenced
+    every node after ``FENCE_S`` and a request got a 503 'no live node', until nats-py's own PINGs (every 2 min, two
+    unanswered) called the connection stale."""
+    async with router_env(nats_server.url, tmp_path, {"p0": "prefill", "d0": "decode"}) as env:
+        svc, loop = env.service, asyncio.get_running_loop()
+        assert (await env.http.get("/healthz")).status_code == 200
+        reading = svc.bus.nc._reading_task
+        reading.cancel()
+        await asyncio.wait({reading}, timeout=5)
+        assert svc.bus.nc.is_connected and reading.done()
+        t0 = loop.time()
+        while svc.counters["bus.deaf_reconnects"] == 0 and loop.time() - t0 < FENCE_S:
+            await asyncio.sleep(0.05)
+        took = loop.time() - t0
+        await asyncio.sleep(3 * FENCE_S)  # node states heard again: none is due for fencing
+        nc = svc.bus.nc
+        assert nc.is_connected and not nc._reading_task.done(), "the router's client is still deaf"
+        r = await env.http.post("/v1/completions", json={"model": "test-model", "prompt": list(range(100)), "max_tokens": 3})
+        st = await env.stats()
+    c = st.counters
+    assert c["bus.deaf_reconnects"] == 1 and svc.bus.counters["nats.reconnects"] >= 1, c
+    assert took <= FENCE_S / 2, f"the deaf client was made to reconnect {took:.2f} s after it went deaf"
+    assert c.get("fenced", 0) == 0, c
+    assert r.status_code == 200, r.text
