@@ -36,7 +36,7 @@ from shared.cancel import cancel_until_done
 from shared.auth import AuthError, Credentials, NatsAuth, generate, redact_url, router_names
 from shared.bus import Bus, BusError, PermissionDenied, StreamLacksSubjects, stream_api_subject, stream_name
 from shared.config import ENV_PREFIX, CommonConfig, ConfigError, field_from_text
-from shared.natsserver import EmbeddedNatsServer, NatsServerError, die_with_parent, exit_text, signal_text
+from shared.natsserver import MAX_PAYLOAD_BYTES, EmbeddedNatsServer, NatsServerError, die_with_parent, exit_text, signal_text
 from shared.natsping import Ping
 from shared.net import http_url, listen_socket
 from shared.profile import Profile, load_profile, with_kv_tokens
@@ -148,6 +148,9 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     ``--model`` folder as given, and resolved, when no served name is set)."""
     nats_url: str | None = None
     """External NATS server; None starts an embedded one."""
+    nats_max_payload: int = 0
+    """Embedded NATS: the server's ``max_payload`` in bytes; 0 = ``shared.natsserver.MAX_PAYLOAD_BYTES`` (16 MiB, as
+    compose and the Slurm job). Tests set less, so that a hand-off's K/V goes in many pieces."""
     log_dir: str | None = None
     """Where each service writes its log; None = a temp dir."""
     log_level: str = "info"
@@ -794,7 +797,8 @@ class LocalCluster:
             self.creds = generate(self.log_dir / "nats-creds", instances, partition=s.partition, mode=s.nats_auth)  # type: ignore[arg-type]
         if not s.nats_url:
             # its own log (failed logins, permission violations) and config (whose key is whose) are kept beside the services'
-            self.nats = EmbeddedNatsServer(auth_block=self.creds.server_block if self.creds else "", log_dir=self.log_dir).start()
+            self.nats = EmbeddedNatsServer(auth_block=self.creds.server_block if self.creds else "", log_dir=self.log_dir,
+                                           max_payload=s.nats_max_payload or MAX_PAYLOAD_BYTES).start()  # fmt: skip
             self.nats_url = self.nats.url
             if self.creds:
                 log.info("embedded NATS with per-service credentials", mode=s.nats_auth, creds=str(self.creds.directory))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,6 +57,7 @@ from shared.subjects import (
     SVC_STATS,
     WORK_ABORT,
     WORK_DECODE,
+    WORK_KV,
     WORK_PREFILL,
     WORK_REQUEUE,
     Subject,
@@ -125,6 +127,10 @@ def samples(nodes: tuple[str, ...] = ("w0", "w1")) -> dict[str, tuple[dict[str, 
         SPLIT_SET.template: ({}, m.SplitSetRequest(split="1P1D", reason="fuzz")),
         WORK_PREFILL.template: ({"node": a}, _prefill()),
         WORK_DECODE.template: ({"node": b}, _decode()),
+        WORK_KV.template: (
+            {"node": b},
+            m.KvChunk(transfer="fz-t1", rid="fz-1", index=0, count=2, offset=0, total=8, crc32=zlib.crc32(b"\x01" * 4), data=b"\x01" * 4),
+        ),
         WORK_ABORT.template: ({"node": a}, m.RequestAbort(rid="fz-1", reason="fuzz")),
         REQ_OUT.template: ({"rid": "fz-1", "node": a}, m.TokenChunk(rid="fz-1", node=a, index=0, token_ids=[5], ts=1.0)),
         SVC_HEARTBEAT.template: ({"service": "worker"}, m.Heartbeat(service="worker", instance=f"worker-{a}", pid=1, wall_ts=1.0)),

@@ -1262,6 +1262,14 @@ class Bus:
         finally:
             self._wait_over(lambda: True)  # at start: no reconnect's check runs before the stream is known (jetstream)
 
+    @property
+    def max_payload(self) -> int:
+        """The most bytes one message may carry on this connection (headers included, as the server counts them):
+        the server's ``max_payload`` from its INFO (nats-py's 1 MiB default before the first connect). A publish past
+        it is refused (:class:`BusUnavailable`, nats-py's ``MaxPayloadError``); a hand-off's K/V goes in pieces under it
+        (``services/worker/handoffkv.py``)."""
+        return int(getattr(self.nc, "max_payload", 1024 * 1024))
+
     # -- publish / subscribe --------------------------------------------- #
 
     def _stamp(self, msg: msgspec.Struct) -> msgspec.Struct:
@@ -1742,7 +1750,9 @@ class Bus:
         tag = "".join(c if c.isascii() and (c.isalnum() or c in "_-") else "_" for c in self.instance)[:32] or "ei"
         return f"{tag}_{os.urandom(8).hex()}"
 
-    async def serve(self, subject: Subject, handler: ReplyHandler, *, queue: str = "", query: bool = False, **params: str) -> Subscription:
+    async def serve(
+        self, subject: Subject, handler: ReplyHandler, *, queue: str = "", query: bool = False, pending_bytes: int = 0, **params: str
+    ) -> Subscription:
         """Answer requests on ``subject``; the handler returns the reply Struct.
 
         Only a reply subject under ``_INBOX.`` (:data:`REPLY_PREFIX`, where every client of the system
@@ -1754,6 +1764,10 @@ class Bus:
         request without a reply inbox is counted under ``noreply.<template>`` (after
         decoding and validation, like any request) and not run: a flood of them
         costs a decode each, not a full answer each.
+
+        ``pending_bytes``: how many bytes of requests nats-py queues for the handler before it drops the rest
+        (a slow consumer); 0 = nats-py's default (64 MiB). A subject of large requests (a hand-off's K/V pieces,
+        up to 8 MiB each, from several senders at once) sets more.
         """
         template = subject.template
         self.subscribed.add(template)
@@ -1806,7 +1820,10 @@ class Bus:
             if reply is not None and raw.reply:
                 await self.nc.publish(raw.reply, m.encode(self._stamp(reply)))
 
-        sub = await self.nc.subscribe(pattern, queue=queue, cb=cb)
+        if pending_bytes > 0:
+            sub = await self.nc.subscribe(pattern, queue=queue, cb=cb, pending_bytes_limit=pending_bytes)
+        else:
+            sub = await self.nc.subscribe(pattern, queue=queue, cb=cb)
         self._subs.append(sub)
         return sub
 

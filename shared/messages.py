@@ -16,6 +16,7 @@ Producer → consumer flow, in the order of the subject table:
     planner ──split.commands───────▶ workers, router  (SplitCommand)
     worker ──split.applied─────────▶ all              (SplitApplied)
     router ──work.<node>.prefill───▶ worker           (PrefillWork)
+    worker ──work.<node>.kv────────▶ worker           (KvChunk → KvChunkAck: a hand-off's K/V in pieces, first)
     worker ──work.<node>.decode────▶ worker           (DecodeWork, prefill → decode hand-off)
     router ──work.<node>.abort─────▶ worker           (RequestAbort)
     worker ──req.<rid>.out.<n>─────▶ router           (TokenChunk stream)
@@ -635,7 +636,7 @@ has that (and a margin) left."""
 
 
 # --------------------------------------------------------------------------- #
-# work.<node>.prefill / work.<node>.decode / work.<node>.abort ; req.<rid>.out.<node>
+# work.<node>.prefill / work.<node>.decode / work.<node>.kv / work.<node>.abort ; req.<rid>.out.<node>
 # --------------------------------------------------------------------------- #
 
 
@@ -763,6 +764,8 @@ class DecodeWork(Msg, frozen=True, kw_only=True):
     kv_ready_at: float = 0.0
     """When the GPU-to-GPU KV transfer completes (simulated clock)."""
     kv_bytes: NonNeg = 0
+    """Real engines: bytes of the prompt's K/V (``len(kv)`` inline, or the sum of the :class:`KvChunk` pieces of
+    ``kv_transfer``); 0 for the sim engine."""
     attempt: NonNeg = 0
     """Dispatch attempt of ``rid`` (fencing token): at the first dispatch 0, or, for a rid that is
     the client's ``X-Request-ID`` (which may come again), the router's wall clock in ms or one past
@@ -784,6 +787,45 @@ class DecodeWork(Msg, frozen=True, kw_only=True):
     of the engine's page layout (``TorchEngine.handoff``); empty for the sim engine."""
     sampling: Sampling | None = None
     """See ``PrefillWork.sampling`` (the decode node samples as the prefill node did)."""
+    kv_transfer: str = ""
+    """Real engines: the K/V went ahead apart, as ``kv_chunks`` :class:`KvChunk` pieces of this transfer id on
+    ``work.<decode node>.kv``, every one acknowledged by the decode node before this message was sent (``kv`` is
+    empty then); "" = the K/V is inline in ``kv`` (a hand-off the router re-binds, or the sim engine's: none)."""
+    kv_chunks: NonNeg = 0
+    """Pieces of ``kv_transfer`` (0 with ``kv`` inline)."""
+
+
+class KvChunk(Msg, frozen=True, kw_only=True):
+    """Prefill worker → decode worker (``work.<decode node>.kv``, request → :class:`KvChunkAck`): one piece of a
+    PD hand-off's K/V (``services/worker/handoffkv.py``). A hand-off's K/V grows with the prompt (128 KiB a token
+    for Llama-3-8B in bf16) past any NATS message (``max_payload``: 1 MiB by default, 16 MiB under ``up``); it
+    goes in pieces of at most ``handoffkv.CHUNK_CAP_BYTES`` (8 MiB) that fit the connection's ``max_payload``,
+    each acknowledged, before the :class:`DecodeWork` that names the transfer (``DecodeWork.kv_transfer``)."""
+
+    transfer: str
+    """The hand-off's transfer id, one NATS token: ``<prefill node>-<its process boot>-<n>`` (unique per send)."""
+    rid: str
+    index: NonNeg
+    """This piece's place, 0 .. ``count`` - 1."""
+    count: Annotated[int, Meta(ge=1)]
+    """Pieces of the transfer."""
+    offset: NonNeg
+    """Byte offset of ``data`` in the K/V."""
+    total: Annotated[int, Meta(ge=1)]
+    """Bytes of the whole K/V (the layout of ``DecodeWork.kv``)."""
+    crc32: NonNeg = 0
+    """``zlib.crc32`` of ``data``: the decode node refuses a piece whose bytes differ."""
+    data: bytes = b""
+
+
+class KvChunkAck(Msg, frozen=True, kw_only=True):
+    """Decode worker's answer to a :class:`KvChunk`: stored (or already held: a piece sent again), or ``error``
+    (why the decode node refused it: its hand-off buffer full, a piece that does not fit its transfer, a CRC-32
+    mismatch, a transfer it dropped); the prefill node then fails the hand-off with that reason."""
+
+    transfer: str
+    index: NonNeg = 0
+    error: str = ""
 
 
 class DecodeBindRequest(Msg, frozen=True, kw_only=True):

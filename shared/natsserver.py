@@ -6,8 +6,9 @@ port. :meth:`EmbeddedNatsServer.restart` (what ``evolving-infra up``'s
 supervisor calls when the server died) starts it again on the SAME port with
 the same JetStream store, so clients reconnect to the address they know and
 streams survive. JetStream is on with storage in a temporary directory that is
-removed by :meth:`EmbeddedNatsServer.stop`. ``max_payload`` is raised to 16 MiB so a prefill dispatch of a
-several-hundred-thousand-token prompt (packed uint32 token ids) fits one message.
+removed by :meth:`EmbeddedNatsServer.stop`. ``max_payload`` is raised to 16 MiB (:data:`MAX_PAYLOAD_BYTES`, as compose
+and the Slurm job set it) so a prefill dispatch of a several-hundred-thousand-token prompt (packed uint32 token ids)
+fits one message; a PD hand-off's K/V, larger still, goes in pieces under it (``services/worker/handoffkv.py``).
 
 With ``auth_block`` (``shared.auth.generate(...).server_block``) every client must
 authenticate and gets only its identity's permissions; without it the server is
@@ -37,6 +38,24 @@ _LISTEN = re.compile(r"Listening for client connections on [^\s]*?:(\d+)")
 _ROTATED = re.compile(r'Rotated log, backup saved as "([^"\n]+)"')
 
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+"""The most bytes of one NATS message, on every deployment: ``up``'s server here, compose's
+(``deploy/docker/entrypoint.sh``) and the Slurm job's (``deploy/slurm/evolving-infra.sbatch``); nats-server's default
+is 1 MiB. 16 MiB takes a prefill dispatch of ~4M prompt tokens in one message (4 B a token id); nats-server advises
+at most 8 MB because a message is written whole into each reader's buffer, so what can be cut is: a hand-off's K/V
+goes in pieces of at most 8 MiB (``services/worker/handoffkv.CHUNK_CAP_BYTES``)."""
+MAX_PENDING_BYTES = 256 * 1024 * 1024
+"""The server's ``max_pending`` (bytes it buffers for one client before it drops it as a slow consumer; nats-server's
+default is 64 MiB): a decode node takes hand-off K/V pieces from several prefill nodes at once (each sends up to
+``handoffkv.WINDOW`` × 8 MiB ahead). Every deployment sets it, as ``max_payload`` (:func:`limits_conf`)."""
+
+
+def limits_conf(max_payload: int = MAX_PAYLOAD_BYTES) -> str:
+    """The nats-server config lines of the limits every deployment sets (``max_payload``, ``max_pending``): ``up``'s
+    embedded server, compose's (``deploy/docker/entrypoint.sh`` writes them to ``nats-limits.conf``) and the Slurm
+    job's (``deploy/slurm/evolving-infra.sbatch``)."""
+    return f"max_payload: {max_payload}\nmax_pending: {MAX_PENDING_BYTES}\n"
+
+
 LOG_MAX_BYTES = 10 * 1024 * 1024
 """The server's ``logfile_size_limit``: past it nats-server renames ``nats.log`` to ``nats.log.<time>`` and starts
 a new one (its first line names the backup). ``nats.log`` in ``up``'s log folder was appended to without bound across
@@ -155,12 +174,20 @@ class EmbeddedNatsServer:
             bcrypt hashes, each user after a ``# identity: <name>`` comment); both are kept at :meth:`stop`,
             and a restart or a later server appends to the log. None (default): both in the server's temp
             folder, removed at :meth:`stop` (a restart keeps the old log as ``nats.log.prev``).
+        max_payload: the server's ``max_payload``, bytes (default :data:`MAX_PAYLOAD_BYTES`; at least 1024).
+
+    Raises:
+        NatsServerError: ``max_payload`` below 1024.
     """
 
     def __init__(
         self, *, jetstream: bool = True, startup_timeout_s: float = 10.0, auth_block: str = "", port: int | None = None,
-        log_dir: str | Path | None = None,
+        log_dir: str | Path | None = None, max_payload: int = MAX_PAYLOAD_BYTES,
     ) -> None:
+        if max_payload < 1024:
+            raise NatsServerError(f"max_payload {max_payload} B: at least 1024 B")
+        self.max_payload = max_payload
+        """The server's ``max_payload`` (bytes; tests set less, e.g. to make a hand-off's K/V go in many pieces)."""
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.jetstream = jetstream
         self.auth_block = auth_block
@@ -220,8 +247,7 @@ class EmbeddedNatsServer:
         log_from = log_file.stat().st_size if log_file.exists() else 0  # the server appends: read only its own lines
         lines = [
             f"listen: 127.0.0.1:{self.port if self.port else -1}",
-            f"max_payload: {MAX_PAYLOAD_BYTES}",
-            "max_pending: 268435456",
+            *limits_conf(self.max_payload).splitlines(),
             f'log_file: "{log_file}"',
             f"logfile_size_limit: {LOG_MAX_BYTES}",
             f"logfile_max_num: {LOG_MAX_FILES}",

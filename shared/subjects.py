@@ -76,6 +76,12 @@ PLANNER_DECISIONS = Subject("planner.decisions", m.PlannerDecision, doc="planner
 SPLIT_SET = Subject("split.set", m.SplitSetRequest, m.SplitSetReply, doc="operator → planner: adopt a split")
 WORK_PREFILL = Subject("work.{node}.prefill", m.PrefillWork, doc="router → worker: prefill dispatch", reliable=True)
 WORK_DECODE = Subject("work.{node}.decode", m.DecodeWork, doc="prefill worker → decode worker: hand-off", reliable=True)
+WORK_KV = Subject(
+    "work.{node}.kv", m.KvChunk, m.KvChunkAck, doc="prefill worker → decode worker: a hand-off's K/V in pieces, before its DecodeWork"
+)
+"""Core NATS request/reply, not the JetStream stream: each piece is acknowledged (a lost one is sent again, a refused
+one fails the hand-off at the prefill node), and the stream (``shared.bus.STREAM_MAX_BYTES``) and the resend window
+hold no K/V (``services/worker/handoffkv.py``)."""
 WORK_ABORT = Subject("work.{node}.abort", m.RequestAbort, doc="router → worker: abort a request", reliable=True)
 REQ_OUT = Subject("req.{rid}.out.{node}", m.TokenChunk, doc="worker → router: token stream of a request, per node", reliable=True)
 """One subject per request and sender: ``node`` is the publishing node (``TokenChunk.node``; a router's own end of a
@@ -116,6 +122,7 @@ ALL: tuple[Subject, ...] = (
     SPLIT_GET,
     WORK_PREFILL,
     WORK_DECODE,
+    WORK_KV,
     WORK_ABORT,
     REQ_OUT,
     SVC_HEARTBEAT,

@@ -490,6 +490,28 @@ def _decode(w: m.DecodeWork, p: dict[str, str], nodes: Collection[str] | None) -
     _owner(w.attempt, w.output_offset, w.router)
     _len(w.output_ids, "output_ids", w.max_tokens)
     _sampling(w.sampling)
+    _tok(w.kv_transfer, "kv_transfer", optional=True)
+    _int(w.kv_chunks, "kv_chunks", w.kv_bytes)
+    if bool(w.kv_transfer) != bool(w.kv_chunks) or (w.kv_chunks and w.kv):
+        raise Invalid("kv_transfer and kv_chunks go together, and then kv is empty (the K/V came in pieces)")
+
+
+def _kv_chunk(c: m.KvChunk, p: dict[str, str], nodes: Collection[str] | None) -> None:
+    """A piece of a hand-off's K/V (``services/worker/handoffkv.py`` checks it against its transfer)."""
+    _tok(c.transfer, "transfer")
+    _tok(c.rid, "rid")
+    _int(c.total, "total", MAX_BIG, 1)
+    _int(c.count, "count", c.total, 1)
+    _int(c.index, "index", c.count - 1)
+    _int(c.crc32, "crc32", 2**32 - 1)
+    if not c.data or c.offset + len(c.data) > c.total:
+        raise Invalid(f"piece of {len(c.data)} B at offset {c.offset} does not fit a K/V of {c.total} B")
+
+
+def _kv_chunk_ack(a: m.KvChunkAck, p: dict[str, str], nodes: Collection[str] | None) -> None:
+    _tok(a.transfer, "transfer")
+    _int(a.index, "index", MAX_BIG)
+    _text(a.error, "error")
 
 
 def _abort(a: m.RequestAbort, p: dict[str, str], nodes: Collection[str] | None) -> None:
@@ -703,6 +725,8 @@ CHECKERS: dict[type, Checker] = {
     m.PlannerDecision: _decision,
     m.PrefillWork: _prefill,
     m.DecodeWork: _decode,
+    m.KvChunk: _kv_chunk,
+    m.KvChunkAck: _kv_chunk_ack,
     m.RequestAbort: _abort,
     m.TokenChunk: _chunk,
     m.DecodeBindRequest: _bind_req,

@@ -182,6 +182,20 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     requeue_timeout_s: Annotated[
         float, Meta(gt=0, description="wall seconds to wait for the router to take back handed-back work (work.requeue)")
     ] = 5.0
+    handoff_chunk_timeout_s: Annotated[
+        float, Meta(gt=0, description="PD hand-off with a real engine's K/V (work.<decode>.kv, in pieces of at most 8 MiB "
+                    "under the NATS max_payload): wall seconds the prefill node waits for the decode node's answer to one "
+                    "piece; unanswered, it is sent again (3 sends in all), then the hand-off fails (the request errors)")
+    ] = 5.0
+    handoff_kv_timeout_s: Annotated[
+        float, Meta(gt=0, description="wall seconds a decode node keeps a hand-off's K/V with no new piece, or, complete, "
+                    "without its work (work.<node>.decode): then it is dropped (counted) and a late piece or work of it "
+                    "refused, the request failed")
+    ] = 60.0
+    handoff_buffer_bytes: Annotated[
+        int, Meta(ge=1, description="bytes of hand-off K/V a decode node receives at once (every transfer not yet taken "
+                  "by its work); a piece of a new transfer past it is refused and that hand-off fails (the request errors)")
+    ] = 8 * 1024**3
     owner_check_interval_s: Annotated[
         float, Meta(ge=0, description="wall seconds between asks to each owning router (route.held) which of this node's "
                     "requests it no longer has in flight (a router SIGKILLed or restarted sends no abort): those are "

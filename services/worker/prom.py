@@ -37,6 +37,21 @@ name                                       type     meaning
                                                     aborted here, its client answered an error
 ``ei_node_bind_refused_total{node}``       counter  of those, refused by the router as malformed or invalid (e.g. a
                                                     node outside its node set: a configuration or version mismatch)
+``ei_node_handoffs_sent_total{node}``      counter  PD hand-offs this node sent as prefill node (``DecodeWork`` out)
+``ei_node_handoff_sent_bytes_total{node}`` counter  bytes of K/V those carried (a real engine's; 0 for the sim engine)
+``ei_node_handoff_sent_chunks_total{node}`` counter pieces that K/V went in (``work.<decode>.kv``, each answered)
+``ei_node_handoff_chunk_retries_total{node}`` counter pieces sent again, unanswered in ``--handoff-chunk-timeout-s``
+``ei_node_handoffs_failed_total{node}``    counter  hand-offs that did not go out (K/V refused or unanswered, the bus
+                                                    refused the work): the request failed with the reason
+``ei_node_handoffs_received_total{node}``  counter  hand-offs this node took as decode node
+``ei_node_handoff_received_bytes_total{node}`` counter bytes of K/V those brought
+``ei_node_handoff_received_chunks_total{node}`` counter pieces that K/V came in
+``ei_node_handoff_kv_dropped_total{node,reason}`` counter hand-off K/V the decode node let go unused: ``expired`` (no
+                                                    piece or work for ``--handoff-kv-timeout-s``), ``refused`` (a piece
+                                                    refused: buffer full, a bad piece, a CRC-32 mismatch, stopping),
+                                                    ``lost`` (a work whose K/V was not all here: the request failed),
+                                                    ``discarded`` (its work was not served here: an old attempt)
+``ei_node_handoff_kv_held_bytes{node}``    gauge    bytes of hand-off K/V held for transfers not yet taken by their work
 =========================================  =======  ===============================================================
 
 ``ei_node_requests_dropped_owner_gone_total{node,reason}`` (counter): requests the owner check dropped because their
@@ -66,6 +81,9 @@ if TYPE_CHECKING:
     from services.worker.service import WorkerService
 
 PHASES = ("prefill", "decode", "both")
+
+HANDOFF_KV_DROPS = ("expired", "refused", "lost", "discarded")
+"""``reason`` label values of ``ei_node_handoff_kv_dropped_total`` (each exported from 0)."""
 
 OWNER_DROP_REASONS = ("router_gone", "not_in_flight")
 """``reason`` label values of ``ei_node_requests_dropped_owner_gone_total`` (each exported from 0)."""
@@ -135,4 +153,30 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
         "lost its tail uncounted (the node cannot tell it from one the router read just before dying)",
         {(n, k): float(svc.counters[f"owners.dropped.{k}"]) for k in OWNER_DROP_REASONS}, ["node", "reason"],
     )
+    c, kc = svc.counters, svc._kv_in.counters
+    for name, doc, v in (
+        ("ei_node_handoffs_sent", "PD hand-offs this node sent as prefill node (DecodeWork out)", c["requests.handed_off"]),
+        ("ei_node_handoff_sent_bytes", "Bytes of K/V the hand-offs sent carried (a real engine's; 0 for the sim engine)",
+         c["handoff.sent_bytes"]),
+        ("ei_node_handoff_sent_chunks", "Pieces the sent hand-offs' K/V went in (work.<decode>.kv, each answered)", c["handoff.sent_chunks"]),
+        ("ei_node_handoff_chunk_retries", "Hand-off K/V pieces sent again, unanswered within --handoff-chunk-timeout-s",
+         c["handoff.chunk_retries"]),
+        ("ei_node_handoffs_failed", "Hand-offs that did not go out (K/V refused or unanswered, or the bus refused the work): "
+         "the request failed with the reason", c["requests.handoff_failed"]),
+        ("ei_node_handoffs_received", "PD hand-offs this node took as decode node", c["handoff.received"]),
+        ("ei_node_handoff_received_bytes", "Bytes of K/V the hand-offs taken brought", c["handoff.received_bytes"]),
+        ("ei_node_handoff_received_chunks", "Pieces the taken hand-offs' K/V came in", c["handoff.received_chunks"]),
+    ):
+        yield counter_family(name, doc, {(n,): float(v)}, ["node"])
+    refused = sum(v for k, v in kc.items() if k.startswith("refused.")) + c["handoff.kv.refused.stopping"]
+    drops = {"expired": kc["expired"], "refused": refused, "lost": kc["missing"], "discarded": kc["discarded"]}
+    yield counter_family(
+        "ei_node_handoff_kv_dropped",
+        "Hand-off K/V this decode node let go unused: expired (no piece or work for --handoff-kv-timeout-s), refused (a "
+        "piece refused: buffer full, a bad piece, a CRC-32 mismatch, stopping), lost (a work whose K/V was not all here: "
+        "the request failed), discarded (its work was not served here)",
+        {(n, k): float(drops[k]) for k in HANDOFF_KV_DROPS}, ["node", "reason"],
+    )
+    yield gauge_family("ei_node_handoff_kv_held_bytes", "Bytes of hand-off K/V held for transfers not yet taken by their work",
+                       {(n,): float(svc._kv_in.held_bytes)}, ["node"])
     yield gauge_family("ei_node_count_syncing", "1 while the node's counts await a kv.countsync snapshot", {(n,): float(svc.counts.syncing)}, ["node"])

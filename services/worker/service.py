@@ -8,6 +8,7 @@ engine, and publishes what the core returns (STYLE §2.1, §6).
 Subjects (DESIGN §3, ``shared/subjects.py``):
 
     in   work.<node>.prefill (PrefillWork)   work.<node>.decode (DecodeWork)
+         work.<node>.kv (KvChunk → KvChunkAck: a hand-off's K/V in pieces, before its DecodeWork; handoffkv.py)
          work.<node>.abort (RequestAbort)    split.commands (SplitCommand)
          kv.counts.<node> (CountUpdates, ``--host-eviction branch-count`` only: ``lru`` reads no count)
          kv.resync.<node> (request → KvSnapshot)
@@ -15,6 +16,7 @@ Subjects (DESIGN §3, ``shared/subjects.py``):
     out  req.<rid>.out.<node> (TokenChunk)   kv.events.<node> (KvEventBatch, seq 1, 2, ...)
          node.state.<node> (NodeState)       node.iters.<node> (IterationRecords)
          work.<decode node>.decode (DecodeWork, PD hand-off)
+    req  work.<decode node>.kv (KvChunk → KvChunkAck: a real engine's hand-off K/V, each piece answered, first)
          split.applied (SplitApplied: draining, serving)
     req  route.bind (DecodeBindRequest → DecodeBindReply: decode node at prefill start)
          work.requeue (WorkRequeue → WorkRequeueReply: work handed back in a phase switch)
@@ -95,12 +97,15 @@ from shared.subjects import (
     SPLIT_GET,
     WORK_ABORT,
     WORK_DECODE,
+    WORK_KV,
     WORK_PREFILL,
     WORK_REQUEUE,
     check_token,
 )
 from shared import tracing
 from shared.metrics import FuncCollector, make_registry
+from shared.ratelog import RateLimitedLog
+from services.worker import handoffkv
 from services.worker.traced import WorkerTraces
 from services.worker.prom import worker_families
 from services.worker.config import WorkerConfig, worker_profile
@@ -468,6 +473,17 @@ class WorkerService:
         self._sending_handoffs = 0
         """Hand-offs :meth:`_handoff` is sending now (a threaded engine's awaits the execute thread): a drain
         waits for them as for :attr:`_handing_off` (a step's requests have left the core by then)."""
+        self._kv_in = handoffkv.KvAssembler(cfg.handoff_buffer_bytes, cfg.handoff_kv_timeout_s)
+        """Hand-off K/V coming in (``work.<node>.kv``), until its ``DecodeWork`` takes it (``handoffkv.py``)."""
+        self._kv_timer: asyncio.TimerHandle | None = None
+        """Wakes :meth:`_expire_kv` at the assembler's next deadline while it holds a transfer."""
+        self._kv_log = RateLimitedLog(self.log, first=5, interval_s=10.0)
+        """Bounds the warnings of refused and dropped hand-off K/V (a flood of bad pieces writes a few lines)."""
+        self._transfer_tag = f"{cfg.node[:64]}-{os.urandom(6).hex()}"
+        """Prefix of this process's transfer ids (``KvChunk.transfer``: ``<tag>-<n>``), new at each start."""
+        self._transfers = 0
+        self._kv_due = 0.0
+        """Monotonic s :attr:`_kv_timer` fires at."""
         self._spawned: set[asyncio.Task[None]] = set()
         self._owners: dict[str, _Owner] = {}
         """rid → attempt, output offset and owning router of every request on this node."""
@@ -529,6 +545,9 @@ class WorkerService:
         b, node = self.bus, self.node
         self._loop = asyncio.get_running_loop()
         await b.subscribe(WORK_PREFILL, self._on_prefill, node=node)
+        # pieces of up to 8 MiB, WINDOW of them ahead from each prefill node handing off here at once: nats-py's 64 MiB
+        # queue would drop some as a slow consumer (each then sent again after --handoff-chunk-timeout-s)
+        await b.serve(WORK_KV, self._on_kv_chunk, node=node, pending_bytes=handoffkv.SERVE_PENDING_BYTES)
         await b.subscribe(WORK_DECODE, self._on_decode, node=node)
         await b.subscribe(WORK_ABORT, self._on_abort, node=node)
         await b.subscribe(SPLIT_COMMANDS, self._on_split)
@@ -600,6 +619,9 @@ class WorkerService:
         (:class:`Superseded`) announces neither: they would clear the later process's blocks."""
         self.accepting = False
         self._stopped = True
+        if self._kv_timer is not None:
+            self._kv_timer.cancel()
+            self._kv_timer = None
         if self.watchdog is not None:
             self.watchdog.stop()
         # cancelled again until they end (shared.cancel): a task cancelled in the turn its nats-py request's reply
@@ -666,6 +688,10 @@ class WorkerService:
             counters[f"fetch.{k}"] = v
         for k, v in getattr(self.engine, "counters", {}).items():  # the torch engine's KV paths
             counters[f"engine.{k}"] = v
+        for k, v in self._kv_in.counters.items():
+            counters[f"handoff.kv.{k}"] = v
+        gauges["handoff.kv_held_bytes"] = float(self._kv_in.held_bytes)
+        gauges["handoff.kv_transfers"] = float(len(self._kv_in.open))
         if self.kvpool is not None:
             pc, pg = self.kvpool.stats()
             counters.update(pc)
@@ -760,11 +786,32 @@ class WorkerService:
             return
         now = self.clock.local_now()
         if not await self._newest_attempt(work.rid, work.attempt, work.router, now):
+            if work.kv_transfer:  # not served here: its K/V is not kept until the timeout
+                self._kv_in.discard(work.kv_transfer)
             return
         now = self.clock.local_now()  # it may have waited for a step (_newest_attempt)
+        pieces, kv_lost = work.kv_chunks, ""
+        if work.kv_transfer:  # its K/V came ahead in pieces (work.<node>.kv, handoffkv.py): every one was answered
+            try:
+                kv = self._kv_in.take(work.kv_transfer, work.rid, work.kv_chunks, work.kv_bytes)
+            except handoffkv.KvMissing as e:
+                if e.duplicate:  # the same work again (counted handoff.kv.duplicate_work): it was served already
+                    self.log.info("hand-off work came again: dropped", rid=work.rid, transfer=work.kv_transfer)
+                    return
+                kv_lost = f"its K/V ({work.kv_bytes} B in {work.kv_chunks} pieces from {work.prefill_node or 'its prefill node'}) is not all here: {e}"
+            else:
+                work = msgspec.structs.replace(work, kv=kv, kv_transfer="", kv_chunks=0)
         if self.accepting and self.core.phase == "prefill" and work.rid not in self.core.requests:
             # bound here while this node served decode; it has switched since: the KV goes to
-            # another decode node instead (transfer restarts now)
+            # another decode node instead (transfer restarts now), through the router (work.requeue: the K/V inline)
+            inline = len(work.kv) + len(work.token_ids) + 10 * (len(work.block_hashes) + len(work.output_ids)) + handoffkv.ENVELOPE_BYTES
+            if kv_lost or inline > self.bus.max_payload:
+                self.counters["requeue.decode_refused"] += 1
+                why = kv_lost or (f"{len(work.kv)} B of K/V cannot go back through the router in one message (NATS max_payload "
+                                  f"{self.bus.max_payload} B)")  # fmt: skip
+                await self._reject(WorkRejected(work.rid, f"node {self.node} serves prefill now and cannot hand the decode back: {why}"),
+                                   now, attempt=work.attempt, router=work.router)  # fmt: skip
+                return
             moved = msgspec.structs.replace(work, kv_ready_at=self._to_wall(now + self.profile.kv_transfer_s(work.prompt_tokens)))
             await self._hand_back(m.WorkRequeue(rid=work.rid, node=self.node, reason=f"node {self.node} serves prefill", decode=moved))
             return
@@ -780,22 +827,74 @@ class WorkerService:
         try:
             if not self.accepting:
                 raise WorkRejected(work.rid, f"node {self.node} is shutting down")
+            if kv_lost:
+                self.counters["handoff.kv_lost"] += 1
+                raise WorkRejected(work.rid, f"hand-off lost on node {self.node}: {kv_lost}")
             self._accept(self.engine.accept_decode, work)
             with self._fatal_on_error("add decode work", allowed=(WorkRejected,)):
                 self.core.add_decode(work, now)
         except WorkRejected as e:
             await self._reject(e, now, attempt=work.attempt, router=work.router)
             return
+        self.counters["handoff.received"] += 1
+        self.counters["handoff.received_bytes"] += len(work.kv)
+        self.counters["handoff.received_chunks"] += pieces
         self._owners[work.rid] = _Owner(work.attempt, work.output_offset, work.router)
         if self.cfg.log_requests:
             self.log.info(
                 "request received", rid=work.rid, role="decode", fence=work.attempt, output_offset=work.output_offset,
                 prompt_tokens=work.prompt_tokens, max_tokens=work.max_tokens, prefill=work.prefill_node, router=work.router,
+                kv_bytes=len(work.kv), kv_chunks=pieces,
             )  # fmt: skip
         if tracing.ENABLED:
             self._traces.arrived(work.rid, decode=True)
         await self._flush_kv(now)  # a reservation may have evicted blocks
         self._input()
+
+    async def _on_kv_chunk(self, c: m.KvChunk, _subject: str) -> m.KvChunkAck | None:
+        """``work.<node>.kv``: store a piece of a hand-off's K/V (``handoffkv.KvAssembler.add``) and answer it: ``error``
+        "" (stored, or held already), or why it is refused (the prefill node fails the hand-off with it). A superseded
+        process answers nothing (the later one, which gets every piece too, answers)."""
+        if self._superseded(c.rid):
+            return None
+        now = time.monotonic()
+        self._expire_kv(now)
+        if self._stopped:
+            self.counters["handoff.kv.refused.stopping"] += 1
+            error = f"node {self.node} is shutting down"
+        else:
+            error = self._kv_in.add(c, now)
+        if error:
+            self._kv_log.event("handoff_kv_refused", "hand-off K/V piece refused", rid=c.rid, transfer=c.transfer, piece=c.index,
+                               pieces=c.count, prefill=c.src, error=error)  # fmt: skip
+        self._arm_kv_timer()
+        return m.KvChunkAck(transfer=c.transfer, index=c.index, error=error)
+
+    def _arm_kv_timer(self) -> None:
+        """Wake :meth:`_expire_kv` at the K/V assembler's next deadline (none while it holds no transfer)."""
+        due = self._kv_in.next_deadline()
+        timer = self._kv_timer
+        if timer is not None and (due is None or self._kv_due > due):
+            timer.cancel()
+            self._kv_timer = timer = None
+        if due is None or timer is not None:
+            return
+        self._kv_due = due
+        self._kv_timer = asyncio.get_running_loop().call_later(max(0.0, due - time.monotonic()) + 0.01, self._kv_timer_fired)
+
+    def _kv_timer_fired(self) -> None:
+        self._kv_timer = None
+        self._expire_kv(time.monotonic())
+        self._arm_kv_timer()
+
+    def _expire_kv(self, now: float) -> None:
+        """Drop the hand-off K/V held past ``--handoff-kv-timeout-s`` without a piece or its work (``now``: monotonic
+        s); each one counted (``handoff.kv.expired``) and logged. Its work, if it comes later, fails the request."""
+        for a in self._kv_in.expire(now):
+            self._kv_log.event(
+                "handoff_kv_expired", "hand-off K/V dropped: no piece or work came in time", rid=a.rid, transfer=a.transfer,
+                prefill=a.src, pieces_in=a.got, pieces=a.count, kv_bytes=a.total, timeout_s=self.cfg.handoff_kv_timeout_s,
+            )  # fmt: skip
 
     def _accept(self, hook: Any, work: m.PrefillWork | m.DecodeWork) -> None:
         """Run the engine's ``accept_prefill`` / ``accept_decode`` ``hook`` on ``work``.
@@ -2109,17 +2208,100 @@ class WorkerService:
         # CPU: 20-140 ms). The rid stays registered meanwhile (_step_rids or _handing_off keep it at a drain).
         work = await self._beside_step(self.engine.handoff, h.work) if self.engine.threaded else self.engine.handoff(h.work)
         work = msgspec.structs.replace(work, kv_ready_at=self._to_wall(work.kv_ready_at))  # the decode node's clock is wall-based
+        size = len(work.kv)
+        pieces = 0
+        if size:
+            # a real engine's K/V grows with the prompt past any NATS message: it goes ahead in pieces, each answered
+            # (handoffkv.py), and the work that follows names them. Before, it went inside the work, one message: past
+            # the server's max_payload the hand-off failed (18 MB of an 8-layer model's 1,100-token prompt; 1 MiB, the
+            # default, is 8 tokens of Llama-3-8B)
+            try:
+                transfer, pieces = await self._send_kv(h.decode_node, work.rid, work.kv)
+            except (handoffkv.KvSendFailed, BusError, ValueError) as e:
+                self.counters["requests.handoff_failed"] += 1
+                reason = f"hand-off to {h.decode_node} failed ({size} B of K/V): {e}"
+                await self._reject(WorkRejected(h.rid, reason), self.clock.local_now())
+                return
+            work = msgspec.structs.replace(work, kv=b"", kv_bytes=size, kv_transfer=transfer, kv_chunks=pieces)  # its bytes freed
         try:
             await self.bus.publish(WORK_DECODE, work, node=h.decode_node, headers=headers)
-        except Exception as e:  # e.g. a real engine's K/V pages beyond the server's max payload: fail it, never hang
+        except Exception as e:  # the bus refused it (NATS gone past its buffer): fail it, never hang
             self.counters["requests.handoff_failed"] += 1
-            reason = f"hand-off to {h.decode_node} failed ({len(work.kv)} B of K/V): {e!r}"
+            reason = f"hand-off to {h.decode_node} failed ({size} B of K/V): {e!r}"
             await self._reject(WorkRejected(h.rid, reason), self.clock.local_now())
             return
         self._owners.pop(h.rid, None)
         self.counters["requests.handed_off"] += 1
+        self.counters["handoff.sent_bytes"] += size
+        self.counters["handoff.sent_chunks"] += pieces
         if self.cfg.log_requests:
-            self.log.info("request handed off", rid=h.rid, decode=h.decode_node)
+            self.log.info("request handed off", rid=h.rid, decode=h.decode_node, kv_bytes=size, kv_chunks=pieces)
+
+    async def _send_kv(self, decode_node: str, rid: str, kv: bytes) -> tuple[str, int]:
+        """Send ``kv``, the hand-off K/V of ``rid``, to ``decode_node`` in pieces (``work.<decode_node>.kv``) of at
+        most ``handoffkv.CHUNK_CAP_BYTES`` under this connection's ``max_payload``, ``handoffkv.WINDOW`` in flight;
+        returns (its transfer id, its piece count) once the decode node has answered every one.
+
+        Raises:
+            handoffkv.KvSendFailed: a piece refused (its answer's ``error``, or the request refused as invalid, or
+                not allowed), or unanswered after ``handoffkv.TRIES`` sends of ``--handoff-chunk-timeout-s`` each.
+            ValueError: the server's ``max_payload`` leaves no room for a piece (``handoffkv.chunk_bytes``).
+        """
+        size = handoffkv.chunk_bytes(self.bus.max_payload)
+        self._transfers += 1
+        transfer = f"{self._transfer_tag}-{self._transfers}"
+        pending: set[asyncio.Task[None]] = set()
+
+        def settle(done: set[asyncio.Task[None]]) -> None:
+            errors = [t.exception() for t in done]  # each one's outcome taken, so none is logged as never retrieved
+            first = next((e for e in errors if e is not None), None)
+            if first is not None:
+                raise first
+
+        try:
+            for piece in handoffkv.split(kv, transfer=transfer, rid=rid, size=size):
+                while len(pending) >= handoffkv.WINDOW:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    settle(done)
+                pending.add(asyncio.create_task(self._send_piece(decode_node, piece), name=f"worker-{self.node}-kv-{rid}"))
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                settle(done)
+        finally:
+            if pending:  # one failed (or this send was cancelled): the rest are not waited for
+                await cancel_until_done(pending)
+        return transfer, handoffkv.pieces(len(kv), size)
+
+    async def _send_piece(self, decode_node: str, piece: m.KvChunk) -> None:
+        """One piece of a hand-off's K/V, sent until answered (``handoffkv.TRIES`` sends; counted
+        ``handoff.chunk_retries``).
+
+        Raises:
+            handoffkv.KvSendFailed: refused (the answer's ``error``; the request refused as invalid; not allowed),
+                or unanswered.
+        """
+        timeout = self.cfg.handoff_chunk_timeout_s
+        last: BusError | None = None
+        for send in range(handoffkv.TRIES):
+            if send:
+                self.counters["handoff.chunk_retries"] += 1
+            try:
+                ack = await self.bus.request(WORK_KV, piece, timeout=timeout, node=decode_node)
+            except (RequestRefused, PermissionDenied) as e:  # sending it again changes nothing
+                raise handoffkv.KvSendFailed(f"piece {piece.index} of {piece.count}: {e}") from None
+            except BusError as e:  # no answer in time, nobody serving (the decode node restarting), a reconnect
+                last = e
+                if isinstance(e, NoResponders):  # answered at once: give a restarting decode node a moment
+                    await asyncio.sleep(min(0.5, timeout))
+                continue
+            if ack.error or ack.transfer != piece.transfer or ack.index != piece.index:
+                raise handoffkv.KvSendFailed(
+                    f"decode node {decode_node} refused piece {piece.index} of {piece.count}: "
+                    + (ack.error or f"its answer names piece {ack.index} of {ack.transfer}")
+                )
+            return
+        raise handoffkv.KvSendFailed(f"piece {piece.index} of {piece.count} unanswered by {decode_node} after "
+                                     f"{handoffkv.TRIES} sends of {timeout:g} s: {last}")  # fmt: skip
 
     # ------------------------------------------------------------------ #
     # publishing helpers

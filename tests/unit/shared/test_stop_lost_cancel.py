@@ -114,6 +114,7 @@ async def test_worker_stop_ends_a_task_that_lost_its_cancel():
     worker._executor = None
     worker.fatal_error = None
     worker._binds, worker._handing_off, worker._spawned = {}, {}, set()
+    worker._kv_timer = None
     worker.log = structlog.get_logger("test")
 
     async def no_publish(*_a, **_k) -> None:

@@ -26,15 +26,29 @@ from tests.unit.worker.torch_tiny import drain as _drain, slow_step  # noqa: E40
 
 
 class _Bus:
-    """What the worker touches of its bus here: the hand-off's publish, recorded."""
+    """What the worker touches of its bus here: the hand-off's publish, recorded, and its K/V pieces
+    (``work.<d>.kv`` requests), answered by a real decode side's assembler (``handoffkv.KvAssembler``)."""
 
     reconnected_at = 0.0
+    max_payload = 1024 * 1024
 
     def __init__(self) -> None:
+        from services.worker.handoffkv import KvAssembler
+
         self.published: list[tuple[str, object, dict]] = []
+        self.kv_in = KvAssembler(1 << 30, 60.0)
+        self.pieces: list[tuple[str, object]] = []
 
     async def publish(self, subject: str, msg: object, **kw: object) -> None:
         self.published.append((subject, msg, kw))
+
+    async def request(self, subject: object, msg, **kw: object) -> object:  # type: ignore[no-untyped-def]
+        import msgspec
+
+        from shared import messages as m
+
+        self.pieces.append((str(kw["node"]), msg))
+        return m.KvChunkAck(transfer=msg.transfer, index=msg.index, error=self.kv_in.add(msgspec.msgpack.decode(m.encode(msg), type=m.KvChunk), 0.0))
 
 
 def _prefilled(svc: WorkerService) -> tuple[HandOff, float]:
@@ -80,7 +94,10 @@ async def test_a_hand_off_beside_a_forward_keeps_the_loop_running(tiny_llama):
         assert max(lags) < FORWARD_S / 4, f"the loop stalled {max(lags) * 1e3:.0f} ms during the hand-off (forward {FORWARD_S} s)"
         assert took > FORWARD_S / 2  # the hand-off did wait for the forward's end (the lock): it ran beside it, not after it
         (subject, sent, kw), = bus.published
-        assert kw["node"] == "d" and sent.rid == "a" and len(sent.kv) > 0 and sent.output_ids == svc.engine.seqs["a"].out[: handoff.work.generated]
+        assert kw["node"] == "d" and sent.rid == "a" and sent.output_ids == svc.engine.seqs["a"].out[: handoff.work.generated]
+        # its K/V went ahead to d (one piece: 40 tokens × 512 B) and the work names it
+        assert sent.kv == b"" and sent.kv_chunks == 1 and sent.kv_bytes == 40 * 512 and [n for n, _ in bus.pieces] == ["d"]
+        assert len(bus.kv_in.take(sent.kv_transfer, "a", 1, sent.kv_bytes)) == sent.kv_bytes
         assert svc.counters["requests.handed_off"] == 1
     finally:
         if svc._executor is not None:

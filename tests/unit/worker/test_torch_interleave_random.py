@@ -35,15 +35,28 @@ FORWARD_S = 0.01
 
 
 class _Bus:
-    """What the worker touches of its bus here: its publishes (the hand-offs recorded)."""
+    """What the worker touches of its bus here: its publishes (the hand-offs recorded, each with the K/V its pieces
+    brought ahead, ``work.<d>.kv``, put back inline as the decode node's ``_on_decode`` does)."""
 
     reconnected_at = 0.0
+    max_payload = 1024 * 1024
 
     def __init__(self) -> None:
+        from services.worker.handoffkv import KvAssembler
+
         self.published: list[object] = []
+        self.kv_in = KvAssembler(1 << 30, 60.0)
+
+    async def request(self, subject, msg, **kw):  # type: ignore[no-untyped-def]
+        from shared import messages as m
+
+        return m.KvChunkAck(transfer=msg.transfer, index=msg.index, error=self.kv_in.add(msgspec.msgpack.decode(m.encode(msg), type=m.KvChunk), 0.0))
 
     async def publish(self, subject: str, msg: object, **kw: object) -> None:
         if isinstance(msg, DecodeWork):
+            if msg.kv_transfer:
+                kv = self.kv_in.take(msg.kv_transfer, msg.rid, msg.kv_chunks, msg.kv_bytes)
+                msg = msgspec.structs.replace(msg, kv=kv, kv_transfer="", kv_chunks=0)
             self.published.append(msg)
 
 

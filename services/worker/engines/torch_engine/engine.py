@@ -435,7 +435,12 @@ class TorchEngine(Engine):
                 f"{work.rid}: hand-off carries {len(work.kv)} bytes of KV, expected {pages} pages × {per_page} B "
                 "(same model, dtype and page size on both nodes)"
             )
-        raw = torch.frombuffer(bytearray(work.kv), dtype=torch.uint8)
+        # a hand-off that came in pieces is a writable view of the decode node's one buffer (handoffkv.KvAssembler.take):
+        # its pages are read in place; inline bytes (read-only) are copied once
+        kv_buf: Any = work.kv
+        if not isinstance(kv_buf, (bytearray, memoryview)) or getattr(kv_buf, "readonly", False):
+            kv_buf = bytearray(kv_buf)
+        raw = torch.frombuffer(kv_buf, dtype=torch.uint8)
         kv = raw.view(self.host.dtype).reshape(pages, *self.host.shape[1:])
         s = _seq(
             ids, work.sampling, serial=next(self._serials), out=list(work.output_ids), offset=work.output_offset,

@@ -1,0 +1,336 @@
+"""A PD hand-off's K/V in pieces: cut on the prefill node, put together on the decode node (sans-IO).
+
+Contains zero I/O: the worker's shell (``services/worker/service.py``) sends the pieces (``work.<decode>.kv``,
+request → ``KvChunkAck``) and answers them; this module decides their size, builds them and keeps the decode
+node's partial K/V. Times are the caller's ``now`` (monotonic seconds); nothing here sleeps.
+
+Why: a real engine's hand-off carries the prompt's K/V pages (``TorchEngine.handoff``), which grow with the
+prompt: 512 B a token for the tiny test llama, 128 KiB for Llama-3-8B in bf16 (32 layers × K and V × 8 KV heads ×
+128 × 2 B). One NATS message holds at most the server's ``max_payload`` (1 MiB by default; ``up``, compose and the
+Slurm job set 16 MiB, ``shared.natsserver.MAX_PAYLOAD_BYTES``): sent whole, a 1,100-token prompt of an 8-layer,
+hidden-256 model (18 MB of K/V) failed with ``MaxPayloadError``, and an 8B model's PD prompts were capped at ~128
+tokens. Here the K/V goes as ``KvChunk`` pieces of at most :data:`CHUNK_CAP_BYTES` (8 MiB, what nats-server
+advises as the most for one message) that fit the connection's ``max_payload`` (:func:`chunk_bytes`), a window of
+them in flight at once (``WINDOW``), each acknowledged; the ``DecodeWork`` that names the transfer follows the last
+acknowledgement, so the decode node holds the whole K/V when the work arrives.
+
+Flow::
+
+    prefill node                                   decode node (KvAssembler)
+    split(kv) ─ KvChunk i ─────work.<d>.kv──────▶ add(chunk): copied into one buffer of ``total`` bytes at
+               ◀──────── KvChunkAck(i, error) ─── ``offset``, CRC-32 checked; a piece held already is
+    (≤ WINDOW in flight; one unanswered is sent      answered again (a resend), never stored twice
+     again, up to ``TRIES``; an error fails
+     the hand-off: today's 500)
+    DecodeWork(kv_transfer, kv_chunks, kv_bytes) ─work.<d>.decode (JetStream)─▶ take(...): the buffer, once
+
+Checks: every piece is checked against its transfer (same rid, count and total; ``offset`` = ``index`` × the
+first piece's size, the last piece ending at ``total``) and its CRC-32; ``take`` checks the work's rid, piece
+count and bytes against the pieces, and that every one came. Bounds: the bytes of every transfer held
+(``max_bytes``; a piece of a new transfer past it is refused) and the time one is kept without a new piece or its
+``DecodeWork`` (``idle_s``: :meth:`KvAssembler.expire`, then counted, and a late piece or work of it refused,
+naming why). Memory: the decode node holds the K/V once (the buffer, handed to the engine as it is: no second
+copy); the prefill node holds its bytes and the pieces in flight (``WINDOW`` × ≤ 8 MiB, each encoded once).
+
+Why not Mooncake (``--kv-pool real``, the real-bytes L2 path): it is an optional extra (``scripts/install-mooncake.sh``)
+with its own ports and a registered buffer of fixed-size slots, off by default; every PD cluster of the torch engine
+hands off, so the K/V goes over the bus every node already has, with no new dependency.
+"""
+
+from __future__ import annotations
+
+import mmap
+import zlib
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from shared import messages as m
+
+CHUNK_CAP_BYTES = 8 * 1024 * 1024
+"""Most K/V bytes in one piece: nats-server warns about a ``max_payload`` over 8 MB (a message is written whole
+into each reader's buffer, so a larger one holds others back); the effective size is less under a smaller
+``max_payload`` (:func:`chunk_bytes`)."""
+ENVELOPE_BYTES = 8 * 1024
+"""Room kept in a message for a piece's other fields (msgpack keys, rid, transfer id, ``src``: ~300 B) and the
+NATS protocol line; a piece's data is at most ``max_payload`` minus this."""
+MIN_CHUNK_BYTES = 1024
+"""The least data a piece carries: a server whose ``max_payload`` leaves less than this is refused
+(:func:`chunk_bytes`), rather than sending thousands of messages a prompt."""
+WINDOW = 4
+"""Pieces of one transfer in flight at once (the prefill node awaits the oldest answer past it): enough to keep a
+link busy between acknowledgements, and a bound on what the sender encodes ahead (``WINDOW`` × the piece size)."""
+SERVE_PENDING_BYTES = 1024 * 1024 * 1024
+"""Bytes of pieces the decode node's subscription queues before nats-py drops one (the bus's core subscriptions'
+bound): ``WINDOW`` × 8 MiB from each of 32 prefill nodes at once."""
+TRIES = 3
+"""Sends of one piece without an answer before the hand-off fails (a NATS reconnect loses a request in flight)."""
+ENDED_KEPT = 4096
+"""Transfers the decode node remembers after they ended (taken, dropped): a late piece or ``DecodeWork`` of one is
+answered with what became of it instead of starting a new one."""
+
+
+class KvSendFailed(Exception):
+    """A hand-off's K/V did not reach its decode node (a piece refused, or unanswered after :data:`TRIES` sends): the
+    prefill node fails the request with these words, as it does a hand-off the bus refused."""
+
+
+class KvMissing(Exception):
+    """The K/V a ``DecodeWork`` names is not (all) here; ``duplicate``: it was taken already (the work came twice)."""
+
+    def __init__(self, reason: str, *, duplicate: bool = False) -> None:
+        super().__init__(reason)
+        self.duplicate = duplicate
+
+
+def chunk_bytes(max_payload: int, cap: int = CHUNK_CAP_BYTES) -> int:
+    """K/V bytes per piece for a connection whose server takes ``max_payload`` bytes a message (nats-py's
+    ``nc.max_payload``, from the server's INFO): ``min(cap, max_payload - ENVELOPE_BYTES)``.
+
+    Raises:
+        ValueError: ``max_payload`` leaves less than :data:`MIN_CHUNK_BYTES` (a misconfigured server), or ``cap`` is
+            below that.
+    """
+    if cap < MIN_CHUNK_BYTES:
+        raise ValueError(f"a K/V piece cap of {cap} B is below the least piece, {MIN_CHUNK_BYTES} B")
+    room = int(max_payload) - ENVELOPE_BYTES
+    if room < MIN_CHUNK_BYTES:
+        raise ValueError(
+            f"the NATS server's max_payload of {max_payload} B leaves {room} B for a K/V piece (at least "
+            f"{MIN_CHUNK_BYTES} B needed): raise max_payload (shared.natsserver.MAX_PAYLOAD_BYTES, 16 MiB)"
+        )
+    return min(cap, room)
+
+
+def pieces(total: int, size: int) -> int:
+    """How many pieces of ``size`` bytes carry ``total`` bytes (at least 1)."""
+    return max(1, -(-total // size))
+
+
+def split(kv: bytes | bytearray | memoryview, *, transfer: str, rid: str, size: int) -> Iterator[m.KvChunk]:
+    """The pieces of ``kv`` (``size`` bytes each, the last one the rest), built one at a time as the sender
+    takes them: each one's ``data`` is a view of ``kv`` (no copy; the bus encodes it once) and its CRC-32 is
+    computed then (~6 GB/s, zlib). ``kv`` must stay unchanged until the last piece is sent.
+
+    Raises:
+        ValueError: ``kv`` is empty or ``size`` < 1.
+    """
+    if size < 1:
+        raise ValueError(f"piece size {size} B")
+    view = memoryview(kv).cast("B")
+    total = len(view)
+    if total == 0:
+        raise ValueError("no K/V to send")
+    count = pieces(total, size)
+    for i in range(count):
+        data = view[i * size : min(total, (i + 1) * size)]
+        yield m.KvChunk(transfer=transfer, rid=rid, index=i, count=count, offset=i * size, total=total,
+                        crc32=zlib.crc32(data), data=data)  # type: ignore[arg-type]  # fmt: skip
+
+
+@dataclass(slots=True, eq=False)
+class Assembly:
+    """The decode node's K/V of one transfer so far."""
+
+    transfer: str
+    rid: str
+    count: int
+    """Pieces expected."""
+    total: int
+    """Bytes expected (``len(buf)``)."""
+    size: int
+    """Bytes of every piece but the last (the first piece's, or any but the last one's)."""
+    buf: mmap.mmap
+    """Anonymous memory of ``total`` bytes: its pages are taken as pieces land, so a transfer that announces more
+    than it sends (or a hostile piece) costs what came, not ``total`` (a ``bytearray`` is zeroed, all of it, at once)."""
+    have: bytearray
+    """``have[i]`` = 1 once piece i is stored."""
+    src: str
+    """Instance that sent the first piece (``Msg.src``: ``worker-<prefill node>``), for the log."""
+    started: float
+    last: float
+    """``now`` of the last piece stored or sent again (monotonic s): :meth:`KvAssembler.expire` counts from it."""
+    got: int = 0
+    """Pieces stored."""
+    dup: int = field(default=0)
+    """Pieces sent again (answered, not stored)."""
+
+    @property
+    def complete(self) -> bool:
+        return self.got == self.count
+
+
+class KvAssembler:
+    """The decode node's hand-off K/V being received (sans-IO; the shell answers each piece with :meth:`add`'s
+    words and hands a ``DecodeWork`` its K/V with :meth:`take`).
+
+    Args:
+        max_bytes: bytes every transfer held may take together (a piece of a new transfer past it is refused:
+            ``refused.full``); a transfer takes its ``total`` from its first piece on.
+        idle_s: seconds a transfer is kept without a new piece, or, complete, without its ``DecodeWork``
+            (:meth:`expire`).
+
+    Counters (``counters``): ``chunks`` / ``bytes`` stored, ``duplicate_chunks`` (sent again, not stored),
+    ``refused.<why>`` (``full``, ``mismatch``, ``crc``, ``ended``), ``taken`` / ``taken_bytes`` (handed to a
+    ``DecodeWork``), ``missing`` (a work whose K/V was not all here), ``duplicate_work`` (a work of a transfer taken
+    already), ``expired`` / ``expired_bytes`` (dropped by :meth:`expire`), ``discarded`` (dropped by
+    :meth:`discard`: its work was not served here).
+
+    Raises:
+        ValueError: ``max_bytes`` < 1 or ``idle_s`` <= 0.
+    """
+
+    def __init__(self, max_bytes: int, idle_s: float) -> None:
+        if max_bytes < 1 or not idle_s > 0:
+            raise ValueError(f"K/V assembler: max_bytes {max_bytes} must be >= 1 and idle_s {idle_s} > 0")
+        self.max_bytes = max_bytes
+        self.idle_s = idle_s
+        self.open: dict[str, Assembly] = {}
+        """Transfers being received or waiting for their ``DecodeWork``, by id."""
+        self.held_bytes = 0
+        """Sum of ``total`` over :attr:`open`."""
+        self.ended: OrderedDict[str, str] = OrderedDict()
+        """Transfer id → what became of it (the newest :data:`ENDED_KEPT`)."""
+        self.counters: Counter[str] = Counter()
+
+    def add(self, c: m.KvChunk, now: float) -> str:
+        """Store piece ``c`` (received at ``now``, monotonic s). Returns "" (stored, or held already: a piece sent
+        again, counted ``duplicate_chunks``) or why it is refused (counted ``refused.<why>``; the transfer is
+        dropped then, but for ``full``, which never started it): its sender fails the hand-off with these words."""
+        a = self.open.get(c.transfer)
+        if a is None:
+            gone = self.ended.get(c.transfer)
+            if gone is not None:
+                self.counters["refused.ended"] += 1
+                return f"transfer {c.transfer} of {c.rid} ended here already: {gone}"
+            why = _shape(c)
+            if why:
+                self.counters["refused.mismatch"] += 1
+                return why
+            if self.held_bytes + c.total > self.max_bytes:
+                self.counters["refused.full"] += 1
+                return (f"hand-off buffer full: {self.held_bytes} B held for {len(self.open)} transfers, {c.total} B more "
+                        f"would pass its {self.max_bytes} B (--handoff-buffer-bytes)")  # fmt: skip
+            size = len(c.data) if c.index < c.count - 1 else (c.offset // c.index if c.index else c.total)
+            a = Assembly(c.transfer, c.rid, c.count, c.total, size, mmap.mmap(-1, c.total), bytearray(c.count), c.src, now, now)
+            self.open[c.transfer] = a
+            self.held_bytes += c.total
+        why = _fits(a, c)
+        if why:
+            self.counters["refused.mismatch"] += 1
+            self._end(a, f"refused a piece: {why}")
+            return why
+        if a.have[c.index]:
+            a.dup += 1
+            a.last = now
+            self.counters["duplicate_chunks"] += 1
+            return ""
+        if zlib.crc32(c.data) != c.crc32:
+            self.counters["refused.crc"] += 1
+            self._end(a, f"piece {c.index} failed its CRC-32 check")
+            return f"piece {c.index} of transfer {c.transfer} ({len(c.data)} B) failed its CRC-32 check"
+        a.buf[c.offset : c.offset + len(c.data)] = c.data
+        a.have[c.index] = 1
+        a.got += 1
+        a.last = now
+        self.counters["chunks"] += 1
+        self.counters["bytes"] += len(c.data)
+        return ""
+
+    def take(self, transfer: str, rid: str, count: int, total: int) -> memoryview:
+        """The K/V of ``transfer`` for the ``DecodeWork`` of ``rid`` that names it with ``count`` pieces of
+        ``total`` bytes: a writable view of its buffer, which is the caller's from now on (the engine reads its pages
+        in place: ``TorchEngine.accept_decode``); the transfer ends here.
+
+        Raises:
+            KvMissing: not every piece came, the transfer is not known (dropped, or never started: the decode
+                node restarted), or the work's rid, count or bytes differ from its pieces' (counted ``missing``; the
+                transfer is dropped); ``duplicate`` when it was taken already (counted ``duplicate_work``).
+        """
+        a = self.open.get(transfer)
+        if a is None:
+            gone = self.ended.get(transfer)
+            if gone == "taken":
+                self.counters["duplicate_work"] += 1
+                raise KvMissing(f"transfer {transfer} was taken already (its work came twice)", duplicate=True)
+            self.counters["missing"] += 1
+            raise KvMissing(f"transfer {transfer} is not here ({gone if gone is not None else 'no piece of it came'})")
+        if (a.rid, a.count, a.total) != (rid, count, total):
+            self.counters["missing"] += 1
+            why = (f"transfer {transfer} carries {a.count} pieces, {a.total} B of {a.rid}; its work names {count} "
+                   f"pieces, {total} B of {rid}")  # fmt: skip
+            self._end(a, why)
+            raise KvMissing(why)
+        if not a.complete:
+            self.counters["missing"] += 1
+            why = f"{a.got} of the {a.count} pieces of transfer {transfer} came"
+            self._end(a, why)
+            raise KvMissing(why)
+        self._end(a, "taken")
+        self.counters["taken"] += 1
+        self.counters["taken_bytes"] += a.total
+        return memoryview(a.buf)
+
+    def discard(self, transfer: str) -> bool:
+        """Drop ``transfer`` (its work will not be served here: an older attempt, a duplicate rid); True if held."""
+        a = self.open.get(transfer)
+        if a is None:
+            return False
+        self.counters["discarded"] += 1
+        self._end(a, "discarded: its work was not served here")
+        return True
+
+    def expire(self, now: float) -> list[Assembly]:
+        """Drop every transfer without a new piece (or, complete, without its work) for ``idle_s`` at ``now``
+        (monotonic s); returns them (the shell logs each). A late piece or work of one is refused naming this."""
+        out = [a for a in self.open.values() if now - a.last >= self.idle_s]
+        for a in out:
+            self.counters["expired"] += 1
+            self.counters["expired_bytes"] += a.total
+            state = "complete, its work did not come" if a.complete else f"{a.got} of {a.count} pieces came"
+            self._end(a, f"dropped after {self.idle_s:g} s without a piece or its work ({state})")
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`expire` next drops a transfer (monotonic s), or None when none is held."""
+        return min(a.last for a in self.open.values()) + self.idle_s if self.open else None
+
+    def _end(self, a: Assembly, what: str) -> None:
+        del self.open[a.transfer]
+        self.held_bytes -= a.total
+        self.ended[a.transfer] = what
+        while len(self.ended) > ENDED_KEPT:
+            self.ended.popitem(last=False)
+
+
+def _shape(c: m.KvChunk) -> str:
+    """Why piece ``c`` cannot be part of any transfer (its own fields disagree), or ""."""
+    n = len(c.data)
+    if c.index >= c.count:
+        return f"piece {c.index} of a transfer of {c.count}"
+    if c.index == 0 and c.offset:
+        return f"piece 0 at offset {c.offset}"
+    if c.index < c.count - 1 and n < MIN_CHUNK_BYTES or c.index == c.count - 1 and c.index and c.offset // c.index < MIN_CHUNK_BYTES:
+        return f"piece {c.index} of a transfer in pieces under {MIN_CHUNK_BYTES} B"
+    if n == 0 or c.offset + n > c.total:
+        return f"piece {c.index} of {n} B at offset {c.offset} does not fit a K/V of {c.total} B"
+    if c.index == c.count - 1 and c.offset + n != c.total:
+        return f"last piece {c.index} ends at {c.offset + n} B, not at the K/V's {c.total} B"
+    if c.index < c.count - 1 and (c.offset != c.index * n or pieces(c.total, n) != c.count):
+        return f"piece {c.index} of {n} B at offset {c.offset}: not piece {c.index} of {c.count} equal pieces of {c.total} B"
+    if c.index == c.count - 1 and c.index and (c.offset % c.index or pieces(c.total, c.offset // c.index) != c.count):
+        return f"last piece {c.index} at offset {c.offset}: not after {c.index} equal pieces of a K/V of {c.total} B in {c.count}"
+    return ""
+
+
+def _fits(a: Assembly, c: m.KvChunk) -> str:
+    """Why piece ``c`` is not one of transfer ``a``'s (rid, count, total or layout differ), or ""."""
+    if (c.rid, c.count, c.total) != (a.rid, a.count, a.total):
+        return (f"piece {c.index} names {c.count} pieces, {c.total} B of {c.rid}; transfer {a.transfer} has {a.count} "
+                f"pieces, {a.total} B of {a.rid}")  # fmt: skip
+    why = _shape(c)
+    if why:
+        return why
+    if c.offset != c.index * a.size or (c.index < c.count - 1 and len(c.data) != a.size):
+        return f"piece {c.index} of {len(c.data)} B at offset {c.offset}: not one of pieces of {a.size} B"
+    return ""

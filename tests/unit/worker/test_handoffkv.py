@@ -1,0 +1,337 @@
+"""A PD hand-off's K/V in pieces (``services/worker/handoffkv.py``): the piece size under a server's ``max_payload``,
+the cut, and the decode node's assembly (order, a piece sent again, a missing piece's timeout, bad pieces, the
+buffer bound), each piece through msgpack as it travels; then the worker's shell on both sides of the hand-off
+(``WorkerService._on_kv_chunk`` / ``_on_decode`` / ``_send_handoff``, the sim engine, a bus that records)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import zlib
+
+import msgspec
+import pytest
+
+from services.worker import handoffkv as hk
+from shared import messages as m
+from shared.validate import check
+
+MIB = 1024 * 1024
+
+
+def _wire(c: m.KvChunk) -> m.KvChunk:
+    """``c`` as the decode node receives it (encoded, decoded: ``data`` is bytes)."""
+    return msgspec.msgpack.decode(m.encode(c), type=m.KvChunk)
+
+
+def _pieces(kv: bytes, size: int, transfer: str = "t1", rid: str = "r1") -> list[m.KvChunk]:
+    return [_wire(c) for c in hk.split(kv, transfer=transfer, rid=rid, size=size)]
+
+
+def test_piece_size_is_under_the_servers_max_payload_and_at_most_8_mib():
+    assert hk.chunk_bytes(16 * MIB) == 8 * MIB  # up, compose, Slurm: the cap
+    assert hk.chunk_bytes(MIB) == MIB - hk.ENVELOPE_BYTES  # nats-server's default
+    assert hk.chunk_bytes(64 * 1024) == 64 * 1024 - hk.ENVELOPE_BYTES
+    with pytest.raises(ValueError, match="max_payload of 9000 B"):
+        hk.chunk_bytes(9000)
+    # a piece and its envelope fit the payload the size was derived from, with a long rid and transfer id
+    for payload in (20_000, 64 * 1024, MIB):
+        size = hk.chunk_bytes(payload)
+        c = next(hk.split(os.urandom(size * 2), transfer="w" * 64 + "-0123456789ab-99999999", rid="r" * 128, size=size))
+        assert len(m.encode(msgspec.structs.replace(c, src="worker-" + "w" * 128))) <= payload - 1024
+
+
+def test_split_cuts_views_with_their_crc_and_the_last_piece_the_rest():
+    kv = os.urandom(10_000)
+    raw = list(hk.split(kv, transfer="t1", rid="r1", size=3000))
+    assert [(c.index, c.count, c.offset, len(c.data), c.total) for c in raw] == [
+        (0, 4, 0, 3000, 10_000), (1, 4, 3000, 3000, 10_000), (2, 4, 6000, 3000, 10_000), (3, 4, 9000, 1000, 10_000)]
+    assert all(isinstance(c.data, memoryview) for c in raw)  # no copy: the bus encodes each view once
+    assert b"".join(bytes(c.data) for c in raw) == kv and all(c.crc32 == zlib.crc32(c.data) for c in raw)
+    assert [len(c.data) for c in _pieces(kv, 20_000)] == [10_000]  # one piece when it fits
+    assert all(check(c, {"node": "w1"}) is None for c in _pieces(kv, 3000))
+    with pytest.raises(ValueError):
+        next(hk.split(b"", transfer="t1", rid="r1", size=10))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pieces_in_any_order_and_some_twice_give_the_kv_once(seed):
+    rng = random.Random(seed)
+    kv = rng.randbytes(rng.randrange(1, 50_000))
+    size = rng.choice((1024, 1500, 4096, 50_000))
+    pieces = _pieces(kv, size)
+    sent = pieces + rng.sample(pieces, k=min(3, len(pieces)))  # a resend after a lost answer, a reconnect
+    rng.shuffle(sent)
+    a = hk.KvAssembler(MIB, 10.0)
+    assert all(a.add(c, 0.0) == "" for c in sent)
+    assert a.counters["chunks"] == len(pieces) and a.counters["duplicate_chunks"] == len(sent) - len(pieces)
+    assert a.held_bytes == len(kv)
+    got = a.take("t1", "r1", len(pieces), len(kv))
+    assert bytes(got) == kv and not got.readonly  # the engine reads its pages in place
+    assert a.held_bytes == 0 and not a.open
+    # the same work again (delivered twice): told apart from a lost K/V
+    with pytest.raises(hk.KvMissing) as e:
+        a.take("t1", "r1", len(pieces), len(kv))
+    assert e.value.duplicate
+    # a piece of it sent again after the take starts nothing
+    assert "ended here already: taken" in a.add(pieces[0], 1.0) and not a.open
+
+
+def test_a_missing_piece_fails_the_take_or_the_transfer_expires_and_late_pieces_are_refused():
+    kv = os.urandom(5000)
+    pieces = _pieces(kv, 2000)
+    a = hk.KvAssembler(MIB, 10.0)
+    for c in pieces[:2]:
+        assert a.add(c, 0.0) == ""
+    with pytest.raises(hk.KvMissing, match="2 of the 3 pieces"):
+        a.take("t1", "r1", 3, 5000)
+    assert a.held_bytes == 0 and a.counters["missing"] == 1
+    # another transfer: no piece for idle_s, dropped (not before), and its late piece and work are refused naming why
+    b = _pieces(kv, 2000, transfer="t2")
+    assert a.add(b[0], 0.0) == "" and a.add(b[1], 4.0) == ""
+    assert a.next_deadline() == 14.0 and a.expire(13.9) == []
+    (gone,) = a.expire(14.0)
+    assert (gone.transfer, gone.got, gone.count) == ("t2", 2, 3) and a.held_bytes == 0 and a.next_deadline() is None
+    assert "dropped after 10 s" in a.add(b[2], 15.0)
+    with pytest.raises(hk.KvMissing, match="dropped after 10 s") as e:
+        a.take("t2", "r1", 3, 5000)
+    assert not e.value.duplicate
+    # complete, but its work never comes: dropped too
+    c3 = _pieces(kv, 2000, transfer="t3")
+    assert all(a.add(c, 20.0) == "" for c in c3)
+    assert [x.transfer for x in a.expire(30.0)] == ["t3"]
+    assert a.counters["expired"] == 2 and a.counters["expired_bytes"] == 10_000
+    # never heard of (the decode node restarted meanwhile)
+    with pytest.raises(hk.KvMissing, match="no piece of it came"):
+        a.take("t9", "r1", 1, 10)
+
+
+def test_bad_pieces_are_refused_and_end_their_transfer():
+    kv = os.urandom(6000)
+    pieces = _pieces(kv, 2048)
+    a = hk.KvAssembler(MIB, 10.0)
+    assert a.add(pieces[0], 0.0) == ""
+    bad = msgspec.structs.replace(pieces[1], total=7000)  # not the transfer's K/V
+    assert "transfer t1 has 3 pieces, 6000 B" in a.add(bad, 0.0)
+    assert a.counters["refused.mismatch"] == 1 and not a.open and a.held_bytes == 0
+    assert "ended here already" in a.add(pieces[2], 0.0)
+    # bytes changed on the way: the CRC-32 says so
+    a = hk.KvAssembler(MIB, 10.0)
+    flipped = msgspec.structs.replace(pieces[1], data=bytes([pieces[1].data[0] ^ 1]) + pieces[1].data[1:])
+    assert "CRC-32" in a.add(flipped, 0.0) and a.counters["refused.crc"] == 1 and not a.open
+    # shapes no transfer has: offset not index x size, a last piece short of the total, an index past the count,
+    # pieces under the least piece size, piece 0 elsewhere than 0
+    first = pieces[0]
+    for why, c in (
+        ("offset", msgspec.structs.replace(pieces[1], offset=2000)),
+        ("ends at", msgspec.structs.replace(pieces[2], data=pieces[2].data[:-1], crc32=zlib.crc32(pieces[2].data[:-1]))),
+        ("of a transfer of 3", msgspec.structs.replace(first, index=3)),
+        ("under 1024 B", m.KvChunk(transfer="t5", rid="r1", index=0, count=6, offset=0, total=6000, crc32=zlib.crc32(kv[:1000]), data=kv[:1000])),
+        ("piece 0 at offset", msgspec.structs.replace(first, offset=10, count=1, data=kv[10:], crc32=zlib.crc32(kv[10:]))),
+    ):
+        a = hk.KvAssembler(MIB, 10.0)
+        assert why in a.add(c, 0.0), why
+        assert not a.open and a.held_bytes == 0
+    # a later piece of another size than the transfer's (its last one came first)
+    a = hk.KvAssembler(MIB, 10.0)
+    assert a.add(pieces[2], 0.0) == ""
+    short = m.KvChunk(transfer="t1", rid="r1", index=0, count=3, offset=0, total=6000, crc32=zlib.crc32(kv[:2500]), data=kv[:2500])
+    assert "not one of pieces of 2048 B" in a.add(short, 0.0)
+    # a work that names other pieces than came
+    a = hk.KvAssembler(MIB, 10.0)
+    assert all(a.add(c, 0.0) == "" for c in pieces)
+    with pytest.raises(hk.KvMissing, match="its work names 3 pieces, 6001 B"):
+        a.take("t1", "r1", 3, 6001)
+    assert not a.open
+
+
+def test_the_buffer_bound_refuses_a_new_transfer_and_holds_only_what_came():
+    a = hk.KvAssembler(10_000, 10.0)
+    one, two = _pieces(os.urandom(6000), 2048, transfer="t1"), _pieces(os.urandom(6000), 2048, transfer="t2")
+    assert a.add(one[0], 0.0) == ""
+    assert "hand-off buffer full: 6000 B held for 1 transfers" in a.add(two[0], 0.0)
+    assert a.counters["refused.full"] == 1 and list(a.open) == ["t1"]
+    assert a.add(one[1], 0.0) == "" and a.add(one[2], 0.0) == ""  # its own pieces go on
+    a.take("t1", "r1", 3, 6000)
+    assert a.add(two[0], 1.0) == ""  # room again
+    # a piece announcing a huge K/V takes no memory beyond what came (anonymous pages, untouched until written)
+    big = hk.KvAssembler(1 << 40, 10.0)
+    huge = m.KvChunk(transfer="t3", rid="r1", index=0, count=2**20, offset=0, total=2**30, crc32=zlib.crc32(b"\0" * 1024), data=b"\0" * 1024)
+    assert big.add(huge, 0.0) == "" and big.held_bytes == 2**30
+    assert len(big.expire(10.0)) == 1 and big.held_bytes == 0
+
+
+def test_the_edge_refuses_pieces_and_works_of_no_shape():
+    kv = os.urandom(3000)
+    c = _pieces(kv, 1024)[0]
+    assert check(c) is None
+    assert "does not fit" in (check(msgspec.structs.replace(c, data=b"")) or "")
+    assert "does not fit" in (check(msgspec.structs.replace(c, offset=2990)) or "")
+    assert "index" in (check(msgspec.structs.replace(c, index=3)) or "")
+    assert "count" in (check(msgspec.structs.replace(c, count=3001)) or "")
+    assert "transfer" in (check(msgspec.structs.replace(c, transfer="a.b")) or "")
+    w = m.DecodeWork(rid="r1", prompt_tokens=9, max_tokens=4, block_size=4, block_hashes=[1, 2], kv_bytes=3000, kv_transfer="t1", kv_chunks=3)
+    assert check(w) is None
+    assert "go together" in (check(msgspec.structs.replace(w, kv_chunks=0)) or "")
+    assert "go together" in (check(msgspec.structs.replace(w, kv=b"x")) or "")
+    assert "kv_chunks" in (check(msgspec.structs.replace(w, kv_bytes=2)) or "")
+
+
+# --------------------------------------------------------------------------- #
+# the worker's shell (sim engine: the K/V is opaque to it; a recording bus)
+# --------------------------------------------------------------------------- #
+
+
+class _Bus:
+    """What the worker touches of its bus here: publishes recorded; requests on ``work.<d>.kv`` answered by
+    ``answer`` (the decode node's handler, or a fake)."""
+
+    reconnected_at = 0.0
+    max_payload = 20_000
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, object, dict]] = []
+        self.requests: list[m.KvChunk] = []
+        self.answer = None
+
+    async def publish(self, subject, msg, **kw) -> None:  # type: ignore[no-untyped-def]
+        self.published.append((subject.template, msg, kw))
+
+    async def request(self, subject, msg, **kw):  # type: ignore[no-untyped-def]
+        self.requests.append(msg)
+        wire = msgspec.msgpack.decode(m.encode(msg), type=subject.msg_type)  # as the responder gets it
+        return await self.answer(wire)
+
+
+def _worker(node: str, phase: str, bus: _Bus, **cfg):  # type: ignore[no-untyped-def]
+    from services.worker.config import WorkerConfig
+    from services.worker.service import WorkerService
+    from shared.clock import SimClock
+
+    svc = WorkerService(WorkerConfig(node=node, phase=phase, profile="tiny", **cfg), bus, SimClock())  # type: ignore[arg-type]
+    svc.accepting = True  # as start() leaves it (no subscriptions here: the handlers are called directly)
+    return svc
+
+
+def _work(rid: str = "r1", **kw) -> m.DecodeWork:  # type: ignore[no-untyped-def]
+    return m.DecodeWork(rid=rid, prompt_tokens=9, max_tokens=4, block_size=4, block_hashes=[11, 12], prefill_node="p", **kw)
+
+
+def _errors(bus: _Bus) -> list[str]:
+    return [msg.error for t, msg, _ in bus.published if t == "req.{rid}.out.{node}" and msg.finish_reason == "error"]
+
+
+async def test_the_decode_node_takes_a_work_whose_kv_came_and_fails_one_whose_kv_is_lost():
+    bus = _Bus()
+    d = _worker("d", "decode", bus)
+    kv = os.urandom(50_000)
+    pieces = _pieces(kv, 16_384, transfer="p-aa-1")
+    for c in reversed(pieces):
+        ack = await d._on_kv_chunk(c, "")
+        assert ack is not None and (ack.transfer, ack.index, ack.error) == ("p-aa-1", c.index, "")
+    assert (await d._on_kv_chunk(pieces[0], "")).error == ""  # sent again: answered, kept once
+    await d._on_decode(_work(kv_bytes=len(kv), kv_transfer="p-aa-1", kv_chunks=len(pieces)), "")
+    assert "r1" in d.core.requests and not _errors(bus)
+    assert (d.counters["handoff.received"], d.counters["handoff.received_bytes"], d.counters["handoff.received_chunks"]) == (1, 50_000, 4)
+    counters, gauges = d.stats()
+    assert counters["handoff.kv.chunks"] == 4 and counters["handoff.kv.duplicate_chunks"] == 1 and gauges["handoff.kv_held_bytes"] == 0
+    # the same work again: dropped, not failed, while the request is served (an old attempt) and once it ended
+    again = _work(kv_bytes=len(kv), kv_transfer="p-aa-1", kv_chunks=len(pieces))
+    await d._on_decode(again, "")
+    assert not _errors(bus) and d.counters["requests.stale_attempt"] == 1
+    d._forget("r1")
+    d.core.abort("r1", d.clock.local_now())
+    await d._on_decode(again, "")
+    assert not _errors(bus) and d._kv_in.counters["duplicate_work"] == 1 and "r1" not in d.core.requests
+    # a work whose K/V is not all here: the request fails with why (its client gets the error)
+    for c in _pieces(kv, 16_384, transfer="p-aa-2", rid="r2")[:3]:
+        await d._on_kv_chunk(c, "")
+    await d._on_decode(_work("r2", kv_bytes=len(kv), kv_transfer="p-aa-2", kv_chunks=4), "")
+    (err,) = _errors(bus)
+    assert "hand-off lost on node d" in err and "3 of the 4 pieces" in err and "r2" not in d.core.requests
+    assert d.counters["handoff.kv_lost"] == 1 and d._kv_in.held_bytes == 0
+    # pieces whose work never comes: dropped after --handoff-kv-timeout-s, counted; its late work fails
+    for c in _pieces(kv, 16_384, transfer="p-aa-3", rid="r3"):
+        await d._on_kv_chunk(c, "")
+    assert d._kv_in.held_bytes == 50_000 and d._kv_timer is not None
+    d._expire_kv(d._kv_in.next_deadline())
+    assert d._kv_in.held_bytes == 0 and d.stats()[0]["handoff.kv.expired"] == 1
+    await d._on_decode(_work("r3", kv_bytes=len(kv), kv_transfer="p-aa-3", kv_chunks=4), "")
+    assert "dropped after 60 s" in _errors(bus)[-1]
+    from services.worker.prom import worker_families
+
+    fams = {f.name: f for f in worker_families(d)}
+    assert {s.labels["reason"]: s.value for s in fams["ei_node_handoff_kv_dropped"].samples} == {
+        "expired": 1.0, "refused": 0.0, "lost": 2.0, "discarded": 0.0}
+    assert fams["ei_node_handoff_received_bytes"].samples[0].value == 50_000
+    await d.stop()
+
+
+async def test_the_prefill_node_sends_the_kv_in_pieces_then_the_work_and_fails_the_request_when_refused():
+    from services.worker.plan import HandOff
+
+    pbus, dbus = _Bus(), _Bus()
+    p, d = _worker("p", "prefill", pbus, log_requests=True), _worker("d", "decode", dbus)
+    pbus.answer = lambda c: d._on_kv_chunk(c, "")
+    kv = os.urandom(70_000)
+    p.engine.handoff = lambda w: msgspec.structs.replace(w, kv=kv)  # type: ignore[method-assign]  # a real engine's K/V
+    await p._handoff(HandOff("r1", "d", _work(), 0.0))
+    (subject, sent, kw), = pbus.published
+    size = hk.chunk_bytes(pbus.max_payload)
+    assert subject == "work.{node}.decode" and kw["node"] == "d" and sent.kv == b""
+    assert (sent.kv_bytes, sent.kv_chunks) == (70_000, -(-70_000 // size)) and len(pbus.requests) == sent.kv_chunks
+    assert all(len(m.encode(c)) <= pbus.max_payload for c in pbus.requests)
+    assert (p.counters["requests.handed_off"], p.counters["handoff.sent_bytes"], p.counters["handoff.sent_chunks"]) == (1, 70_000, 6)
+    await d._on_decode(sent, "")
+    assert "r1" in d.core.requests and d.counters["handoff.received_bytes"] == 70_000
+    # the decode node refuses a piece (its buffer full): the request fails at the prefill node, naming why
+    d._kv_in.max_bytes = 1000
+    await p._handoff(HandOff("r2", "d", _work("r2"), 0.0))
+    (err,) = _errors(pbus)
+    assert "hand-off to d failed (70000 B of K/V)" in err and "hand-off buffer full" in err
+    assert p.counters["requests.handoff_failed"] == 1 and len(pbus.published) == 2  # no work went out for r2
+    # an unanswered piece is sent again, then the hand-off fails
+    tries = []
+
+    async def silent(c: m.KvChunk) -> m.KvChunkAck:
+        from shared.bus import NoReply
+
+        tries.append(c.index)
+        raise NoReply("no reply on work.d.kv: TimeoutError")
+
+    pbus.answer = silent
+    await p._handoff(HandOff("r3", "d", _work("r3"), 0.0))
+    assert "unanswered by d after 3 sends" in _errors(pbus)[-1] and p.counters["handoff.chunk_retries"] >= 2
+    assert len(tries) <= hk.WINDOW * hk.TRIES
+    await asyncio.gather(p.stop(), d.stop())
+
+
+async def test_a_decode_node_that_switched_to_prefill_hands_the_kv_back_inline_or_fails_it_when_too_large():
+    """A hand-off bound to a decode node that serves prefill by the time its work comes goes back to the router
+    (``work.requeue``) with its K/V inline, the one message the router re-binds; one past ``max_payload`` cannot, and
+    fails at once naming why (before, a ``work.requeue`` past it was retried for ``requeue_timeout_s``)."""
+    bus = _Bus()
+    d = _worker("d", "prefill", bus)
+    handed: list[m.WorkRequeue] = []
+
+    async def router(msg: m.WorkRequeue) -> m.WorkRequeueReply:
+        handed.append(msg)
+        return m.WorkRequeueReply(rid=msg.rid, accepted=True)
+
+    bus.answer = router
+    kv = os.urandom(8_000)
+    for c in _pieces(kv, 4096, transfer="p-aa-1"):
+        assert (await d._on_kv_chunk(c, "")).error == ""
+    await d._on_decode(_work(kv_bytes=len(kv), kv_transfer="p-aa-1", kv_chunks=2), "")
+    (back,) = handed
+    assert back.decode is not None and back.decode.kv == kv and (back.decode.kv_transfer, back.decode.kv_chunks) == ("", 0)
+    assert d.counters["requeue.decode"] == 1 and not _errors(bus) and d._kv_in.held_bytes == 0
+    big = os.urandom(30_000)  # with its envelope, past the bus's 20,000-B max_payload
+    for c in _pieces(big, 8192, transfer="p-aa-2", rid="r2"):
+        await d._on_kv_chunk(c, "")
+    await d._on_decode(_work("r2", kv_bytes=len(big), kv_transfer="p-aa-2", kv_chunks=4), "")
+    assert len(handed) == 1 and d.counters["requeue.decode_refused"] == 1
+    (err,) = _errors(bus)
+    assert "serves prefill now and cannot hand the decode back" in err and "30000 B of K/V" in err
+    await d.stop()
