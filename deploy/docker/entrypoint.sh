@@ -1,7 +1,7 @@
 #!/bin/sh
 # ei-entrypoint ROLE [ARGS...]: run one Evolving Infra service in the container.
 #
-# Roles: auth (write NATS credentials + server config into $EI_CREDS_DIR, once), nats, stream
+# Roles: auth (write NATS credentials, once, and the server's config into $EI_CREDS_DIR), nats, stream
 # (create the partition's JetStream stream as the launcher, once NATS is up: no service may),
 # kvdirectory, planner, router, worker; anything else is run as a command
 # (e.g. `evolving-infra replay ...`). Every service reads its settings from EI_* variables
@@ -204,8 +204,15 @@ case "$role" in
         echo "auth: credentials for $(nodes) already in $CREDS"
     else
         evolving-infra auth gen --dir "$CREDS" --nodes "$(nodes)" --routers router --partition "${EI_PARTITION:-p0}"
-        printf 'listen: 0.0.0.0:4222\nhttp: 0.0.0.0:8222\njetstream { store_dir: "/var/lib/ei/jetstream" }\ninclude nats-auth.conf\n' > "$CREDS/nats.conf"
         nodes > "$CREDS/nodes"
+    fi
+    # nats-server's limits as up's embedded server sets them (shared/natsserver.py limits_conf: max_payload 16 MiB,
+    # max_pending 256 MiB; nats-server's own are 1 MiB and 64 MiB), in both auth modes, written at every start with
+    # the nkeys config (only the keys are kept), so a volume an older image made gets them too. Without them a prefill
+    # dispatch past 1 MiB (~250k prompt tokens) was refused here and not under up
+    python -c 'from shared.natsserver import limits_conf; print(limits_conf(), end="")' > "$CREDS/nats-limits.conf" || exit 2
+    if [ "$AUTH" != off ]; then
+        printf 'listen: 0.0.0.0:4222\nhttp: 0.0.0.0:8222\njetstream { store_dir: "/var/lib/ei/jetstream" }\ninclude nats-limits.conf\ninclude nats-auth.conf\n' > "$CREDS/nats.conf"
     fi
     # each service's own volume (compose mounts it at the service's /creds): the clock origin and only that
     # identity's seed, so that the router (its port published) cannot read the admin, launcher or other seeds
@@ -230,7 +237,7 @@ case "$role" in
     # past 1.6 GiB in 300 s of steady load while its stream held 192 MiB; a GOMEMLIMIT set on the service is kept
     export GOMEMLIMIT="${GOMEMLIMIT:-512MiB}"
     if [ "$AUTH" = off ]; then
-        exec nats-server -js -sd /var/lib/ei/jetstream -a 0.0.0.0 -p 4222 -m 8222 "$@"
+        exec nats-server -c "$CREDS/nats-limits.conf" -js -sd /var/lib/ei/jetstream -a 0.0.0.0 -p 4222 -m 8222 "$@"
     fi
     exec nats-server -c "$CREDS/nats.conf" "$@"
     ;;
