@@ -171,7 +171,7 @@ async def test_malformed_payload_on_every_subject_is_counted_and_dropped(cluster
     await bus.nc.flush()
     expected = {
         "kvdirectory": ["kv.events.{node}", "branch.events", "route.placed", "kv.lookup"],
-        "worker-w0": ["work.{node}.prefill", "work.{node}.decode", "work.{node}.abort", "split.commands", "kv.resync.{node}"],
+        "worker-w0": ["work.{node}.prefill", "work.{node}.decode", "work.{node}.kv", "work.{node}.abort", "split.commands", "kv.resync.{node}"],
         "router": ["node.state.{node}", "split.commands", "req.{rid}.out.{node}"],
         "planner": ["node.iters.{node}", "split.get"],
     }
