@@ -515,6 +515,12 @@ class HFTokenizer:
         else:
             self.notes.append(f"no chat_template next to {file}; chat requests use ChatML")
 
+    @property
+    def special_token_texts(self) -> dict[str, str]:
+        """``tokenizer_config.json``'s named special tokens (``bos_token``, ``eos_token``...: their text), the
+        variables a chat template sees (a copy)."""
+        return dict(self._special)
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Ids of ``text`` with the model's special tokens (e.g. BOS) added unless ``add_special_tokens`` is
         False, as vLLM does for completions. A text over ``_GIL_FREE_CHARS`` characters is encoded without

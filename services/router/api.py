@@ -71,7 +71,8 @@ import msgspec
 from msgspec import Meta, Struct
 
 from shared.messages import BranchKind, Sampling
-from shared.tokenizer import TemplateKwargError, TokenizerError, check_template_kwargs, compile_chat_template
+from services.router.template_pool import MAX_TEMPLATE_CHARS
+from shared.tokenizer import TemplateKwargError, check_template_kwargs
 from shared.validate import (  # the nodes' bounds of a work's Sampling: the API takes no more than they do
     MAX_ABS_LOGIT_BIAS,
     MAX_LOGIT_BIAS,
@@ -728,21 +729,34 @@ def request_chat_template(req: ChatRequest | TokenizeChatRequest, trusted: bool)
             ``chat_template_kwargs.chat_template`` is not a string.
     """
     in_kwargs = (req.chat_template_kwargs or {}).get("chat_template")
-    if req.chat_template is None and in_kwargs is None:
+    if not req.chat_template and in_kwargs in (None, ""):  # "" is no template (vLLM's falls back to the model's too)
         return None
-    param = "chat_template" if req.chat_template is not None else "chat_template_kwargs.chat_template"
+    param = "chat_template" if req.chat_template else "chat_template_kwargs.chat_template"
     if not trusted:
         raise ApiError(400, UNTRUSTED_CHAT_TEMPLATE, param=param)
-    if req.chat_template is not None:
+    if req.chat_template:
         return req.chat_template
     if not isinstance(in_kwargs, str):
         raise ApiError(400, f"chat_template_kwargs.chat_template must be a string, got {type(in_kwargs).__name__}", param=param)
     return in_kwargs
 
 
+class RenderRequestTemplate(Exception):
+    """Raised by :func:`render_chat` for a request that carries its own chat template (and a trusting router):
+    the caller renders ``template`` in its child processes (``services.router.template_pool``, never in the
+    router's process: a template may loop or allocate without end) and calls :func:`render_chat` again with the
+    text as ``rendered``. ``param``: the field the template came in (errors name it)."""
+
+    def __init__(self, req: ChatRequest | TokenizeChatRequest, template: str, param: str) -> None:
+        super().__init__(param)
+        self.req = req
+        self.template = template
+        self.param = param
+
+
 def render_chat(
     tokenizer: Any, req: ChatRequest | TokenizeChatRequest, check: Callable[[str], None] | None = None, *,
-    trust_request_chat_template: bool = False,
+    trust_request_chat_template: bool = False, rendered: str | None = None,
 ) -> list[int]:
     """The prompt ids of a chat request: its messages and tools through ``tokenizer``'s chat template (or the
     request's own, :func:`request_chat_template`) with the request's ``add_generation_prompt`` /
@@ -750,24 +764,29 @@ def render_chat(
     the text encoded with ``add_special_tokens`` (what ``Tokenizer.apply_chat_template`` gives); what
     ``/v1/chat/completions`` serves and ``/tokenize`` counts. ``check``: called with the rendered text before it is
     encoded (a template may drop text, so a bound on the tokens of a prompt holds for this string, not for the
-    messages). ``trust_request_chat_template``: the router's flag of that name.
+    messages). ``trust_request_chat_template``: the router's flag of that name. ``rendered``: the request
+    template's text, rendered by the caller (:class:`RenderRequestTemplate`).
 
     Raises:
-        ApiError: a request template not trusted, or one that does not compile (400 naming ``chat_template``);
-            refused ``chat_template_kwargs``; what ``check`` raises.
-        ValueError (or the template's own error): a conversation the template refuses.
+        ApiError: a request template not trusted or longer than ``template_pool.MAX_TEMPLATE_CHARS`` characters
+            (400 naming its field); refused ``chat_template_kwargs``; what ``check`` raises.
+        RenderRequestTemplate: a trusted request template, ``rendered`` not given.
+        ValueError (or the template's own error): a conversation the model's template refuses.
     """
     template = request_chat_template(req, trust_request_chat_template)
-    if template is not None:
-        try:
-            compile_chat_template(template)
-        except TokenizerError as e:
-            param = "chat_template" if req.chat_template is not None else "chat_template_kwargs.chat_template"
-            raise ApiError(400, f"{param}: {e}", param=param) from e
-    text = tokenizer.render_chat(
-        chat_messages(req), req.tools, add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-        template_kwargs=template_kwargs(req), chat_template=template,
-    )
+    if template is not None and rendered is None:
+        param = "chat_template" if req.chat_template else "chat_template_kwargs.chat_template"
+        if len(template) > MAX_TEMPLATE_CHARS:
+            raise ApiError(400, f"{param} is {len(template)} characters long; at most {MAX_TEMPLATE_CHARS} are accepted", param=param)
+        template_kwargs(req)  # refused before the template is rendered
+        raise RenderRequestTemplate(req, template, param)
+    if rendered is not None:
+        text = rendered
+    else:
+        text = tokenizer.render_chat(
+            chat_messages(req), req.tools, add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+            template_kwargs=template_kwargs(req),
+        )
     if check is not None:
         check(text)
     ids: list[int] = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)

@@ -110,6 +110,7 @@ from services.router.replicas import RemoteSends
 from services.router.policy import RouteRequest
 from services.router.stops import OutputText
 from services.router.prom import router_families
+from services.router.template_pool import RequestTemplatePool, TemplateRenderError
 from shared.tokenizer import Tokenizer, load_tokenizer, min_prompt_tokens
 
 _JSON = msgspec.json.Encoder()
@@ -931,6 +932,9 @@ class RouterService(WatchedService):
         policy = cfg.routing_policy(ttft_breakdown=self.log.is_enabled_for(logging.DEBUG))
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
         self._tag_tokenizer: Tokenizer | None = toolcalls.keep_tags(self.tokenizer) if cfg.enable_auto_tool_choice else None
+        self._templates: RequestTemplatePool | None = RequestTemplatePool() if cfg.trust_request_chat_template else None
+        """Where a request's own chat template is rendered (``--trust-request-chat-template``): child processes with
+        a deadline and a memory cap (``services.router.template_pool``); None: such a request gets vLLM's 400."""
         """The output decoder of a request whose tool calls are parsed when the tokenizer marks the tags special
         (``toolcalls.keep_tags``); None: such a request decodes as any other."""
         self.core = RouterCore(
@@ -1068,7 +1072,11 @@ class RouterService(WatchedService):
         Raises:
             OSError: if the HTTP address cannot be bound.
             RuntimeError: if uvicorn fails to start.
+            TemplatePoolError: ``--trust-request-chat-template`` and its child processes cannot render templates
+                (jinja2 missing or older than 3.1.6).
         """
+        if self._templates is not None:
+            await self._templates.start()
         await self.bus.subscribe(NODE_STATE, self._on_state)
         await self.bus.subscribe(SPLIT_COMMANDS, self._on_split)
         await self.bus.subscribe(PLANNER_MODELS, self._on_models)
@@ -1313,6 +1321,8 @@ class RouterService(WatchedService):
         box) and those connections got 503 "router stopping": a SIGTERM of an idle router, 33 of 156 connections
         made until it exited."""
         self._stopping = True
+        if self._templates is not None:
+            await self._templates.close()
         if self._sighup:
             self._sighup = False
             with contextlib.suppress(RuntimeError):  # the loop is closing
@@ -2909,15 +2919,17 @@ class RouterService(WatchedService):
         ``_BIG_TEXT`` bytes is parsed, tokenized, its pieces listed and the answer encoded
         (``api.tokenize_response_json``) in a worker thread, off the event loop."""
 
+        rendered: str | None = None  # a request template's text (:meth:`_render_request_template`)
+
         def run(body: bytes) -> bytes:
             req = api.parse_tokenize(body)
             self._check_model(req.model)
             try:
                 if isinstance(req, api.TokenizeChatRequest):
-                    ids = api.render_chat(self.tokenizer, req, trust_request_chat_template=self.cfg.trust_request_chat_template)
+                    ids = api.render_chat(self.tokenizer, req, trust_request_chat_template=self.cfg.trust_request_chat_template, rendered=rendered)
                 else:
                     ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-            except api.ApiError:
+            except (api.ApiError, api.RenderRequestTemplate):
                 raise
             except Exception as e:  # a chat template may raise on a malformed conversation
                 raise api.ApiError(400, f"cannot tokenize: {e}", param="messages" if isinstance(req, api.TokenizeChatRequest) else "prompt") from e
@@ -2930,7 +2942,11 @@ class RouterService(WatchedService):
         try:
             body = await self._read_body(request)
             # the body's size, not the contents': a chat's tools are rendered too
-            answer = await self._off_loop(request, body, run)  # encoded there too: 31M ids took 1 s
+            try:
+                answer = await self._off_loop(request, body, run)  # encoded there too: 31M ids took 1 s
+            except api.RenderRequestTemplate as t:
+                rendered = await self._render_request_template(t)
+                answer = await self._off_loop_rendered(request, body, rendered, run)
         except api.ApiError as e:
             return self._error(e.status, e.reason, e.param)
         return Response(answer, media_type="application/json")
@@ -3226,19 +3242,63 @@ class RouterService(WatchedService):
         # 0.5 s on the loop when only contents were counted), and a prompt of ids is parsed, made an array,
         # packed and hashed (1M ids, 6.2 MB: 140 ms on the loop at block_size 16, 90 ms at 64)
         ctx = self.context_limit()  # read here, on the loop: the node view is not read from a worker thread
-        req, arr, max_tokens, packed, hashes, echo = await self._off_loop(request, body, lambda b: self._prepare_body(b, chat, ctx))
+        try:
+            req, arr, max_tokens, packed, hashes, echo = await self._off_loop(request, body, lambda b: self._prepare_body(b, chat, ctx))
+        except api.RenderRequestTemplate as t:
+            text = await self._render_request_template(t)
+            req, arr, max_tokens, packed, hashes, echo = await self._off_loop_rendered(
+                request, body, text, lambda b: self._prepare_body(b, chat, ctx, text),
+            )
         return hdrs, req, arr, max_tokens, packed, hashes, echo
 
-    def _prepare_body(self, body: bytes, chat: bool, ctx: int) -> tuple[Any, np.ndarray, int, bytes, list[int], str]:
+    async def _render_request_template(self, t: api.RenderRequestTemplate) -> str:
+        """The text of a request's own chat template (``--trust-request-chat-template``), rendered in the router's
+        child processes (``services.router.template_pool``: :data:`~services.router.template_pool.RENDER_DEADLINE_S`
+        seconds, :data:`~services.router.template_pool.CHILD_MEMORY_BYTES` bytes, a text of at most
+        ``--max-body-bytes`` characters); the event loop only awaits the child's pipe.
+
+        Raises:
+            ApiError: 400 naming the template's field for a template that fails, runs past the deadline or out of
+                memory; 503 when every child stayed busy.
+        """
+        if self._templates is None:  # render_chat raises RenderRequestTemplate only for a trusting router
+            raise api.ApiError(400, api.UNTRUSTED_CHAT_TEMPLATE, param=t.param)
+        req = t.req
+        try:
+            return await self._templates.render(
+                t.template, api.chat_messages(req), req.tools, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, special=self.tokenizer_special_tokens(),
+                kwargs=api.template_kwargs(req), max_chars=self.cfg.max_body_bytes,
+            )
+        except TemplateRenderError as e:
+            self.counters["chat_template.refused"] += 1
+            raise api.ApiError(e.status, f"{t.param}: {e}", param=t.param) from None
+
+    def tokenizer_special_tokens(self) -> dict[str, str]:
+        """The model's named special tokens (``bos_token``...: text) a chat template sees; {} for the sim tokenizer."""
+        return dict(getattr(self.tokenizer, "special_token_texts", {}) or {})
+
+    async def _off_loop_rendered(self, request: Request, body: bytes, text: str, run: Callable[[bytes], _T]) -> _T:
+        """:meth:`_off_loop` for a body whose request template rendered ``text``: in a worker thread when the text
+        is over ``_BIG_TEXT`` characters too (it is tokenized there), though the body is small."""
+        if len(body) <= _BIG_TEXT < len(text):
+            return await asyncio.to_thread(run, body)
+        return await self._off_loop(request, body, run)
+
+    def _prepare_body(
+        self, body: bytes, chat: bool, ctx: int, rendered: str | None = None,
+    ) -> tuple[Any, np.ndarray, int, bytes, list[int], str]:
         """Parse and check a generation body and tokenize its prompt: (request, token ids, max_tokens, the
         ids packed as little-endian uint32, their block hashes at ``block_size``, the echo text: the
         completions prompt for ``echo``, as sent or a token-id prompt detokenized with its special tokens; a chat's
         ``api.chat_echo``; else ""). No await and
         no state written: it may run in a worker thread. ``ctx``: the prompt + max_tokens limit in tokens
-        (:meth:`context_limit`; 0 = none).
+        (:meth:`context_limit`; 0 = none). ``rendered``: the request's own chat template's text
+        (:meth:`_render_request_template`), for a body whose first pass raised ``api.RenderRequestTemplate``.
 
         Raises:
             ApiError: the 4xx to answer.
+            api.RenderRequestTemplate: a request template to render first (``rendered`` None).
         """
         prompt: str | list[int] | None = None
         asked: int | None  # the client's max_tokens; None: a default, cut to the context left after the prompt
@@ -3270,13 +3330,13 @@ class RouterService(WatchedService):
                 # bounded as a text prompt, on the template's text (what is tokenized; a template may drop text)
                 ids = api.render_chat(
                     self.tokenizer, req, lambda text: self._check_prompt_len(min_prompt_tokens(self.tokenizer, text), ctx, part, at_least=True),
-                    trust_request_chat_template=self.cfg.trust_request_chat_template,
+                    trust_request_chat_template=self.cfg.trust_request_chat_template, rendered=rendered,
                 )
             elif isinstance(prompt, str):
                 ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
             else:
                 ids = prompt  # type: ignore[assignment]
-        except api.ApiError:
+        except (api.ApiError, api.RenderRequestTemplate):
             raise
         except Exception as e:  # a chat template may raise on a malformed conversation
             raise api.ApiError(400, f"cannot tokenize the prompt: {e}", param=part) from e

@@ -99,3 +99,115 @@ async def test_a_requests_chat_template_needs_the_trust_flag_as_vllm(nats_url, t
             assert r.status_code == 400 and "no system turns" in r.json()["error"]["message"], r.text
             r = await env.http.post(path, json={"messages": USER, "max_tokens": 1, "chat_template": "{{ ''.__class__.__mro__ }}"})
             assert r.status_code == 400, r.text  # the sandbox holds
+
+
+LOOPING_TEMPLATE = "{% for i in range(20000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}x"
+"""2e8 empty loop turns: ~20 s of a core in-process (1e6 took 0.11 s here); the review's version (three nested
+range(100000)) never ends."""
+
+
+async def _poll_healthz(env: Any, stop: Any, latencies: list[float]) -> None:
+    import asyncio
+    import time
+
+    while not stop.is_set():
+        t0 = time.monotonic()
+        r = await env.http.get("/healthz")
+        assert r.status_code == 200, r.text
+        latencies.append(time.monotonic() - t0)
+        await asyncio.sleep(0.05)
+
+
+async def test_a_request_template_that_loops_is_cut_at_the_deadline_in_a_child_process(nats_url, tmp_path):
+    """A request template is rendered in a child process with a deadline: a template that loops gets a 400 naming
+    ``chat_template`` ("took longer than 2 s to render") within the deadline, while /healthz and other requests
+    are answered as usual. Before, it rendered on the router's event loop (or in a worker thread that never ended):
+    the router stopped answering anything for its length (the review: 26 s for 181 bytes; a never-ending one got
+    the router killed by ``up``'s liveness watch)."""
+    import asyncio
+    import time
+
+    from services.router import template_pool
+
+    folder = _folder(tmp_path)
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, tokenizer=f"hf:{folder}", trust_request_chat_template=True) as env:
+        pool = env.service._templates
+        assert pool is not None
+        pids = [c.proc.pid for c in pool._all]
+        assert len(pids) == template_pool.POOL_SIZE
+        stop, latencies = asyncio.Event(), []
+        poller = asyncio.create_task(_poll_healthz(env, stop, latencies))
+        try:
+            for path in ("/v1/chat/completions", "/tokenize"):
+                t0 = time.monotonic()
+                slow = asyncio.create_task(env.http.post(path, json={"messages": USER, "max_tokens": 1, "chat_template": LOOPING_TEMPLATE}))
+                await asyncio.sleep(0.3)
+                # meanwhile: a chat with the model's template, and one with a request template that renders at once
+                t1 = time.monotonic()
+                assert (await env.http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1})).status_code == 200
+                assert await _served_ids(env, {"messages": USER, "chat_template": REQUEST_TEMPLATE}) == env.service.tokenizer.encode(
+                    "[SYSTEM] Be brief.\n[USER] hello there, how are you?\n[ASSISTANT]", add_special_tokens=False)
+                assert time.monotonic() - t1 < 1.5
+                r = await slow
+                took = time.monotonic() - t0
+                assert r.status_code == 400, r.text
+                err = r.json()["error"]
+                assert err["param"] == "chat_template" and err["message"] == "chat_template: took longer than 2 s to render", err
+                assert template_pool.RENDER_DEADLINE_S <= took < template_pool.RENDER_DEADLINE_S + 2.0, took
+        finally:
+            stop.set()
+            await poller
+        assert len(latencies) > 20 and max(latencies) < 0.5, max(latencies)
+        assert pool.killed == 2
+        await asyncio.sleep(0)
+        # the killed children are replaced: a request after renders
+        assert await _served_ids(env, {"messages": USER, "chat_template": REQUEST_TEMPLATE})
+        pids += [c.proc.pid for c in pool._all]
+    import os
+
+    for pid in pids:  # every child is gone with the router
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        with open(f"/proc/{pid}/stat") as f:
+            assert f.read().split()[2] == "Z", pid  # a zombie at most (reaped by the loop's child watcher)
+
+
+async def test_request_template_limits_length_memory_and_busy_children(nats_url, tmp_path):
+    """A request template over 64 KiB is refused before it is compiled (a 683 KB one compiled 10 s in the router);
+    one that allocates past the child's memory cap is a 400, not the router's memory; big bodies (rendered off the
+    event loop) with looping templates no longer pin worker threads: when every child is busy the rest get a 503
+    at once and a big /tokenize is answered meanwhile (before: 7 such requests took every thread of
+    ``asyncio.to_thread``'s pool, and every big body hung)."""
+    import asyncio
+    import time
+
+    from services.router import template_pool
+
+    folder = _folder(tmp_path)
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, tokenizer=f"hf:{folder}", trust_request_chat_template=True) as env:
+        big = "{# " + "x" * template_pool.MAX_TEMPLATE_CHARS + " #}"
+        r = await env.http.post("/tokenize", json={"messages": USER, "chat_template": big})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template" and "at most 65536" in r.text, r.text
+        r = await env.http.post("/tokenize", json={"messages": USER, "chat_template_kwargs": {"chat_template": big}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.chat_template", r.text
+        # an empty template is none (the model's), as vLLM
+        assert (await env.http.post("/tokenize", json={"messages": USER, "chat_template": ""})).json()["tokens"] == \
+            (await env.http.post("/tokenize", json={"messages": USER})).json()["tokens"]
+        hog = "{% set ns = namespace(s='x' * 1000) %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}"
+        r = await env.http.post("/tokenize", json={"messages": USER, "chat_template": hog})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+        assert "memory" in r.json()["error"]["message"] or "took longer" in r.json()["error"]["message"], r.text
+        await asyncio.sleep(1.0)  # the child replaced
+        pad = [{"role": "user", "content": "word " * 8000}]  # a 40 KB body: parsed and rendered off the event loop
+        t0 = time.monotonic()
+        slow = [asyncio.create_task(env.http.post("/tokenize", json={"messages": pad, "chat_template": LOOPING_TEMPLATE})) for _ in range(7)]
+        await asyncio.sleep(0.5)
+        t1 = time.monotonic()
+        r = await env.http.post("/tokenize", json={"messages": pad})
+        assert r.status_code == 200 and time.monotonic() - t1 < 1.5, (r.text[:200], time.monotonic() - t1)
+        codes = sorted([(x.status_code, x.json()["error"]["message"]) for x in await asyncio.gather(*slow)])
+        assert time.monotonic() - t0 < template_pool.RENDER_DEADLINE_S + template_pool.QUEUE_DEADLINE_S + 3.0
+        assert all(c in (400, 503) for c, _ in codes), codes
+        assert any(c == 503 and "busy" in m for c, m in codes), codes

@@ -1,0 +1,104 @@
+"""``services.router.template_pool``: request chat templates rendered in real child processes (no mocks): the
+text as ``shared.tokenizer`` renders it in-process, errors as reasons, a deadline that kills and replaces the child,
+a memory cap, a cap on the rendered length, and a pool that refuses to start when jinja2 cannot be imported."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from services.router.template_pool import RequestTemplatePool, TemplatePoolError, TemplateRenderError
+from shared.tokenizer import _render_template, compile_chat_template
+
+pytest.importorskip("jinja2")
+
+MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+TPL = "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}{% if flag %}!{% endif %}"
+KW = dict(add_generation_prompt=True, continue_final_message=False, special={"bos_token": "<s>"}, kwargs={"flag": True}, max_chars=1000)
+
+
+def _gone(pid: int) -> bool:
+    """The process ``pid`` has ended (reaped, or a zombie not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+async def _render(pool: RequestTemplatePool, source: str, **over: object) -> str:
+    return await pool.render(source, MSGS, None, **{**KW, **over})  # type: ignore[arg-type]
+
+
+async def test_renders_as_in_process_and_errors_are_reasons():
+    pool = RequestTemplatePool(1)
+    await pool.start()
+    try:
+        want = _render_template(compile_chat_template(TPL), MSGS, None, True, False, {"bos_token": "<s>"}, {"flag": True})
+        assert await _render(pool, TPL) == want == "<s>[system] Be brief.[user] hi!"
+        with pytest.raises(TemplateRenderError, match="invalid chat template"):
+            await _render(pool, "{% for %}")
+        with pytest.raises(TemplateRenderError, match="no system turns"):
+            await _render(pool, "{{ raise_exception('no system turns') }}")
+        with pytest.raises(TemplateRenderError, match="unsafe"):
+            await _render(pool, "{{ ''.__class__.__mro__ }}")
+        with pytest.raises(TemplateRenderError, match="nests too deeply"):  # RecursionError at compile
+            await _render(pool, "{% if 1 %}" * 5000 + "{% endif %}" * 5000)
+        with pytest.raises(TemplateRenderError, match="rendered to 5000 characters; at most 1000"):
+            await _render(pool, "{{ 'x' * 5000 }}")
+        assert pool.killed == 1  # the recursion's child, replaced
+    finally:
+        await pool.close()
+
+
+async def test_a_render_past_the_deadline_or_the_memory_cap_kills_the_child_and_the_next_render_works():
+    pool = RequestTemplatePool(1, deadline_s=1.0, queue_s=30.0, memory_bytes=512 * 1024 * 1024)
+    await pool.start()
+    try:
+        first = next(iter(pool._all)).proc.pid
+        t0 = time.monotonic()
+        with pytest.raises(TemplateRenderError, match="took longer than 1 s to render") as e:
+            await _render(pool, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+        assert e.value.status == 400 and 1.0 <= time.monotonic() - t0 < 2.0
+        for _ in range(50):  # killed at once (SIGKILL; reaped in the background)
+            if _gone(first):
+                break
+            await asyncio.sleep(0.01)
+        assert _gone(first)
+        hog = "{% set ns = namespace(s='x' * 1000) %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}"
+        with pytest.raises(TemplateRenderError, match="ran out of memory"):
+            await _render(pool, hog)
+        assert await _render(pool, TPL) == "<s>[system] Be brief.[user] hi!"  # each waited for its replacement
+        assert pool.killed == 2
+    finally:
+        await pool.close()
+    assert not pool._all
+
+
+async def test_every_child_busy_is_a_503_after_the_queue_deadline():
+    pool = RequestTemplatePool(1, deadline_s=2.0, queue_s=0.3)
+    await pool.start()
+    try:
+        slow = asyncio.create_task(_render(pool, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"))
+        await asyncio.sleep(0.1)
+        with pytest.raises(TemplateRenderError, match="busy") as e:
+            await _render(pool, TPL)
+        assert e.value.status == 503
+        with pytest.raises(TemplateRenderError, match="took longer"):
+            await slow
+    finally:
+        await pool.close()
+
+
+async def test_the_pool_refuses_to_start_without_jinja2(tmp_path, monkeypatch):
+    fake = tmp_path / "jinja2"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('No module named jinja2 (hidden by the test)')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    pool = RequestTemplatePool(1)
+    with pytest.raises(TemplatePoolError, match="jinja2"):
+        await pool.start()
+    assert not pool._all
