@@ -99,10 +99,13 @@ class Tokenizer(Protocol):
         ``template_kwargs``: more variables for the template (transformers' ``**kwargs``, vLLM's
         ``chat_template_kwargs``; they override the special-token variables such as ``bos_token``; ``documents``
         is the template's ``documents``); ``chat_template``: a Jinja template rendered instead of the
-        tokenizer's own (:func:`compile_chat_template`).
+        tokenizer's own (:func:`compile_chat_template`), or the name of one of the model's named templates (a
+        ``tokenizer_config.json`` ``chat_template`` list: transformers' ``get_chat_template``, which picks
+        ``tool_use`` when ``tools`` is not None and ``default`` otherwise when none is named).
 
         Raises:
-            ValueError: ``continue_final_message`` with ``add_generation_prompt``, or a final message
+            ValueError: ``continue_final_message`` with ``add_generation_prompt``; named templates without
+                ``default`` and none named or picked for tools (transformers' message); a final message
                 without text (content None) or whose text the rendered chat does not hold (:func:`tag_final`,
                 :func:`continue_final`); a ``template_kwargs`` key it may not set (:class:`TemplateKwargError`).
             TokenizerError: ``chat_template`` does not compile (or jinja2 is missing or too old).
@@ -488,6 +491,9 @@ class HFTokenizer:
         """The most characters one token stands for (:func:`max_token_chars`); None: no bound holds."""
         self.notes: list[str] = []
         self._template: Any = None
+        self._named: dict[str, Any] = {}
+        """Named templates (``tokenizer_config.json``'s ``chat_template`` as a list of ``{"name", "template"}``):
+        name → compiled template, picked as transformers' ``get_chat_template`` picks (:meth:`_pick_template`)."""
         self._special: dict[str, str] = {}
         cfg_file = file.parent / "tokenizer_config.json"
         template: str | None = None
@@ -503,17 +509,51 @@ class HFTokenizer:
                 if isinstance(val, str):
                     self._special[key] = val
             raw = cfg.get("chat_template")
-            if isinstance(raw, list):  # named templates: take "default"
-                raw = next((t.get("template") for t in raw if isinstance(t, dict) and t.get("name") == "default"), None)
+            if isinstance(raw, list):  # named templates, kept as transformers keeps them (a dict by name)
+                for entry in raw:
+                    if not (isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("template"), str)):
+                        raise TokenizerError(f"{cfg_file}: chat_template list entries must be {{'name': str, 'template': str}}, got {entry!r:.200}")
+                    self._named[entry["name"]] = compile_chat_template(entry["template"])
             template = raw if isinstance(raw, str) else None
-        if template is None:
+        if template is None and not self._named:
             jinja_file = file.parent / "chat_template.jinja"
             if jinja_file.is_file():
                 template = jinja_file.read_text()
         if template is not None:
             self._template = compile_chat_template(template)
-        else:
+        elif not self._named:
             self.notes.append(f"no chat_template next to {file}; chat requests use ChatML")
+
+    @property
+    def chat_template_names(self) -> tuple[str, ...]:
+        """The names of the model's named chat templates (``default``, ``tool_use``, ...; empty for one template):
+        a request's ``chat_template`` that is one of them selects it, as transformers' ``get_chat_template``."""
+        return tuple(self._named)
+
+    def _pick_template(self, chat_template: str | None, tools: list[Any] | None) -> Any:
+        """The compiled template a chat renders with, as transformers' ``get_chat_template``: with named templates,
+        ``chat_template`` naming one selects it, none given → ``tool_use`` when ``tools`` is not None and the model
+        has one, else ``default``; a ``chat_template`` that is no name is a template's source; else the model's
+        template (None: ChatML).
+
+        Raises:
+            ValueError: named templates, no ``default``, none picked (transformers' message).
+            TokenizerError: ``chat_template`` does not compile.
+        """
+        if self._named:
+            if chat_template is not None and chat_template in self._named:
+                return self._named[chat_template]
+            if chat_template is None:
+                if tools is not None and "tool_use" in self._named:
+                    return self._named["tool_use"]
+                if "default" in self._named:
+                    return self._named["default"]
+                raise ValueError(
+                    "This model has multiple chat templates with no default specified! Please either pass a chat "
+                    "template or the name of the template you wish to use to the `chat_template` argument. Available "
+                    f"template names are {sorted(self._named)}."
+                )
+        return compile_chat_template(chat_template) if chat_template is not None else self._template
 
     @property
     def special_token_texts(self) -> dict[str, str]:
@@ -574,7 +614,7 @@ class HFTokenizer:
         ``apply_chat_template``; ``continue_final_message`` cuts the rendering as transformers does
         (:func:`continue_final`). Arguments and errors: :meth:`Tokenizer.apply_chat_template`."""
         kwargs = check_template_kwargs(template_kwargs)
-        template = compile_chat_template(chat_template) if chat_template is not None else self._template
+        template = self._pick_template(chat_template, tools)
         if template is None:
             return _render_chatml(messages, tools, add_generation_prompt, continue_final_message)
         return _render_template(template, messages, tools, add_generation_prompt, continue_final_message, self._special, kwargs)
@@ -815,7 +855,8 @@ def _render_template(
     variables = {**special, **kwargs}
     documents = variables.pop("documents", None)
     return _render_chat(
-        lambda msgs, gen: template.render(messages=msgs, tools=tools, documents=documents, add_generation_prompt=gen, **variables),
+        # one dict, not keywords: a variable named "self" (render's own argument) is a variable too
+        lambda msgs, gen: template.render({**variables, "messages": msgs, "tools": tools, "documents": documents, "add_generation_prompt": gen}),
         messages, add_generation_prompt, continue_final_message,
     )
 

@@ -774,6 +774,9 @@ def render_chat(
         ValueError (or the template's own error): a conversation the model's template refuses.
     """
     template = request_chat_template(req, trust_request_chat_template)
+    named = template if template is not None and template in getattr(tokenizer, "chat_template_names", ()) else None
+    if named is not None:  # the model's own template of that name (transformers' get_chat_template): rendered here
+        template = None
     if template is not None and rendered is None:
         param = "chat_template" if req.chat_template else "chat_template_kwargs.chat_template"
         if len(template) > MAX_TEMPLATE_CHARS:
@@ -785,7 +788,7 @@ def render_chat(
     else:
         text = tokenizer.render_chat(
             chat_messages(req), req.tools, add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-            template_kwargs=template_kwargs(req),
+            template_kwargs=template_kwargs(req), chat_template=named,
         )
     if check is not None:
         check(text)

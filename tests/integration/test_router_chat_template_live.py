@@ -211,3 +211,30 @@ async def test_request_template_limits_length_memory_and_busy_children(nats_url,
         assert time.monotonic() - t0 < template_pool.RENDER_DEADLINE_S + template_pool.QUEUE_DEADLINE_S + 3.0
         assert all(c in (400, 503) for c, _ in codes), codes
         assert any(c == 503 and "busy" in m for c, m in codes), codes
+
+
+async def test_a_models_named_templates_are_picked_as_transformers(nats_url, tmp_path):
+    """A model with named templates (``tokenizer_config.json`` ``chat_template`` as a list): a chat with tools
+    renders ``tool_use``, one without ``default``, and a trusted request's ``chat_template`` that is a name selects
+    that template of the model (rendered by the router itself: it is the operator's, as transformers'
+    ``get_chat_template``, which vLLM goes through). Before, ``default`` always, and a name rendered as the literal
+    word."""
+    from tests.unit.router.helpers import write_bpe_tokenizer
+
+    folder = write_bpe_tokenizer(tmp_path / "named")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [
+        {"name": "default", "template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"},
+        {"name": "tool_use", "template": "[tools]{% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "rag", "template": "[rag]{% for m in messages %}{{ m.content }}{% endfor %}"},
+    ]
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tools = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, tokenizer=f"hf:{folder}", trust_request_chat_template=True) as env:
+        tok = env.service.tokenizer
+        assert tok.decode(await _served_ids(env, {"messages": USER}), skip_special_tokens=False).startswith("<|im_start|>system")
+        got = (await env.http.post("/tokenize", json={"messages": USER, "tools": tools})).json()["tokens"]
+        assert tok.decode(got, skip_special_tokens=False) == "[tools]Be brief.hello there, how are you?"
+        rag = await _served_ids(env, {"messages": USER, "chat_template": "rag"})
+        assert tok.decode(rag, skip_special_tokens=False) == "[rag]Be brief.hello there, how are you?"
+        assert env.service._templates is not None and env.service._templates.killed == 0

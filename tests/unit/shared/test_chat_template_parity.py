@@ -65,7 +65,7 @@ CHATS: list[list[dict[str, Any]]] = [
 TOOLS = [{"type": "function", "function": {"name": "ls", "description": "list files", "parameters": {"type": "object"}}}]
 
 
-def _folder(tmp_path: Path, template: str) -> Path:
+def _folder(tmp_path: Path, template: Any) -> Path:
     from tests.unit.router.helpers import write_bpe_tokenizer
 
     folder = write_bpe_tokenizer(tmp_path / "bpe")
@@ -75,7 +75,7 @@ def _folder(tmp_path: Path, template: str) -> Path:
     return folder
 
 
-def _pair(tmp_path: Path, template: str) -> tuple[HFTokenizer, Any]:
+def _pair(tmp_path: Path, template: Any) -> tuple[HFTokenizer, Any]:
     transformers = pytest.importorskip("transformers")
     folder = _folder(tmp_path, template)
     return HFTokenizer(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
@@ -165,3 +165,71 @@ def test_template_kwargs_may_not_set_what_the_renderer_sets():
     with pytest.raises(TemplateKwargError, match="documents must be a list of objects"):
         check_template_kwargs({"documents": ["text"]})
     assert check_template_kwargs(None) == {} and check_template_kwargs({"enable_thinking": False}) == {"enable_thinking": False}
+
+
+NAMED = [  # a tokenizer_config.json chat_template list (Hermes-2-Pro, Command-R: default and tool_use)
+    {"name": "default", "template": HEAD + "{{ m.content }}" + TAIL},
+    {"name": "tool_use", "template": "[tools: {{ tools | length if tools is not none else 'none' }}]" + HEAD + "{{ m.content }}" + TAIL},
+    {"name": "rag", "template": "[rag]" + HEAD + "{{ m.content }}" + TAIL},
+]
+
+
+def test_named_templates_are_picked_as_transformers_get_chat_template(tmp_path):
+    """A model's named templates: ``tool_use`` when tools are given, ``default`` otherwise, and a ``chat_template``
+    that is a name selects that template (transformers' ``get_chat_template``, which vLLM's ``apply_chat_template``
+    goes through). Before, ``default`` was always taken and a name was rendered as a template: the literal word."""
+    tok, ref = _pair(tmp_path, NAMED)
+    assert tok.chat_template_names == ("default", "tool_use", "rag")
+    for chat in CHATS:
+        for tools in (None, TOOLS, []):
+            want = ref.apply_chat_template(chat, tools=tools, tokenize=False, add_generation_prompt=True)
+            assert tok.render_chat(chat, tools) == want, tools
+        for name in ("rag", "tool_use", "default"):
+            want = ref.apply_chat_template(chat, chat_template=name, tokenize=False, add_generation_prompt=True)
+            assert tok.render_chat(chat, chat_template=name) == want, name
+    assert tok.render_chat(CHATS[0], TOOLS).startswith("[tools: 1]")
+    assert tok.render_chat(CHATS[0], chat_template="rag").startswith("[rag]<|im_start|>")
+    assert tok.render_chat(CHATS[0], chat_template="no such name") == "no such name"  # no name: a template, as transformers
+
+
+def test_named_templates_without_default_are_refused_as_transformers(tmp_path):
+    tok, ref = _pair(tmp_path, NAMED[1:])
+    with pytest.raises(ValueError, match="multiple chat templates with no default") as want:
+        ref.apply_chat_template(CHATS[0], tokenize=False)
+    with pytest.raises(ValueError) as got:
+        tok.render_chat(CHATS[0])
+    assert str(got.value) == str(want.value)
+    assert tok.render_chat(CHATS[0], TOOLS) == ref.apply_chat_template(CHATS[0], tools=TOOLS, tokenize=False, add_generation_prompt=True)
+
+
+def test_a_variable_named_self_is_a_variable(tmp_path):
+    """``chat_template_kwargs: {"self": 1}``: Jinja's ``render(self, *args, **kwargs)`` took it as its own argument
+    (TypeError: multiple values for 'self', the request a 400 "cannot tokenize"); rendered from one dict, it is a
+    variable the template cannot see (Jinja's ``self`` is the template's own reference) and changes nothing."""
+    tok = HFTokenizer(_folder(tmp_path, HEAD + "{{ m.content }}" + TAIL))
+    assert tok.render_chat(CHATS[0], template_kwargs={"self": 1}) == tok.render_chat(CHATS[0])
+    assert SimTokenizer().render_chat(CHATS[0], chat_template="{{ other }}", template_kwargs={"self": "me", "other": 2}) == "2"
+
+
+def test_dict_is_transformers_restricted_dict_and_old_jinja2_is_refused(monkeypatch):
+    """The template's ``dict`` is a callable with ``fromkeys`` only (``{{ dict.mro() }}`` / ``dict.__subclasses__``
+    would reach every class of the process through the builtin type); jinja2 older than 3.1.6 is refused (its
+    sandbox has known escapes), as transformers refuses it."""
+    import jinja2
+
+    from shared import tokenizer as T
+
+    with pytest.raises(jinja2.exceptions.UndefinedError):
+        SimTokenizer().render_chat(CHATS[0], chat_template="{{ dict.mro() }}")
+    assert SimTokenizer().render_chat(CHATS[0], chat_template="{{ dict(a=1) | tojson }}{{ dict.fromkeys('ab', 0) | tojson }}") == '{"a": 1}{"a": 0, "b": 0}'
+    T.chat_template_env.cache_clear()
+    T.compile_chat_template.cache_clear()
+    monkeypatch.setattr(jinja2, "__version__", "3.1.5")
+    try:
+        with pytest.raises(TokenizerError, match=r"jinja2>=3.1.6 .*found 3.1.5"):
+            compile_chat_template("{{ 1 }}")
+    finally:
+        monkeypatch.undo()
+        T.chat_template_env.cache_clear()
+        T.compile_chat_template.cache_clear()
+    assert compile_chat_template("{{ 1 }}").render() == "1"
