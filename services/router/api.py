@@ -251,6 +251,10 @@ class ChatMessage(Struct, kw_only=True):
     tool_call_id: str | None = None
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+"""vLLM's ``reasoning_effort`` values (OpenAI's, and DeepSeek's ``max``); another is a 400 naming the field."""
+
+
 class ChatRequest(_Sampling, kw_only=True):
     """``POST /v1/chat/completions``."""
 
@@ -277,8 +281,14 @@ class ChatRequest(_Sampling, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's chat extra: more variables for the chat template (``{"enable_thinking": false}``), :func:`template_kwargs`."""
     chat_template: str | None = None
-    """vLLM's chat extra: a Jinja chat template for this request; refused unless the router trusts request
-    templates (:func:`check_request_chat_template`)."""
+    """vLLM's chat extra: a Jinja chat template for this request (or the name of one of the model's named
+    templates); refused unless the router trusts request templates (:func:`request_chat_template`)."""
+    documents: list[dict[str, str]] | None = None
+    """vLLM's chat extra: the template's ``documents`` (RAG), over ``chat_template_kwargs.documents`` unless null
+    (:func:`template_kwargs`)."""
+    reasoning_effort: ReasoningEffort | None = None
+    """OpenAI's (vLLM's values): the template's ``reasoning_effort`` and, unless ``chat_template_kwargs`` sets
+    ``enable_thinking``, ``enable_thinking`` = effort != "none" (vLLM's ``build_chat_params``; :func:`template_kwargs`)."""
 
 
 _COMPLETION_DEC = msgspec.json.Decoder(CompletionRequest)
@@ -695,7 +705,9 @@ def template_kwargs(req: ChatRequest | TokenizeChatRequest) -> dict[str, Any]:
     vLLM passes them to ``apply_chat_template``: ``{"enable_thinking": false}`` turns Qwen3's thinking off; a
     variable the template does not read changes nothing, as vLLM drops it), less :data:`TEMPLATE_FLAG_KWARGS`
     (the request's own fields win, as vLLM's merge) and less ``chat_template`` (a request template:
-    :func:`request_chat_template`).
+    :func:`request_chat_template`); the request's ``documents`` over theirs unless null, and its
+    ``reasoning_effort`` as ``reasoning_effort`` plus ``enable_thinking`` = effort != "none" unless they set
+    ``enable_thinking`` (vLLM's ``build_chat_params``).
 
     Raises:
         ApiError: 400 naming ``chat_template_kwargs.<key>`` for a key the renderer sets itself (``messages``,
@@ -704,6 +716,14 @@ def template_kwargs(req: ChatRequest | TokenizeChatRequest) -> dict[str, Any]:
     """
     given = req.chat_template_kwargs or {}
     kwargs = {k: v for k, v in given.items() if k not in TEMPLATE_FLAG_KWARGS and k != "chat_template"}
+    # vLLM's build_chat_params: the request's fields merged over chat_template_kwargs (merge_kwargs: None is unset)
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
+    effort = req.reasoning_effort
+    if effort is not None:
+        kwargs["reasoning_effort"] = effort
+        if "enable_thinking" not in given:  # templates that opt in (Gemma 4) or out (Qwen3) of thinking
+            kwargs["enable_thinking"] = effort != "none"
     try:
         return check_template_kwargs(kwargs)
     except TemplateKwargError as e:
@@ -1359,6 +1379,10 @@ class TokenizeChatRequest(Struct, kw_only=True):
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
+    documents: list[dict[str, str]] | None = None
+    """As :attr:`ChatRequest.documents`."""
+    reasoning_effort: ReasoningEffort | None = None
+    """As :attr:`ChatRequest.reasoning_effort`, so that the count is the chat's ``usage.prompt_tokens``."""
 
 
 class DetokenizeRequest(Struct, kw_only=True):

@@ -238,3 +238,39 @@ async def test_a_models_named_templates_are_picked_as_transformers(nats_url, tmp
         rag = await _served_ids(env, {"messages": USER, "chat_template": "rag"})
         assert tok.decode(rag, skip_special_tokens=False) == "[rag]Be brief.hello there, how are you?"
         assert env.service._templates is not None and env.service._templates.killed == 0
+
+
+async def test_documents_and_reasoning_effort_reach_the_template_as_vllm(nats_url, tmp_path):
+    """vLLM's ``documents`` (over ``chat_template_kwargs.documents`` unless null) and ``reasoning_effort`` (the
+    template's ``reasoning_effort``, and ``enable_thinking`` = effort != "none" unless ``chat_template_kwargs`` sets
+    it: vLLM's ``build_chat_params``) reach the template; a value outside vLLM's is a 400 naming the field. Before,
+    both were accepted and ignored (a 200 without what was asked)."""
+    folder = _folder(tmp_path)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{% if documents %}{% for d in documents %}[doc {{ d.title }}: {{ d.text }}]{% endfor %}{% endif %}"
+        "{% if reasoning_effort is defined %}[effort {{ reasoning_effort }}]{% endif %}" + THINKING_TEMPLATE
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, tokenizer=f"hf:{folder}") as env:
+        tok = env.service.tokenizer
+
+        async def text(body: dict[str, Any]) -> str:
+            return str(tok.decode(await _served_ids(env, {"messages": USER, **body}), skip_special_tokens=False))
+
+        plain = await text({})
+        assert "[effort" not in plain and "<think>" not in plain and "[doc" not in plain
+        docs = [{"title": "a", "text": "first"}]
+        assert (await text({"documents": docs})).startswith("[doc a: first]<|im_start|>user")
+        assert (await text({"documents": docs, "chat_template_kwargs": {"documents": [{"title": "b", "text": "x"}]}})).startswith("[doc a: first]<|im_")
+        assert (await text({"documents": None, "chat_template_kwargs": {"documents": docs}})).startswith("[doc a: first]<|im_")
+        off = await text({"reasoning_effort": "none"})
+        assert off.startswith("[effort none]") and off.endswith("<think>\n\n</think>\n\n")
+        on = await text({"reasoning_effort": "high"})
+        assert on.startswith("[effort high]") and "<think>" not in on
+        kept = await text({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}})
+        assert kept.startswith("[effort none]") and "<think>" not in kept
+        for path in ("/v1/chat/completions", "/tokenize"):
+            for body, param in (({"reasoning_effort": "extreme"}, "reasoning_effort"), ({"documents": ["text"]}, "documents")):
+                r = await env.http.post(path, json={"messages": USER, "max_tokens": 1, **body})
+                assert r.status_code == 400 and param in r.json()["error"]["message"] + str(r.json()["error"]["param"]), (path, r.text)
