@@ -827,8 +827,8 @@ def compile_chat_template(source: str) -> Any:
     so a model's template compiles once and a request's template (``chat_template``) once per distinct text.
 
     Raises:
-        TokenizerError: the template does not compile ("invalid chat template: <jinja's reason>"), or jinja2
-            is missing or too old (:func:`chat_template_env`).
+        TokenizerError: the template does not compile ("invalid chat template: <jinja's reason>"; nested past
+            Python's recursion limit or out of memory too), or jinja2 is missing or too old (:func:`chat_template_env`).
     """
     env = chat_template_env()
     from jinja2.exceptions import TemplateError
@@ -837,6 +837,10 @@ def compile_chat_template(source: str) -> Any:
         return env.from_string(source)
     except TemplateError as e:
         raise TokenizerError(f"invalid chat template: {e}") from e
+    except RecursionError as e:  # Jinja's parser recurses per nested block: 5,000 nested {% if %} reach the limit
+        raise TokenizerError("invalid chat template: it nests too deeply to compile (Python's recursion limit)") from e
+    except MemoryError as e:
+        raise TokenizerError("invalid chat template: out of memory compiling it") from e
 
 
 def _render_template(

@@ -233,3 +233,13 @@ def test_dict_is_transformers_restricted_dict_and_old_jinja2_is_refused(monkeypa
         T.chat_template_env.cache_clear()
         T.compile_chat_template.cache_clear()
     assert compile_chat_template("{{ 1 }}").render() == "1"
+
+
+def test_a_template_nested_past_the_recursion_limit_is_a_tokenizer_error(tmp_path):
+    """5,000 nested ``{% if %}`` blocks: Jinja's parser recursed past Python's limit and the RecursionError went
+    through (a model's template: the router died at start with a traceback, not "invalid chat template")."""
+    deep = "{% if 1 %}" * 5000 + "x" + "{% endif %}" * 5000
+    with pytest.raises(TokenizerError, match="nests too deeply"):
+        compile_chat_template(deep)
+    with pytest.raises(TokenizerError, match="nests too deeply"):
+        HFTokenizer(_folder(tmp_path, deep))
