@@ -216,7 +216,7 @@ def resolve_config(
         ConfigError: on an unknown file key or an invalid value.
     """
     environ: Mapping[str, str] = os.environ if env is None else env
-    names = {f.name for f in _field_infos(cls)}
+    names = set(cls.__struct_fields__)  # (msgspec.inspect.type_info resolved every field's type for its name)
     values: dict[str, Any] = {}
     config_file = cli_values.get("config")
     if config_file:

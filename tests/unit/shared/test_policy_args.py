@@ -263,3 +263,34 @@ def test_the_banner_names_the_decode_binding_as_the_flag_takes_it(policy, flag, 
     choices = ("enqueue", "prefill-start", "route")
     assert said in choices or said == "at dispatch (enqueue / route)", said
     assert (said == "prefill-start") == (args.live_policy.decode_binding == "prefill-start")
+
+
+def test_no_routing_or_planner_option_is_checked_by_resolving_annotations():
+    """``simulate`` (and ``up``) with no ``--routing-opt`` / ``--planner-opt``: the router's config is its defaults, as
+    resolving it from no value gives, and the checks compile no annotation text (each field's ``typing.ForwardRef``
+    is a ``compile()``: ~45 M instructions of a 600-s run at 512-token blocks went to resolving the router config's
+    fields for nothing). In a fresh process: msgspec keeps what it resolved once."""
+    import subprocess
+    import sys
+
+    from services.router.config import RouterConfig
+    from shared.config import resolve_config
+
+    from evolving_infra.policy_args import resolve_routing_options
+    from evolving_infra.sim.config import SIM_OWN_ROUTING_OPTIONS
+
+    assert resolve_routing_options({}, SIM_OWN_ROUTING_OPTIONS) == resolve_config(RouterConfig, {}, env={}) == RouterConfig()
+    code = (
+        "import sys\n"
+        "import services.planner.evolving\n"
+        "from services.router.config import RouterConfig\n"
+        "from evolving_infra.policy_args import check_planner_options, resolve_routing_options\n"
+        "from evolving_infra.sim.config import SIM_OWN_ROUTING_OPTIONS\n"
+        "compiled = []\n"
+        "sys.addaudithook(lambda event, args: compiled.append(args[0]) if event == 'compile' else None)\n"
+        "cfg = resolve_routing_options({}, SIM_OWN_ROUTING_OPTIONS)\n"
+        "check_planner_options('evolving', {})\n"
+        "print(len(compiled), type(cfg).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0", "RouterConfig"]
