@@ -257,6 +257,7 @@ def summarize(
     end: float | None = None,
     timeline: RunTimeline | None = None,
     window_s: float = WINDOW_S,
+    imbalance: tuple[float | None, list[float | None]] | None = None,
 ) -> dict[str, Any]:
     """Headline metrics of a run (or of a slice of it).
 
@@ -267,6 +268,9 @@ def summarize(
         start, end: measured span in simulated seconds (default: first send → last finish).
         timeline: optional, lets the imbalance count idle prefill nodes.
         window_s: window of the prefill queue imbalance (default 60 s).
+        imbalance: :func:`prefill_queue_imbalance` of these records over this span, window and
+            timeline, when the caller has it (``build_report`` computes it once for the summary and
+            :func:`time_series`); else computed here.
 
     Returns:
         A flat dict with the report keys (None where a metric has no samples;
@@ -277,9 +281,10 @@ def summarize(
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
     tpot = [t for r in ok if (t := r.tpot_s) is not None]
-    span = measured_span(records)
-    start = span[0] if start is None else start
-    end = span[1] if end is None else end
+    if start is None or end is None:
+        span = measured_span(records)
+        start = span[0] if start is None else start
+        end = span[1] if end is None else end
     duration = max(end - start, 0.0)
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
@@ -332,7 +337,8 @@ def summarize(
             "ttft_control_plane_mean_s": _mean(control),
             "ttft_control_plane_p50_s": _pct(control, 50),
         }
-    imbalance, _ = prefill_queue_imbalance(records, start=start, end=end, window_s=window_s, timeline=timeline)
+    if imbalance is None:
+        imbalance = prefill_queue_imbalance(records, start=start, end=end, window_s=window_s, timeline=timeline)
     return {
         "requests_sent": len(records),
         "requests_completed": len(ok),
@@ -360,7 +366,7 @@ def summarize(
         "prefill_queue_samples": len(queue),
         "prefill_queue_mean_s": _mean(queue),
         "prefill_queue_p95_s": _pct(queue, 95),
-        "prefill_queue_imbalance": imbalance,
+        "prefill_queue_imbalance": imbalance[0],
         "ttft_prediction_samples": len(pred_err),
         "ttft_prediction_abs_error_median_s": _pct(pred_err, 50),
         "ttft_prediction_abs_error_p95_s": _pct(pred_err, 95),
@@ -448,8 +454,9 @@ def time_series(
     end: float,
     window_s: float = WINDOW_S,
     timeline: RunTimeline | None = None,
+    imbalance: tuple[float | None, list[float | None]] | None = None,
 ) -> dict[str, Any]:
-    """Per-window series over ``[start, end]`` (simulated seconds).
+    """Per-window series over ``[start, end]`` (simulated seconds); ``imbalance``: as :func:`summarize`'s.
 
     Keys: ``window_s``; ``t_s`` (window starts); ``completed`` (requests
     finished OK in the window); ``throughput_rps`` (completed / window length);
@@ -482,14 +489,15 @@ def time_series(
             have_ideal = True
             cached[j] += r.cached_tokens
             ideal[j] += r.ideal_cached_tokens
-    _, imbalance = prefill_queue_imbalance(records, start=start, end=end, window_s=window_s, timeline=timeline)
+    if imbalance is None:
+        imbalance = prefill_queue_imbalance(records, start=start, end=end, window_s=window_s, timeline=timeline)
     out: dict[str, Any] = {
         "window_s": window_s,
         "t_s": [a for a, _ in wins],
         "completed": completed,
         "throughput_rps": [c / (b - a) if b > a else None for c, (a, b) in zip(completed, wins)],
         "ttft_mean_s": [_mean(v) for v in ttft],
-        "prefill_queue_imbalance": imbalance,
+        "prefill_queue_imbalance": imbalance[1],
     }
     if have_ideal:
         out["lost_kv_reuse"] = [max(0.0, 1.0 - c / i) if i > 0 else None for c, i in zip(cached, ideal)]

@@ -149,6 +149,26 @@ def test_build_report_keys_timeline_and_extra():
     json.dumps(report)  # serialisable as is
 
 
+def test_build_report_computes_the_prefill_queue_imbalance_once(monkeypatch):
+    """The summary's mean imbalance and the series' per-window ratios come from one :func:`prefill_queue_imbalance`
+    call (it was computed for each: ~12% of building a 600-s run's report), the same values as each computes alone."""
+    from evolving_infra.report import metrics, write
+
+    records = [rec(i, sent_at=7.0 * i, node=f"w{i % 3}", queue=0.1 * (i % 5)) for i in range(40)]
+    calls = []
+    real = metrics.prefill_queue_imbalance
+    monkeypatch.setattr(write, "prefill_queue_imbalance", lambda *a, **k: calls.append(1) or real(*a, **k), raising=False)
+    monkeypatch.setattr(metrics, "prefill_queue_imbalance", lambda *a, **k: calls.append(1) or real(*a, **k))
+    report = build_report(records, meta={}, timeline=switching_timeline())
+    assert len(calls) == 1
+    monkeypatch.undo()
+    alone = summarize(records, timeline=switching_timeline())
+    assert report["prefill_queue_imbalance"] == alone["prefill_queue_imbalance"] is not None
+    series = time_series(records, start=alone["start_s"], end=alone["end_s"], timeline=switching_timeline())
+    assert report["series"] == series
+    assert report["start_s"] == alone["start_s"] and report["end_s"] == alone["end_s"]
+
+
 def test_build_report_without_timeline_says_so():
     report = build_report([rec(0)], meta={})
     assert report["switches"] is None and report["split_timeline"] is None and report["final_split"] is None
