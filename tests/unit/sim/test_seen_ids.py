@@ -85,6 +85,17 @@ def test_ids_beyond_int64_fall_back_to_a_plain_set(monkeypatch: pytest.MonkeyPat
     assert s.leading([150, big, 3, 199], 0) == 4 and s.leading([150, 200], 0) == 1
 
 
+def test_a_600s_run_at_512_token_blocks_keeps_its_ids_in_the_set() -> None:
+    """The side-by-side's 600-s 9-node run at 512-token blocks sends ~74,000 distinct ids: held in the set alone
+    (a set probe per send), not merged into the array (then a numpy searchsorted per send as well)."""
+    s = SeenIds()
+    ids = range(7, 8 * 74_436, 8)  # coarse ids at 512 are the fine ids 8j + 7
+    for i in range(0, len(ids), 235):
+        s.update(ids[i : i + 235])
+    assert s._arr is None or not len(s._arr)
+    assert len(s) == 74_436 and s.leading([7, 15, 23, 8 * 74_436 + 7], 0) == 3
+
+
 def test_merge_is_union1d() -> None:
     import numpy as np
 
