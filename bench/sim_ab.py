@@ -61,6 +61,7 @@ def export(rev: str, dest: Path) -> Path:
 
 LOOP_CPU = """
 import atexit, os, sys, time
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as the CLI sets it for simulate before numpy is imported
 from evolving_infra.sim import cluster
 run_to_end, spent = cluster.ClusterSim.run_to_end, [0.0]
 def timed(self, *a, **k):
@@ -75,7 +76,11 @@ from evolving_infra.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 """The child: ``evolving-infra`` with ``ClusterSim.run_to_end`` (the simulation loop) timed in
-CPU seconds of the process (``time.process_time``), written to ``$SIM_AB_LOOP_CPU`` at exit."""
+CPU seconds of the process (``time.process_time``), written to ``$SIM_AB_LOOP_CPU`` at exit.
+``OPENBLAS_NUM_THREADS=1`` first, as ``evolving_infra.cli.COMMAND_ENV`` sets it for ``simulate``: the
+import of the simulator here comes before the CLI's, so numpy started OpenBLAS's thread pool (one
+thread a core), whose spinning the child's CPU seconds counted (~100 M instructions of a 600-s run
+at 512-token blocks under cachegrind; 2026-12-07)."""
 
 
 def run(tree: Path, args: list[str], out: Path) -> dict:

@@ -74,3 +74,16 @@ def test_simulate_gives_the_same_report_under_another_hash_seed(tmp_path):
     assert rep["fork_branches"] > 0 and rep["subagent_branches"] > 0
     assert rep["requests_completed"] > 300
     assert sim_ab.differences(*outs) == []
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenBLAS starts no thread pool on one core")
+def test_sim_ab_child_starts_no_openblas_thread_pool(tmp_path):
+    """sim_ab's child imports the simulator (numpy with it) before the CLI sets ``OPENBLAS_NUM_THREADS=1`` for
+    simulate: it sets it first, or OpenBLAS's pool (a thread a core) spins in the CPU seconds it measures."""
+    probe = sim_ab.LOOP_CPU.replace("from evolving_infra.cli import main",
+                                    "print(len(os.listdir('/proc/self/task')), flush=True)\nfrom evolving_infra.cli import main")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    p = subprocess.run([sys.executable, "-c", probe, "--version"], capture_output=True, text=True, cwd=ROOT,
+                       env={**env, "PYTHONPATH": str(ROOT), "SIM_AB_LOOP_CPU": str(tmp_path / "loop")})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split()[0] == "1"  # the main thread alone
