@@ -48,7 +48,8 @@
 #   EI_LOOKUP_TIMEOUT_S  the router's --lookup-timeout-s (wall s; compose passes it to the router only, which
 #                  reads it itself: not checked by auth); empty or unset: the router's default (0.5)
 #   EI_SHUTDOWN_GRACE_S, EI_MAX_BUFFERED_OUTPUT_TOKENS, EI_SLOW_CLIENT_GRACE_S, EI_STREAM_STALL_TIMEOUT_S,
-#   EI_MAX_ACTIVE_BRANCHES: the router's --shutdown-grace-s etc., passed and read the same way
+#   EI_MAX_ACTIVE_BRANCHES, EI_TRUST_REQUEST_CHAT_TEMPLATE: the router's --shutdown-grace-s etc., passed and read
+#                  the same way
 set -eu
 # PID 1 of the container until the exec below: the kernel drops a signal PID 1 has no handler for, so
 # without this `docker compose stop` waited out its 10 s and killed a container still waiting for
@@ -68,7 +69,7 @@ AUTH=${EI_NATS_AUTH:-nkeys}
 UP_SETTINGS="EI_GPU_KV_TOKENS EI_HOST_KV_TOKENS EI_SERVED_MODEL_NAME EI_DTYPE EI_LOG_REQUESTS EI_OTLP_TRACES_ENDPOINT EI_FENCE_AFTER_S EI_TOOL_CALL_PARSER"
 # compose passes an unset one as empty; a service reads EI_<FIELD> itself, and an empty number or boolean is
 # an invalid value there (EI_GPU_KV_TOKENS, EI_LOG_REQUESTS, the router's EI_LOOKUP_TIMEOUT_S)
-ROUTER_SETTINGS="EI_LOOKUP_TIMEOUT_S EI_SHUTDOWN_GRACE_S EI_MAX_BUFFERED_OUTPUT_TOKENS EI_SLOW_CLIENT_GRACE_S EI_STREAM_STALL_TIMEOUT_S EI_MAX_ACTIVE_BRANCHES"
+ROUTER_SETTINGS="EI_LOOKUP_TIMEOUT_S EI_SHUTDOWN_GRACE_S EI_MAX_BUFFERED_OUTPUT_TOKENS EI_SLOW_CLIENT_GRACE_S EI_STREAM_STALL_TIMEOUT_S EI_MAX_ACTIVE_BRANCHES EI_TRUST_REQUEST_CHAT_TEMPLATE"
 for var in EI_BLOCK_SIZE $ROUTER_SETTINGS $UP_SETTINGS; do
     eval "[ -n \"\${$var:-}\" ] || unset $var"
 done

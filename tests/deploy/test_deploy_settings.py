@@ -112,14 +112,15 @@ def test_compose_gives_the_router_ei_lookup_timeout_s(tmp_path):
 @needs_compose
 def test_compose_gives_the_router_its_drain_slow_client_and_branch_limits(tmp_path):
     """This session's router limits (--shutdown-grace-s, --max-buffered-output-tokens, --slow-client-grace-s,
-    --stream-stall-timeout-s, --max-active-branches) could not be set under compose without editing the file (the router's environment is
+    --stream-stall-timeout-s, --max-active-branches; --trust-request-chat-template) could not be set under compose without editing the file (the router's environment is
     a list). Now each is passed to the router only; unset, compose passes it empty and the entrypoint unsets it,
     so the router keeps its default."""
     limits = {"EI_SHUTDOWN_GRACE_S": ("5", "shutdown_grace_s", 5.0, 20.0),
               "EI_MAX_BUFFERED_OUTPUT_TOKENS": ("1024", "max_buffered_output_tokens", 1024, 65_536),
               "EI_SLOW_CLIENT_GRACE_S": ("3", "slow_client_grace_s", 3.0, 10.0),
               "EI_STREAM_STALL_TIMEOUT_S": ("30", "stream_stall_timeout_s", 30.0, 120.0),
-              "EI_MAX_ACTIVE_BRANCHES": ("100", "max_active_branches", 100, 65_536)}  # fmt: skip
+              "EI_MAX_ACTIVE_BRANCHES": ("100", "max_active_branches", 100, 65_536),
+              "EI_TRUST_REQUEST_CHAT_TEMPLATE": ("1", "trust_request_chat_template", True, False)}  # fmt: skip
     services = resolved_services(_env(**{k: v[0] for k, v in limits.items()}))
     for var, (value, field, parsed, default) in limits.items():
         assert re.search(rf"^      {var}: ['\"]?{value}['\"]?$", services["router"], re.M), (var, services["router"])

@@ -28,3 +28,16 @@ def test_slurm_passes_the_tool_call_parser_to_deploy_args():
     assert flags[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], flags
     router = deploy_args(flags, "router")[0]
     assert "--enable-auto-tool-choice" in router and router[router.index("--tool-call-parser") + 1] == "hermes", router
+
+
+def test_slurm_passes_the_trust_request_chat_template_flag_to_deploy_args():
+    """Slurm's ``TRUST_REQUEST_CHAT_TEMPLATE=1`` reaches the router as ``--trust-request-chat-template`` (before, a
+    Slurm job could not set it); 0/empty leaves it off; another value ends the job (status 2) naming the variable."""
+    r = _sbatch('up_flags || exit; printf "%s\\n" "${UP_FLAGS[@]}"', TRUST_REQUEST_CHAT_TEMPLATE="true")
+    assert r.returncode == 0, r.stderr
+    assert "--trust-request-chat-template" in deploy_args(r.stdout.splitlines(), "router")[0]
+    for off in ("", "0"):
+        r = _sbatch('up_flags || exit; printf "%s\\n" "${UP_FLAGS[@]}"', TRUST_REQUEST_CHAT_TEMPLATE=off)
+        assert r.returncode == 0 and "--trust-request-chat-template" not in r.stdout, (off, r.stdout)
+    r = _sbatch('up_flags || exit; printf "%s\\n" "${UP_FLAGS[@]}"', TRUST_REQUEST_CHAT_TEMPLATE="maybe")
+    assert r.returncode == 2 and "TRUST_REQUEST_CHAT_TEMPLATE=maybe" in r.stdout + r.stderr, (r.stdout, r.stderr)
