@@ -634,6 +634,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "waiting its Retry-After (at most 60 s; without one 0.5 s, doubling, at most 8 s), or a connection "
                    "refused or reset before the first byte (a router restarting). A stream that started is never "
                    "sent again (it would duplicate output): it fails. Each record's retries and the report's "
-                   "requests_retried / retries count them; 0 = never retry (default 2)")
+                   "requests_retried / retries count them. A branch end (POST /v1/branches/{id}/end) refused so is sent "
+                   "again too, up to N times (the router answers a repeated end 200, and a 503 while it cannot ask the "
+                   "KV directory about a branch another router served), its retries logged, not counted in "
+                   "requests_retried / retries; 0 = never retry (default 2)")
     p.add_argument("--out", default="replay-out", type=folder, help=f"output directory for report.json, requests.jsonl, plots and report.html (default replay-out; removed again when a failed replay left it empty); each answered request's record is appended to OUT/requests.partial-RUNID.jsonl as it completes (a killed replay keeps them there; removed once requests.jsonl is written). Files of those names already there (an earlier run's, or your own) move to OUT/{PREVIOUS}/ once the replay has ended, just before its outputs are written, never overwritten (a replay that fails or is killed leaves them in place); OUT/{PREVIOUS}/ keeps only the last run's (replaced each run); when that move is refused at the end (OUT/{PREVIOUS} held by a 'report show', or your files put there meanwhile) the outputs go to a new OUT/run-RUNID/ instead, named on stderr, exit status {OUTPUTS_ELSEWHERE}. The replay stops before it starts when OUT/{PREVIOUS} holds other files, or while another run is writing to OUT (it holds OUT/{LOCK})")
     p.set_defaults(func=cmd_replay)
