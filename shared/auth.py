@@ -29,7 +29,8 @@ Subscriptions follow the same table (a worker receives only its own ``work.<n>.*
 ``kv.counts.<n>``, ``kv.resync.<n>``, ``kv.pool.<n>``, ``node.state.<n>``; the planner, router and directory their
 kind's ``svc.heartbeat.<kind>``, where a later process under their instance id would beat (:data:`BEAT_WATCHERS`; not
 a worker, whose kind's beats every node may publish); only the router and the planner
-(completions for w̄) read ``req.*.out.*``). A request's output subject names its sender
+(completions for w̄) read ``req.*.out.*``; the directory and the routers read ``branch.events``, a router for the
+other routers' relayed ends and tool calls of the branches it served). A request's output subject names its sender
 (``req.<rid>.out.<node>``) and a chunk whose ``node`` is not the subject's is dropped
 (``shared.validate``), so a worker cannot end or write into a stream another node serves: with one
 ``req.*.out`` every worker might publish, one node's identity ended another's streams early with a
@@ -198,8 +199,9 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
         # route.held.*: a request with an X-Request-ID another router placed asks that router whether it still has it
         pub = ["work.*.prefill", "work.*.decode", "work.*.abort", "branch.events", "route.placed", "route.sent", "kv.lookup", "split.get",
                "branch.query", "route.held.*", f"req.*.out.{ident.name}"]  # fmt: skip
+        # branch.events: the other routers' relayed ends and tool calls of the branches this one served
         sub = ["node.state.*", "split.commands", "planner.models", "req.*.out.*", "route.sent", "kv.liveness", "branch.sync",
-               f"route.bind.{ident.name}", f"work.requeue.{ident.name}", f"route.held.{ident.name}"]  # fmt: skip
+               "branch.events", f"route.bind.{ident.name}", f"work.requeue.{ident.name}", f"route.held.{ident.name}"]  # fmt: skip
     elif ident.kind == "kvdirectory":
         pub = ["kv.counts.*", "kv.resync.*", "kv.liveness", "branch.sync"]
         sub = ["kv.events.*", "branch.events", "route.placed", "split.applied", "kv.lookup", "branch.query", "node.state.*", "kv.countsync.*"]

@@ -276,6 +276,10 @@ class BranchQueryReply(Msg, frozen=True, kw_only=True):
 
     branch_id: str
     state: BranchState = "unknown"
+    synced: bool = True
+    """False while a (re)started directory may not have read the routers' republish of their active branches (the
+    answer to its ``branch.sync``; ``services/kvdirectory/settle.py``): an ``unknown`` then is no answer (the router
+    answers 503 with ``Retry-After: 1``, not 404). True from a directory that predates the field."""
 
 
 class RoutePlaced(Msg, frozen=True, kw_only=True):

@@ -62,7 +62,9 @@ KV_COUNT_SYNC = Subject(
     "kv.countsync.{node}", m.CountSyncRequest, m.CountSnapshot, doc="worker → directory: every branch count of the node (kv.counts gap)"
 )
 KV_POOL = Subject("kv.pool.{node}", m.PoolLocate, m.PoolLocation, doc="worker → worker: locate blocks in a real-bytes host KV pool")
-BRANCH_EVENTS = Subject("branch.events", m.BranchEvent, doc="router → directory: branch start/end", reliable=True)
+BRANCH_EVENTS = Subject(
+    "branch.events", m.BranchEvent, doc="router → directory, other routers: branch start/end/tool call", reliable=True
+)
 BRANCH_QUERY = Subject(
     "branch.query", m.BranchQuery, m.BranchQueryReply, doc="router → directory: state of a branch the router never saw (its end, its tool call)"
 )

@@ -25,6 +25,13 @@ class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fi
         Meta(gt=0, description="simulated seconds a 'tool call outstanding' hint (branch.events BranchToolCall) keeps "
              "a branch and its counts from expiring at most"),
     ] = 14400.0
+    branch_sync_settle_s: Annotated[
+        float,
+        Meta(gt=0, description="wall seconds after this directory's branch.sync, and after the last republished "
+             "BranchStart it read, before it answers branch.query as settled (its branch table rebuilt from the "
+             "routers' republish; 120 s after branch.sync at the latest): until then an 'unknown' is answered "
+             "synced=false and the router answers 503 Retry-After: 1, not 404"),
+    ] = 10.0
     resync_buffer_batches: Annotated[
         int, Meta(gt=0, description="KV batches buffered per node while it awaits a resync snapshot")
     ] = 4096

@@ -52,6 +52,7 @@ from .core import KvDirectory
 from .liveness import KvLiveness
 from .lookup import usable_lookup
 from .prom import directory_families
+from .settle import BranchSyncSettle
 
 COUNT_ENTRY_BYTES = 14
 """Most msgpack bytes of one ``CountSnapshot`` entry: an int64 hash (9) and a count below 2^32 (5)."""
@@ -137,6 +138,10 @@ class DirectoryService(WatchedService):
         self._count_sync_last: dict[str, float] = {}
         """Per node: ``time.monotonic()`` of its last new ``kv.countsync`` snapshot, while younger than
         ``count_sync_min_interval_s`` (dropped after it on the flush loop)."""
+        self.sync = BranchSyncSettle(cfg.branch_sync_settle_s)
+        """Has the routers' republish (the answer to this process's ``branch.sync``) been read? ``branch.query``
+        answers say so (``BranchQueryReply.synced``); fed ``clock.monotonic()`` (wall-rate seconds: the republish takes
+        wall time whatever the ``--speedup``)."""
         if cfg.nodes:
             bus.known_nodes = frozenset(cfg.nodes)
 
@@ -154,8 +159,11 @@ class DirectoryService(WatchedService):
         await self.bus.serve(BRANCH_QUERY, self._on_branch_query, query=True)
         await self.bus.serve(KV_COUNT_SYNC, self._on_count_sync)
         await self.bus.subscribe(NODE_STATE, self._on_state)
-        # a restarted directory has lost its branch table: the routers republish it (issue #22)
-        await self.bus.publish(BRANCH_SYNC, m.BranchSync(directory=self.bus.instance, ts=self.clock.now()))
+        # a restarted directory has lost its branch table: the routers republish it (issue #22); branch.query answers
+        # synced=false until that republish has been read (services/kvdirectory/settle.py)
+        ts = self.clock.now()
+        await self.bus.publish(BRANCH_SYNC, m.BranchSync(directory=self.bus.instance, ts=ts))
+        self.sync.sent(self.clock.monotonic(), ts)
         self.counters["branch_sync.sent"] += 1
         self._bg.start(self._flush_loop(), "kvdirectory-flush")
         self._bg.start(self._liveness_loop(), "kvdirectory-liveness")
@@ -240,6 +248,8 @@ class DirectoryService(WatchedService):
             if verdict in ("ended", "unknown"):
                 self.log.warning("tool-call hint for no active branch", branch=ev.branch_id, verdict=verdict)
         elif isinstance(ev, m.BranchStart):
+            if self.sync.start(ev.ts, self.clock.monotonic()):  # a router's republish (started before our branch.sync)
+                self.counters["branch_sync.republished"] += 1
             parent = self._parent_missing(ev.parent_branch_id)
             pre = self.core.branches.branches.get(ev.branch_id)
             # a placement that came first made it implicitly: a new branch (no parent yet), or a resume re-created with
@@ -443,10 +453,16 @@ class DirectoryService(WatchedService):
     async def _on_branch_query(self, q: m.BranchQuery, subject: str) -> m.BranchQueryReply:
         """``branch.query``: a router that never saw the branch (another router served it, or it restarted) asks its
         state before it relays the harness's end or tool call; counted ``branch_queries.<state>``. Answered from
-        the branch table as it stands: a ``BranchStart`` still in ``branch.events``' stream reads ``unknown``."""
+        the branch table as it stands: a ``BranchStart`` still in ``branch.events``' stream reads ``unknown``.
+        ``synced`` is False until the routers' republish after this process's ``branch.sync`` has been read
+        (:class:`~services.kvdirectory.settle.BranchSyncSettle`; counted ``branch_queries.unsynced``): an
+        ``unknown`` then may be a branch not republished yet, which the router answers 503, not 404."""
         state = self.core.branch_state(q.branch_id, self.clock.local_now())
+        synced = self.sync.synced(self.clock.monotonic())
         self.counters[f"branch_queries.{state}"] += 1
-        return m.BranchQueryReply(branch_id=q.branch_id, state=state)  # type: ignore[arg-type]
+        if not synced:
+            self.counters["branch_queries.unsynced"] += 1
+        return m.BranchQueryReply(branch_id=q.branch_id, state=state, synced=synced)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ #
     # resync (never blocks other nodes' ingestion: one task per node)
@@ -669,6 +685,7 @@ class DirectoryService(WatchedService):
         gauges["resync.in_flight"] = float(sum(1 for t in self._resyncs.values() if not t.done()))
         gauges["countsync.kept"] = float(len(self._count_snaps))
         now = self.clock.monotonic()
+        gauges["branch_sync.synced"] = 1.0 if self.sync.synced(now) else 0.0
         for node, silent, _last, stale in self.liveness.report(now):
             gauges[f"kv_silent_s.{node}"] = silent
             gauges[f"kv_stale.{node}"] = 1.0 if stale else 0.0

@@ -21,8 +21,14 @@ A branch this table does not hold may still be one of the cluster's: the KV dire
 ``BranchStart``, so it knows the branches another router served (two routers behind one address) and those this
 router served before it restarted (this table is in memory). Its end or tool call is therefore not refused at
 once: the shell asks the directory (``branch.query``) and acts on :func:`unseen_verdict` (relay it; ``already``;
-404; 503 when the directory does not answer). A relayed end is remembered here (:meth:`BranchTable.end_unseen`);
-a relayed tool call is not (this table would need the branch's kind and parents to hold it).
+404; 503 when the directory does not answer or is still reading the routers' republish). A relayed end, and an
+``ended`` answer, are remembered here (:meth:`BranchTable.end_unseen`); a relayed tool call is not (this table would
+need the branch's kind and parents to hold it).
+
+The router that served the branch hears an end or tool call another router relayed: the shell reads the other
+routers' ``branch.events`` (a core subscription) and ends the branch here too (:meth:`BranchTable.end_unseen`), or
+holds it (:meth:`BranchTable.heard_tool_call`), so its table, its ``branches_active`` and its republish to a
+restarted directory do not keep a branch the cluster ended.
 
 No refusal is a 408, 409, 429 or 5xx: the OpenAI Python SDK retries those (``openai._base_client._should_retry``,
 twice by default, with backoff), and each refusal here is answered the same again while the table holds the id
@@ -72,27 +78,33 @@ from typing import Literal
 from shared.messages import BranchEnd, BranchKind, BranchStart, BranchState, BranchToolCall, RoutePlaced
 
 
-UnseenVerdict = Literal["relay", "ended", "unknown", "unanswered"]
+UnseenVerdict = Literal["relay", "ended", "unknown", "unsynced", "unanswered"]
 
 
-def unseen_verdict(state: BranchState | None) -> UnseenVerdict:
+def unseen_verdict(state: BranchState | None, synced: bool = True) -> UnseenVerdict:
     """What the router does with an end or a tool-call hint of a branch its table does not hold, given the KV
-    directory's answer to ``branch.query`` (``state``; None: no answer within the wait, or a bus error). Pure.
+    directory's answer to ``branch.query`` (``state``; None: no answer within the wait, or a bus error; ``synced``:
+    ``BranchQueryReply.synced``, False while a restarted directory may not have read the routers' republish). Pure.
 
     ======================  ===========================================================================================
     ``state``               verdict: the router's answer
     ======================  ===========================================================================================
     ``active``, ``expired`` ``relay``: publish its ``BranchEnd`` / ``BranchToolCall`` on ``branch.events``, as for a
                             branch of its own (the directory ends it, or holds it, resuming an expired one); 200
-    ``ended``               ``ended``: an end answers 200 ``"already": true``, a tool call 410, as for its own ended one
+    ``ended``               ``ended``: an end answers 200 ``"already": true``, a tool call 410, as for its own ended one;
+                            the id is remembered ended here (:meth:`BranchTable.end_unseen`, nothing published)
     ``unknown``             ``unknown``: 404, as before. Also for a ``BranchStart`` still in the stream (its first
-                            request was answered an instant before): the harness may retry
+                            request was answered an instant before)
+    ``unknown``, not synced ``unsynced``: 503 with ``Retry-After: 1``: a directory that (re)started an instant ago may not
+                            have read the routers' republish of the branch yet (a 404 lost the end)
     None                    ``unanswered``: 503 with ``Retry-After: 1`` (the OpenAI SDK retries it), never a 404 for
                             "the router does not know"
     ======================  ===========================================================================================
     """
     if state == "active" or state == "expired":
         return "relay"
+    if state == "unknown" and not synced:
+        return "unsynced"
     if state == "ended" or state == "unknown":
         return state
     return "unanswered"
@@ -451,6 +463,24 @@ class BranchTable:
         b.hold_until = max(b.hold_until, now + self.hold_span(expected_s)) if outstanding else 0.0
         self._evict_over_cap(now, branch_id)
         return BranchToolCall(branch_id=branch_id, outstanding=outstanding, expected_s=expected_s, ts=now if ts is None else ts)
+
+    def heard_tool_call(self, branch_id: str, now: float, *, outstanding: bool = True, expected_s: float = 0.0) -> bool:
+        """Another router relayed a tool-call hint of ``branch_id`` (its ``BranchToolCall`` on ``branch.events``):
+        hold the branch here as :meth:`tool_call` does when this table holds it active or expired (an expired one is
+        resumed, as the directory resumes it; a branch it evicts past the cap goes to :meth:`take_evicted`), so this
+        router's cap and TTL keep it while its tool runs, as the directory does. ``now`` as in :meth:`observe`.
+
+        Returns:
+            True if held (or released: ``outstanding=False``) here; False for a branch this table holds ended or
+            never saw (nothing to hold: it lacks the branch's kind and parents), or a bad ``expected_s``.
+        """
+        if branch_id in self._ended or (branch_id not in self._active and branch_id not in self._expired):
+            return False
+        try:
+            self.tool_call(branch_id, now, outstanding=outstanding, expected_s=expected_s)
+        except (BranchError, ValueError):  # expired past the TTL meanwhile and forgotten; a non-finite expected_s
+            return False
+        return True
 
     def check_end(self, branch_id: str) -> None:
         """Raise what :meth:`end` would raise for ``branch_id`` now, changing nothing: the router checks before it

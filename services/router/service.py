@@ -27,7 +27,8 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
 
 NATS: subscribes ``node.state.*``, ``split.commands``, ``planner.models`` and (once) ``req.*.out.*`` (a request's
 output, one subject per publishing node: a chunk counts only from a node the request was placed on, and its node is
-the subject's, ``shared.subjects.REQ_OUT``);
+the subject's, ``shared.subjects.REQ_OUT``), ``branch.events`` (a core subscription: the other routers' relayed ends
+and tool calls of the branches this one served);
 serves ``route.bind`` (decode node at prefill start) and ``work.requeue`` (work a node hands
 back during a phase switch); requests ``split.get`` at start and ``kv.lookup`` per request;
 publishes ``branch.events``, ``route.placed``, ``work.<node>.prefill``, ``work.<node>.decode``
@@ -1084,6 +1085,9 @@ class RouterService(WatchedService):
         await self.bus.subscribe(ROUTE_SENT, self._on_route_sent)  # other routers' placements
         await self.bus.subscribe(KV_LIVENESS, self._on_kv_liveness)
         await self.bus.subscribe(BRANCH_SYNC, self._on_branch_sync)  # a directory (re)started
+        # another router's relayed end / tool call of a branch this one served; core NATS (an observer: a message
+        # missed while disconnected leaves this table's copy as it was, the directory keeps the truth)
+        await self.bus.subscribe(BRANCH_EVENTS, self._on_branch_event, reliable=False)
         # replies that concern a request go to the router that owns it (PrefillWork.router)
         await self.bus.serve(ROUTE_BIND, self._on_bind, router=self.bus.instance)
         await self.bus.serve(WORK_REQUEUE, self._on_requeue, router=self.bus.instance)
@@ -2544,6 +2548,36 @@ class RouterService(WatchedService):
         self.counters["branch_sync.branches"] += n
         self.log.info("directory started: active branches republished", directory=msg.directory, branches=n, placements=len(out) - n)
 
+    async def _on_branch_event(self, ev: m.BranchStart | m.BranchEnd | m.BranchToolCall, _subject: str) -> None:
+        """Another router's ``branch.events``: its ``BranchEnd`` ends the branch in this table too
+        (``BranchTable.end_unseen``; counted ``branch_ends_heard``), its ``BranchToolCall`` holds a branch this table
+        holds (``BranchTable.heard_tool_call``; ``branch_tool_calls_heard``). Two routers behind one address: the end
+        the harness sent through the router that did not serve the branch is relayed (:meth:`_end_branch`); before,
+        the router that served it kept it active (a request on it served 200 here, 400 there; ``branches_active``
+        too high) and republished it to a restarted directory, which counted its blocks again until the TTL.
+
+        Ignored: this router's own events (``src``), ``BranchStart`` (a branch starts in the table that serves it),
+        and an eviction (``BranchEnd(expired=True)``: the other router's cap, not the branch's end). A message missed
+        (this router's NATS link down at that instant; core NATS, not the stream) leaves this table as it was: the
+        branch stays active here until its TTL or an end sent here (relayed again: the directory counts a duplicate),
+        and a directory restart meanwhile would be given it back by this router's republish."""
+        if ev.src == self.bus.instance or isinstance(ev, m.BranchStart):
+            return
+        now = self.clock.local_now()
+        if isinstance(ev, m.BranchToolCall):
+            if self.branches.heard_tool_call(ev.branch_id, now, outstanding=ev.outstanding, expected_s=ev.expected_s):
+                self.counters["branch_tool_calls_heard"] += 1
+                await self._publish_evicted()  # an expired branch resumed past the cap
+            return
+        if ev.expired:
+            return
+        try:
+            self.branches.end_unseen(ev.branch_id, now)
+        except BranchAlreadyEnded:  # ended here already (its end came through this router too)
+            return
+        self.core.end_branch(ev.branch_id, self.clock.now())
+        self.counters["branch_ends_heard"] += 1
+
     async def _on_kv_liveness(self, msg: m.KvLiveness, _subject: str) -> None:
         """The directory's view of each node's KV: shown in ``/v1/cluster``; a stale node's cache is not counted on."""
         self._kv_liveness = {n.node: n for n in msg.nodes}
@@ -3051,9 +3085,12 @@ class RouterService(WatchedService):
         ``services.router.branches.unseen_verdict``: ``active`` or ``expired`` there → the ``BranchEnd`` is published
         as for its own, the id remembered ended here, 200 (counted ``branches_ended`` and ``branch_ends_relayed``);
         ``ended`` → 200 ``"already": true``; ``unknown`` → 404; no answer or a bus error → 503 with
-        ``Retry-After: 1`` (``branch_queries_failed``), never a 404 for "cannot tell". The directory answers from the
-        ``branch.events`` it has read: the ``BranchStart`` of a branch whose first request another router answered an
-        instant before may still be in the stream, and its end a 404 the harness may retry."""
+        ``Retry-After: 1`` (``branch_queries_failed``), never a 404 for "cannot tell"; ``unknown`` from a directory that
+        (re)started an instant ago and may not have read the routers' republish yet (``synced`` false) → 503 with
+        ``Retry-After: 1`` too (``branch_queries_unsynced``). An ``ended`` answer is remembered here (a request on the
+        branch is then refused 400, as for an end of its own). The directory answers from the ``branch.events`` it has
+        read: the ``BranchStart`` of a branch whose first request another router answered an instant before may still
+        be in the stream, and its end a 404."""
         branch_id = request.path_params["branch_id"]
         already = {"branch_id": branch_id, "ended": True, "already": True}
         unseen = False
@@ -3068,6 +3105,7 @@ class RouterService(WatchedService):
         except UnknownBranch as e:
             verdict = await self._unseen_branch(branch_id)
             if verdict == "ended":
+                self._ended_elsewhere(branch_id)
                 self.counters["branch_ends_repeated"] += 1
                 return self._json(already)
             if verdict != "relay":
@@ -3099,8 +3137,9 @@ class RouterService(WatchedService):
     async def _unseen_branch(self, branch_id: str) -> str:
         """Ask the KV directory for the state of ``branch_id``, which the table does not hold (``branch.query``,
         :data:`BRANCH_QUERY_TIMEOUT_S`), and return ``services.router.branches.unseen_verdict`` of its answer:
-        ``relay``, ``ended``, ``unknown`` or ``unanswered`` (no answer, or a bus error: counted
-        ``branch_queries_failed`` and logged at warning). Never raises ``BusError``."""
+        ``relay``, ``ended``, ``unknown``, ``unsynced`` (``unknown`` from a directory not settled since its restart:
+        ``branch_queries_unsynced``) or ``unanswered`` (no answer, a bus error, or an answer about another branch id:
+        counted ``branch_queries_failed`` and logged at warning). Never raises ``BusError``."""
         try:
             rep = await self.bus.request(BRANCH_QUERY, m.BranchQuery(branch_id=branch_id), timeout=BRANCH_QUERY_TIMEOUT_S)
         except BusError as e:
@@ -3108,23 +3147,41 @@ class RouterService(WatchedService):
             self.log.warning("branch.query failed: the KV directory did not say whether it holds the branch", branch=branch_id,
                              error=str(e), timeout_s=BRANCH_QUERY_TIMEOUT_S)  # fmt: skip
             return unseen_verdict(None)
-        state = rep.state if rep.branch_id == branch_id else None  # an answer about another id answers nothing
-        self.counters[f"branch_queries.{state or 'mismatched'}"] += 1
-        return unseen_verdict(state)
+        if rep.branch_id != branch_id:  # an answer about another id answers nothing
+            self.counters["branch_queries.mismatched"] += 1
+            self.counters["branch_queries_failed"] += 1
+            self.log.warning("branch.query answered about another branch: taken as no answer", branch=branch_id,
+                             answered=rep.branch_id[:200], state=rep.state)  # fmt: skip
+            return unseen_verdict(None)
+        self.counters[f"branch_queries.{rep.state}"] += 1
+        verdict = unseen_verdict(rep.state, rep.synced)
+        if verdict == "unsynced":
+            self.counters["branch_queries_unsynced"] += 1
+        return verdict
+
+    def _ended_elsewhere(self, branch_id: str) -> None:
+        """The directory answered ``ended`` for ``branch_id``, which this table does not hold: remembered ended here,
+        nothing published (a request on it is then a 400, a tool call 410, as for an end of its own; before, after a
+        restart of this router, a request on it was served 200 and a tool call held it here while the directory
+        ignored both)."""
+        with contextlib.suppress(BranchAlreadyEnded):  # ended here meanwhile (another end, or one heard): as wanted
+            self.branches.end_unseen(branch_id, self.clock.local_now())
 
     def _unseen_refusal(self, branch_id: str, verdict: str, unknown: UnknownBranch) -> Response:
         """The answer to an end or tool call of a branch neither this router nor the KV directory holds (``unknown``:
-        the table's 404, saying the directory does not know it either) or that the directory did not say
-        (``unanswered``: 503 with ``Retry-After: 1``, which the OpenAI SDK retries)."""
+        the table's 404, saying the directory does not know it either), that a directory still reading the routers'
+        republish does not know yet (``unsynced``) or that the directory did not say (``unanswered``); the last two
+        503 with ``Retry-After: 1``, which the OpenAI SDK retries."""
         if verdict == "unknown":
-            return self._error(404, f"{unknown.reason}, and the KV directory does not know it (a branch whose first request "
-                               "another router answered an instant ago may not have reached it yet: retry)")  # fmt: skip
-        return self._json(
-            api.error_body(503, f"branch {branch_id!r} is not in this router's table and the KV directory did not answer "
-                           f"whether it holds it (branch.query, {BRANCH_QUERY_TIMEOUT_S:g} s): retry later"),  # fmt: skip
-            503,
-            headers={"retry-after": "1"},
-        )
+            return self._error(404, f"{unknown.reason}, and the KV directory does not know it either (no router started "
+                               "it, or it ended or expired long enough ago to be forgotten)")  # fmt: skip
+        if verdict == "unsynced":
+            why = ("the KV directory, which (re)started an instant ago, has not yet read the routers' republish of their "
+                   "branches (branch.sync): retry in a second")  # fmt: skip
+        else:
+            why = f"the KV directory did not answer whether it holds it (branch.query, {BRANCH_QUERY_TIMEOUT_S:g} s): retry later"
+        return self._json(api.error_body(503, f"branch {branch_id!r} is not in this router's table and {why}"), 503,
+                          headers={"retry-after": "1"})  # fmt: skip
 
     async def _tool_call(self, request: Request) -> Response:
         """``POST /v1/branches/{id}/tool-call``: the branch waits for a tool (issue 21).
@@ -3133,8 +3190,10 @@ class RouterService(WatchedService):
         (:meth:`_end_branch`): ``active`` or ``expired`` there → its ``BranchToolCall`` is published (the directory
         holds it, resuming an expired one; counted ``branch_tool_calls_relayed``) and the answer's ``expected_s`` is
         the hold this hint gets (an earlier, longer one of another router's may still run there); ``ended`` → 410;
-        ``unknown`` → 404; no answer → 503 with ``Retry-After: 1``. The table does not take the branch in (it would
-        need its kind and parents): its next request here starts it, a duplicate start the directory ignores."""
+        ``unknown`` → 404; no answer, or ``unknown`` from a directory not settled since its restart → 503 with
+        ``Retry-After: 1``. The table does not take the branch in (it would need its kind and parents): its next request
+        here starts it, a duplicate start the directory ignores. The router that serves the branch hears the relayed
+        ``BranchToolCall`` and holds it in its own table (:meth:`_on_branch_event`)."""
         branch_id = request.path_params["branch_id"]
         relayed = False
         try:
@@ -3150,6 +3209,7 @@ class RouterService(WatchedService):
             except UnknownBranch as e:
                 verdict = await self._unseen_branch(branch_id)
                 if verdict == "ended":
+                    self._ended_elsewhere(branch_id)
                     raise BranchAlreadyEnded(f"branch {branch_id!r} was ended") from None
                 if verdict != "relay":
                     return self._unseen_refusal(branch_id, verdict, e)

@@ -143,7 +143,15 @@ async def test_the_readme_harness_commands_work_as_written_and_do_what_it_says(c
             again_end = await http.post("/v1/branches/task-42-explore/end")  # idempotent, as the section says
             assert again_end.status_code == 200 and again_end.json()["already"] is True, again_end.text
             assert (await http.post("/v1/branches/task-42-explore/tool-call")).status_code == 410
-            assert (await http.post("/v1/branches/never-seen/tool-call")).status_code == 404
+            # an id nobody knows: a 404 once the directory has settled after its start (the section: 503 with
+            # Retry-After: 1 for the first 10 s or more, --branch-sync-settle-s)
+            for _ in range(30):
+                never = await http.post("/v1/branches/never-seen/tool-call")
+                if never.status_code != 503:
+                    break
+                assert never.headers["retry-after"] == "1" and "republish" in never.json()["error"]["message"], never.text
+                await asyncio.sleep(1.0)
+            assert never.status_code == 404, never.text
             metrics = (await http.get("/metrics")).text
         assert 'ei_router_branch_parents_missing_total{reason="unknown"} 0.0' in metrics  # the section's parents are known
         # the compaction where the section says a harness author sees it: the directory's /metrics, no NATS client

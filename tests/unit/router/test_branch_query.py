@@ -61,6 +61,31 @@ def test_no_answer_is_unanswered_counted_and_logged():
         assert event.startswith("branch.query failed") and kw["branch"] == "b-1" and kw["timeout_s"] == 2.0 and str(err) == kw["error"]
 
 
-def test_an_answer_about_another_branch_answers_nothing():
+def test_an_answer_about_another_branch_answers_nothing_and_is_counted_failed_and_logged():
+    """Counted ``branch_queries_failed`` too (the README's "no answer"; before, only ``branch_queries.mismatched``)
+    and logged (before, not)."""
     got, shell = _ask(m.BranchQueryReply(branch_id="other", state="active"))
-    assert got == "unanswered" and shell.counters == Counter({"branch_queries.mismatched": 1})
+    assert got == "unanswered"
+    assert shell.counters == Counter({"branch_queries.mismatched": 1, "branch_queries_failed": 1})
+    ((event, kw),) = shell.log.lines
+    assert "another branch" in event and kw["branch"] == "b-1" and kw["answered"] == "other" and kw["state"] == "active"
+
+
+def test_unknown_from_a_directory_not_settled_since_its_restart_is_unsynced():
+    """``BranchQueryReply.synced`` false: the directory may not have read the routers' republish yet, so ``unknown``
+    is no answer (503), not a 404 that loses the end; the other states are answers all the same."""
+    got, shell = _ask(m.BranchQueryReply(branch_id="b-1", state="unknown", synced=False))
+    assert got == "unsynced"
+    assert shell.counters == Counter({"branch_queries.unknown": 1, "branch_queries_unsynced": 1}) and not shell.log.lines
+    for state, verdict in (("active", "relay"), ("expired", "relay"), ("ended", "ended")):
+        got, shell = _ask(m.BranchQueryReply(branch_id="b-1", state=state, synced=False))  # type: ignore[arg-type]
+        assert got == verdict and shell.counters == Counter({f"branch_queries.{state}": 1}), state
+
+
+def test_a_reply_without_synced_reads_synced():
+    """A directory from before the field: its replies decode as synced (its ``unknown`` stays a 404)."""
+    import msgspec
+
+    old = msgspec.msgpack.encode({"v": 1, "src": "kvdirectory", "branch_id": "b-1", "state": "unknown"})
+    rep = msgspec.msgpack.decode(old, type=m.BranchQueryReply)
+    assert rep.synced is True and _ask(rep)[0] == "unknown"

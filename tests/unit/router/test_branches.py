@@ -377,6 +377,34 @@ def test_the_verdict_on_a_branch_the_table_never_saw_follows_the_directory():
 
     assert [unseen_verdict(s) for s in ("active", "expired", "ended", "unknown", None)] == [
         "relay", "relay", "ended", "unknown", "unanswered"]  # fmt: skip
+    # a directory not settled since its restart (BranchQueryReply.synced false): its `unknown` is no answer (503)
+    assert [unseen_verdict(s, False) for s in ("active", "expired", "ended", "unknown", None)] == [
+        "relay", "relay", "ended", "unsynced", "unanswered"]  # fmt: skip
+
+
+def test_a_tool_call_another_router_relayed_holds_the_branch_this_table_holds():
+    """``heard_tool_call``: the router that served the branch holds it as its own tool call would (its cap then
+    passes it over, its TTL keeps it), resumes an expired one as the directory does, and leaves alone an id it holds
+    ended or never saw (it lacks the kind and parents to take it in)."""
+    t = BranchTable(ttl_s=10.0, max_hold_s=100.0, max_active=2)
+    t.observe("served", 0.0)
+    t.done("served", 0.0)
+    assert t.heard_tool_call("served", 1.0, expected_s=50.0)
+    assert t.hold_left("served", 1.0) == 50.0
+    t.observe("b", 2.0)
+    t.done("b", 2.0)
+    t.observe("c", 3.0)  # past the cap of 2: the idle `b` goes, not the held `served` (older)
+    t.done("c", 3.0)
+    assert _evicted(t) == ["b"] and t.is_active("served")
+    assert t.expire(40.0) == ["c"] and t.is_active("served")  # held past its TTL
+    assert t.heard_tool_call("served", 41.0, outstanding=False) and t.hold_left("served", 41.0) == 0.0
+    assert t.expire(52.0) == ["served"]
+    assert t.heard_tool_call("served", 53.0, expected_s=5.0) and t.is_active("served") and t.resumed == 1  # resumed
+    t.end("served", 54.0)
+    assert not t.heard_tool_call("served", 55.0) and not t.heard_tool_call("never", 55.0)
+    assert not t.is_active("never") and t.resumed == 1
+    assert not t.heard_tool_call("c", 56.0, expected_s=float("inf"))  # a bad hint changes nothing
+    assert not t.is_active("c")
 
 
 def test_an_end_relayed_for_an_unseen_branch_is_remembered_ended():

@@ -344,3 +344,14 @@ def test_a_router_asks_branch_query_and_only_the_directory_answers():
         perm = permissions(identity(n))
         assert allowed(perm, "publish", q) == (n == "router"), n
         assert allowed(perm, "subscribe", q) == (n == "kvdirectory"), n
+
+
+def test_a_router_reads_the_other_routers_branch_events():
+    """A router subscribes to ``branch.events`` (a core subscription): the end or tool call another router relayed of a
+    branch it served ends or holds it in its own table (before, only the directory read them: the serving router kept
+    an ended branch active and republished it to a restarted directory). Only routers publish them."""
+    s = Subjects("p0").prefix + "branch.events"
+    for n in SERVICES:
+        perm = permissions(identity(n))
+        assert allowed(perm, "subscribe", s) == (n in ("router", "kvdirectory")), n
+        assert allowed(perm, "publish", s) == (n == "router"), n

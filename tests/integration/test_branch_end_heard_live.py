@@ -1,0 +1,227 @@
+"""Two routers behind one address, live (real nats-server, the KV directory, a sim worker, routers A and B as
+in-process services with their real shells and buses), after ``branch.query`` (an end through the router that did
+not serve the branch is relayed):
+
+* the router that served the branch hears the end another router relayed (its core subscription to
+  ``branch.events``): its table ends the branch, so a request on it through A is refused as through B, its
+  ``branches_active`` drops, and a restarted directory is not given the branch back by A's republish. Before, A
+  kept it active (a request through A served 200, through B 400) and republished it to the restarted directory,
+  which counted its blocks again until the TTL (1,800 s). A tool-call hint relayed through B holds the branch in
+  A's table (its cap and TTL keep it, as the directory's do);
+* a restarted directory answers ``branch.query`` ``synced=false`` until it has read the routers' republish: an end
+  through B of a branch A holds, sent while the directory rebuilds its table, is a 503 the harness retries, then
+  relayed, never a 404 (before, a 404: the end lost, the counts held until the TTL);
+* a router restarted since the branch ended remembers the directory's ``ended`` answer: a request on the branch is
+  then a 400 and a tool call a 410 (before, the request was served 200 and started the branch anew in its table,
+  and a tool call on it was held, while the directory ignored both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.kvdirectory.config import DirectoryConfig
+from services.kvdirectory.service import DirectoryService
+from services.router.config import RouterConfig
+from services.router.service import RouterService
+from services.worker.config import WorkerConfig
+from services.worker.service import WorkerService
+from tests.integration.live import Services, open_bus, router_factory
+from tests.integration.polling import answering, until
+from tests.integration.test_branch_end_elsewhere_live import _keep
+
+pytestmark = pytest.mark.timeout(180)
+BS = 4  # the tiny profile's block size
+BODY = {"prompt": list(range(100, 140)), "max_tokens": 2}
+
+
+@dataclass
+class _Cluster:
+    svcs: Services
+    dcfg: DirectoryConfig
+    dirs: list[DirectoryService]
+    routers: dict[str, list[RouterService]]
+    http: dict[str, httpx.AsyncClient]
+    dir_task: asyncio.Task[None]
+    router_tasks: dict[str, asyncio.Task[None]]
+    origin: float
+    nats_url: str
+    tmp: Path
+
+    async def start_router(self, stack: AsyncExitStack, name: str) -> None:
+        """Serve router ``name`` (instance ``router-<name>``) and open its HTTP client."""
+        port = self.tmp / f"router-{name}-{len(self.routers.setdefault(name, []))}.port"
+        cfg = RouterConfig(nats_url=self.nats_url, clock_origin=self.origin, port=0, port_file=str(port), block_size=BS,
+                           split_get_timeout_s=0.2, lookup_timeout_s=0.5, fence_after_s=10.0, request_timeout_s=60.0)  # fmt: skip
+        held = self.routers[name]
+        n = len(held)
+        self.router_tasks[name] = self.svcs.start("router", cfg, router_factory(held), instance=f"router-{name}")
+        await until(lambda: port.exists() and len(held) > n and held[-1].ready(), 30.0, f"router {name} ready")
+        self.http[name] = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port.read_text().strip()}", timeout=30.0)
+        stack.push_async_callback(self.http[name].aclose)
+
+    async def restart_directory(self) -> DirectoryService:
+        """Stop the directory (its branch table is lost) and start a new one; returns the new one."""
+        self.svcs.stops[self.svcs.tasks.index(self.dir_task)].set()
+        await self.dir_task
+        n = len(self.dirs)
+        self.dir_task = self.svcs.start("kvdirectory", self.dcfg, _keep(self.dirs, DirectoryService))
+        await until(lambda: len(self.dirs) > n, 10.0, "the new directory")
+        return self.dirs[-1]
+
+    async def restart_router(self, stack: AsyncExitStack, name: str) -> RouterService:
+        """Stop router ``name`` (its branch table is lost) and start it again under the same instance."""
+        task = self.router_tasks[name]
+        self.svcs.stops[self.svcs.tasks.index(task)].set()
+        await task
+        await self.start_router(stack, name)
+        return self.routers[name][-1]
+
+
+async def _cluster(stack: AsyncExitStack, nats_url: str, tmp: Path, **dir_kw: float) -> _Cluster:
+    origin = time.time()
+    bus = await open_bus(stack, nats_url)
+    svcs = Services(stack)
+    dirs: list[DirectoryService] = []
+    dcfg = DirectoryConfig(nats_url=nats_url, block_size=BS, counts_flush_s=0.02, clock_origin=origin, **dir_kw)  # type: ignore[arg-type]
+    t_dir = svcs.start("kvdirectory", dcfg, _keep(dirs, DirectoryService))
+    t_w = svcs.start("worker", WorkerConfig(nats_url=nats_url, node="w0", profile="tiny", phase="both", host_eviction="branch-count",
+                                            idle_state_interval_s=0.2, clock_origin=origin), _keep([], WorkerService), instance="worker-w0")  # fmt: skip
+    for inst in ("kvdirectory", "worker-w0"):
+        await answering(bus, inst, [t_dir, t_w])
+    c = _Cluster(svcs, dcfg, dirs, {}, {}, t_dir, {}, origin, nats_url, tmp)
+    for name in ("a", "b"):
+        await c.start_router(stack, name)
+    return c
+
+
+async def test_the_router_that_served_a_branch_hears_its_end_relayed_through_another(nats_url, tmp_path: Path):
+    async with AsyncExitStack() as stack:
+        c = await _cluster(stack, nats_url, tmp_path)
+        a, b = c.http["a"], c.http["b"]
+        ra, rb = c.routers["a"][0], c.routers["b"][0]
+        d = c.dirs[0].core
+        for bid in ("t1", "t2"):
+            r = await a.post("/v1/completions", json=BODY, headers={"X-Branch-Id": bid})
+            assert r.status_code == 200, r.text
+        await until(lambda: all(bid in d.branches.branches and d.branches.branches[bid].counted for bid in ("t1", "t2")),
+                    10.0, "the directory counts t1 and t2")  # fmt: skip
+        await until(lambda: rb.bus.counters["received.branch.events"] == 2, 10.0, "B reads A's branch.events")
+        path = list(d.branches.branches["t1"].path)
+        assert ra.branches.active_count == 2
+
+        e = await b.post("/v1/branches/t1/end")
+        assert e.status_code == 200 and e.json() == {"branch_id": "t1", "ended": True}, e.text
+        await until(lambda: "t1" in d.branches.ended, 10.0, "the directory ends t1")
+        # A hears B's relayed end: ended in its table too (before: active for ever, until its TTL)
+        await until(lambda: not ra.branches.is_active("t1"), 10.0, "router A ends t1 (it heard B's end)")
+        assert ra.counters["branch_ends_heard"] == 1 and ra.branches.active_count == 1
+        r = await a.post("/v1/completions", json={"prompt": list(range(100, 150)), "max_tokens": 2}, headers={"X-Branch-Id": "t1"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Branch-Id", r.text  # as through B
+        r = await b.post("/v1/completions", json=BODY, headers={"X-Branch-Id": "t1"})
+        assert r.status_code == 400, r.text
+        again = await a.post("/v1/branches/t1/end")  # the SDK's retry through A: `already`, nothing published
+        assert again.status_code == 200 and again.json()["already"] is True, again.text
+        assert rb.counters["branch_ends_heard"] == 0  # its own end's echo is not "heard"
+        assert ra.counters["branches_ended"] == 0  # B's end, counted there (branch_ends_relayed)
+
+        # the other way round: A ends t4, which B never saw; B hears it and refuses a request on it, as A does (before,
+        # B served it 200 and started it anew in its table, its BranchStart refused by the directory)
+        r = await a.post("/v1/completions", json=BODY, headers={"X-Branch-Id": "t4"})
+        assert r.status_code == 200, r.text
+        assert (await a.post("/v1/branches/t4/end")).status_code == 200
+        await until(lambda: rb.counters["branch_ends_heard"] == 1, 10.0, "router B hears A's end of t4")
+        r = await b.post("/v1/completions", json=BODY, headers={"X-Branch-Id": "t4"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Branch-Id", r.text
+        assert ra.counters["branch_ends_heard"] == 1  # its own end's echo is not "heard"
+
+        # a tool-call hint through B holds t2 in A's table too (A's cap and TTL keep it while the tool runs)
+        tc = await b.post("/v1/branches/t2/tool-call", json={"expected_s": 600})
+        assert tc.status_code == 200 and tc.json()["expected_s"] == 600.0, tc.text
+        await until(lambda: ra.branches.hold_left("t2", ra.clock.local_now()) > 500, 10.0, "router A holds t2")
+        assert ra.counters["branch_tool_calls_heard"] == 1 and rb.counters["branch_tool_calls_heard"] == 0
+
+        # the directory restarts: A republishes t2 only; t1 is not counted again (before: counted until the TTL)
+        d2 = (await c.restart_directory()).core
+        await until(lambda: "t2" in d2.branches.branches and d2.branches.branches["t2"].counted, 20.0, "t2 republished")
+        await asyncio.sleep(0.5)
+        assert "t1" not in d2.branches.branches
+        t2_path = set(d2.branches.branches["t2"].path)
+        assert all(d2.count("w0", h) == (1 if h in t2_path else 0) for h in path)
+
+
+async def test_an_end_through_another_router_while_a_restarted_directory_rebuilds_is_retried_not_lost(nats_url, tmp_path: Path):
+    """Router A holds 20,000 branches (as many agents), ``late`` its newest: the restarted directory reads A's
+    republish for a second or more, and ``late`` last. B's end of ``late`` in that window: 503 (no directory, then
+    ``unknown`` unsynced) until the directory has read it, then relayed, 200."""
+    async with AsyncExitStack() as stack:
+        c = await _cluster(stack, nats_url, tmp_path, branch_sync_settle_s=5.0)
+        a, b = c.http["a"], c.http["b"]
+        ra = c.routers["a"][0]
+        now = ra.clock.local_now()
+        for i in range(20_000):
+            ra.branches.observe(f"syn-{i}", now, ts=ra.clock.now() + i * 1e-6)
+            ra.branches.done(f"syn-{i}", now)
+        r = await a.post("/v1/completions", json=BODY, headers={"X-Branch-Id": "late"})
+        assert r.status_code == 200, r.text
+        await until(lambda: "late" in c.dirs[0].core.branches.branches, 10.0, "the directory has late")
+
+        c.svcs.stops[c.svcs.tasks.index(c.dir_task)].set()
+        await c.dir_task
+        n = len(c.dirs)
+        c.dir_task = c.svcs.start("kvdirectory", c.dcfg, _keep(c.dirs, DirectoryService))
+        seen: list[tuple[int, str]] = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 60:
+            e = await b.post("/v1/branches/late/end")
+            seen.append((e.status_code, e.json().get("error", {}).get("message", "")))
+            if e.status_code != 503:
+                break
+            assert e.headers["retry-after"] == "1"
+            await asyncio.sleep(0.02)
+        assert seen[-1][0] == 200, seen[-3:]  # before: 404 "unknown branch 'late' ... the KV directory does not know it"
+        d2 = c.dirs[n]
+        await until(lambda: "late" in d2.core.branches.ended, 10.0, "the new directory ends late")
+        await until(lambda: not ra.branches.is_active("late"), 10.0, "A heard the end")
+        unsynced = [msg for s, msg in seen if "has not yet read the routers' republish" in msg]
+        assert all(s in (200, 503) for s, _ in seen)
+        assert unsynced == [] or c.routers["b"][0].counters["branch_queries_unsynced"] == len(unsynced)
+
+        # an id nobody holds: 503 while the directory has not settled, 404 once it has
+        if not d2.sync.synced(d2.clock.monotonic()):
+            r = await b.post("/v1/branches/never-seen/end")
+            assert r.status_code == 503 and "republish" in r.json()["error"]["message"], r.text
+        await until(lambda: d2.sync.synced(d2.clock.monotonic()), 60.0, "the directory settles", every=0.1)
+        assert d2.sync.republished >= 20_000 and d2.counters["branch_sync.republished"] == d2.sync.republished
+        r = await b.post("/v1/branches/never-seen/end")
+        assert r.status_code == 404 and "does not know it either" in r.json()["error"]["message"], r.text
+
+
+async def test_a_restarted_router_remembers_the_directorys_ended_answer(nats_url, tmp_path: Path):
+    async with AsyncExitStack() as stack:
+        c = await _cluster(stack, nats_url, tmp_path)
+        d = c.dirs[0].core
+        r = await c.http["a"].post("/v1/completions", json=BODY, headers={"X-Branch-Id": "t3"})
+        assert r.status_code == 200, r.text
+        await until(lambda: "t3" in d.branches.branches, 10.0, "the directory has t3")
+        e = await c.http["a"].post("/v1/branches/t3/end")
+        assert e.status_code == 200, e.text
+        await until(lambda: "t3" in d.branches.ended, 10.0, "the directory ends t3")
+
+        ra2 = await c.restart_router(stack, "a")  # its table is in memory: t3 is unknown to it
+        a = c.http["a"]
+        e = await a.post("/v1/branches/t3/end")  # the harness's retry: the directory says ended
+        assert e.status_code == 200 and e.json()["already"] is True, e.text
+        r = await a.post("/v1/completions", json=BODY, headers={"X-Branch-Id": "t3"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Branch-Id", r.text  # before: 200
+        assert not ra2.branches.is_active("t3")
+        tc = await a.post("/v1/branches/t3/tool-call")
+        assert tc.status_code == 410, tc.text
+        assert ra2.counters["branch_queries.ended"] == 1  # remembered: the request and tool call asked nothing
