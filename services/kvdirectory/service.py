@@ -162,8 +162,8 @@ class DirectoryService(WatchedService):
         # a restarted directory has lost its branch table: the routers republish it (issue #22); branch.query answers
         # synced=false until that republish has been read (services/kvdirectory/settle.py)
         ts = self.clock.now()
+        self.sync.sent(self.clock.monotonic(), ts)  # before the publish: it may yield, and the republish come meanwhile
         await self.bus.publish(BRANCH_SYNC, m.BranchSync(directory=self.bus.instance, ts=ts))
-        self.sync.sent(self.clock.monotonic(), ts)
         self.counters["branch_sync.sent"] += 1
         self._bg.start(self._flush_loop(), "kvdirectory-flush")
         self._bg.start(self._liveness_loop(), "kvdirectory-liveness")
