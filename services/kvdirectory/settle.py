@@ -9,18 +9,20 @@ the directory has settled (``BranchQueryReply.synced``), and a router turns an `
 503 with ``Retry-After: 1`` (retried), not a 404.
 
 How long the republish takes: ``branch.sync`` is a core NATS publish each router reads within milliseconds; the
-router then builds and publishes 1 + (0 to 2 placements) messages a branch back to back, and the directory reads
-them in order from the stream. Measured (one router, one directory, real nats-server, a 2-core host shared with
-other jobs at a load average of 10-13; ``RoutePlaced`` of 16 blocks): 3,000 branches: the first republished start
-read 0.23 s after the ``branch.sync``, all 0.36 s; 20,000: 1.9 s and 2.6 s, the largest gap between two republished
-starts 0.6 s; 65,536 (``--max-active-branches``' default): 4.9 s to the first, 1.3 s largest gap, 11.9 s to the
-newest branch's. A fixed period long enough for the largest
-would answer 503 for every unknown id of a freshly started cluster for as long; so the period adapts: a republished
-``BranchStart`` is one whose ``ts`` (the cluster time the router started the branch) is older than the
-``branch.sync``'s; the directory has settled once ``settle_s`` (10 s by default: twice the wait for the first
-republished start at the default cap, seven times the largest gap) have passed since the ``branch.sync`` **and**
-since the last republished start it read, and at the latest ``max_s`` after the ``branch.sync`` (a router whose
-clock runs behind would make its new branches look republished for ever).
+router then publishes 1 + (0 to 2 placements) messages a branch back to back, giving its event loop back every 256
+(``services/router/service.py`` ``REPUBLISH_YIELD_EVERY``), and the directory reads them in order from the stream.
+Measured (router and directory in one process, real nats-server, a 2-core host shared with other jobs at a load
+average of 4-13; ``RoutePlaced`` of 16 blocks): before the router yielded, NATS sent nothing until it had queued its
+whole republish: the first republished start was read 0.2 s after the ``branch.sync`` for 3,000 branches, 1.1-1.9 s
+for 20,000, 4.4-4.9 s for 65,536 (``--max-active-branches``' default), the largest gap between two republished starts
+1.3-2.0 s. With the yield: 0.08 s (20,000) and 0.45 s (65,536) to the first, largest gaps 0.06 s and 0.5 s (the last
+read 6 s and 17 s after the sync, the directory reading on the router's loop as it goes). A fixed period long enough
+for the largest republish would answer 503 for every unknown id of a freshly started cluster for as long; so the
+period adapts: a republished ``BranchStart`` is one whose ``ts`` (the cluster time the router started the branch)
+is older than the ``branch.sync``'s; the directory has settled once ``settle_s`` (10 s by default: twice the longest
+wait for a first republished start measured without the yield, 20 times the largest gap with it) have passed since
+the ``branch.sync`` **and** since the last republished start it read, and at the latest ``max_s`` after the
+``branch.sync`` (a router whose clock runs behind would make its new branches look republished for ever).
 
 What it does not cover: a router that did not hear the ``branch.sync`` (disconnected at that instant; it is a core
 NATS message) republishes nothing, and its branches stay unknown here until their next request.
