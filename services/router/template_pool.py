@@ -41,6 +41,10 @@ a template that allocates past the limit gets a ``MemoryError`` (a 400), never t
 MAX_TEMPLATE_CHARS = 64 * 1024
 """Longest request ``chat_template`` (characters): a model's template is a few KB (Llama 3.1's 4.7 KB, Qwen3's
 4.1 KB); a 683 KB one took 10 s to compile."""
+CHILD_CPU_S = RENDER_DEADLINE_S + 3.0
+"""CPU seconds one render may use before the kernel ends its child (``RLIMIT_CPU``, SIGXCPU): the router kills it
+at :data:`RENDER_DEADLINE_S` of wall time, but a router that is itself killed (``up``'s liveness watch, the OOM
+killer) leaves its children behind, and one rendering a template that never ends would spin forever."""
 START_TIMEOUT_S = 60.0
 """Seconds a new child may take to start (import ``jinja2`` and this package) and say it is ready."""
 
@@ -103,16 +107,18 @@ class RequestTemplatePool:
         deadline_s: seconds one compile + render may take (:data:`RENDER_DEADLINE_S`).
         queue_s: seconds a render waits for a free child (:data:`QUEUE_DEADLINE_S`).
         memory_bytes: each child's ``RLIMIT_AS`` (:data:`CHILD_MEMORY_BYTES`).
+        cpu_s: CPU seconds a render may use before the kernel ends its child (:data:`CHILD_CPU_S`).
     """
 
     def __init__(
         self, size: int = POOL_SIZE, *, deadline_s: float = RENDER_DEADLINE_S, queue_s: float = QUEUE_DEADLINE_S,
-        memory_bytes: int = CHILD_MEMORY_BYTES,
+        memory_bytes: int = CHILD_MEMORY_BYTES, cpu_s: float = CHILD_CPU_S,
     ) -> None:
         self.size = size
         self.deadline_s = deadline_s
         self.queue_s = queue_s
         self.memory_bytes = memory_bytes
+        self.cpu_s = cpu_s
         self._idle: asyncio.Queue[_Child] = asyncio.Queue()
         self._all: set[_Child] = set()
         self._replacing: set[asyncio.Task[None]] = set()
@@ -143,7 +149,7 @@ class RequestTemplatePool:
         env = {k: v for k, v in os.environ.items() if k in _CHILD_ENV}
         env.update(PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.router.template_pool", str(self.memory_bytes),
+            sys.executable, "-m", "services.router.template_pool", str(self.memory_bytes), str(self.cpu_s),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
         )
         child = _Child(proc)
@@ -252,11 +258,21 @@ class RequestTemplatePool:
         self._all.clear()
 
 
-def _child_main(memory_bytes: int) -> None:
-    """A child's loop: read a job, answer it, until the parent closes the pipe (module docstring)."""
+def _child_main(memory_bytes: int, cpu_s: float) -> None:
+    """A child's loop: read a job, answer it, until the parent closes the pipe (module docstring). Each render
+    may use ``cpu_s`` CPU seconds more than the child has used so far (``RLIMIT_CPU``'s soft limit, moved per job:
+    past it the kernel's SIGXCPU ends the child, orphaned or not)."""
     import resource
 
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    cpu_hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+
+    def cpu_budget() -> None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        soft = int(usage.ru_utime + usage.ru_stime + cpu_s) + 1
+        if cpu_hard != resource.RLIM_INFINITY:
+            soft = min(soft, cpu_hard)
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, cpu_hard))
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but answers on the pipe
 
@@ -280,6 +296,7 @@ def _child_main(memory_bytes: int) -> None:
         (n,) = _HEADER.unpack(head)
         try:
             job = json.loads(inp.read(n))
+            cpu_budget()
             text = _render_template(
                 compile_chat_template(job["source"]), job["messages"], job["tools"], bool(job["add_generation_prompt"]),
                 bool(job["continue_final_message"]), job["special"], job["kwargs"],
@@ -304,4 +321,4 @@ def _child_main(memory_bytes: int) -> None:
 
 
 if __name__ == "__main__":
-    _child_main(int(sys.argv[1]))
+    _child_main(int(sys.argv[1]), float(sys.argv[2]))

@@ -102,3 +102,19 @@ async def test_the_pool_refuses_to_start_without_jinja2(tmp_path, monkeypatch):
     with pytest.raises(TemplatePoolError, match="jinja2"):
         await pool.start()
     assert not pool._all
+
+
+async def test_a_child_left_rendering_is_ended_by_its_cpu_limit():
+    """A router killed mid-render (``up``'s liveness watch, the OOM killer) cannot kill its child at the deadline;
+    the child's own ``RLIMIT_CPU`` (moved per render) ends it: here with the router's deadline far away, a
+    never-ending template's child is gone after ~1 CPU s. Before, such an orphan spun forever."""
+    pool = RequestTemplatePool(1, deadline_s=30.0, cpu_s=1.0)
+    await pool.start()
+    try:
+        assert await _render(pool, TPL)  # a render first: the limit is per render, not per child
+        t0 = time.monotonic()
+        with pytest.raises(TemplateRenderError, match="renderer process ended"):
+            await _render(pool, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        await pool.close()
