@@ -28,6 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 POOL_SIZE = 2
 """Child processes rendering request templates at once (the others wait, at most :data:`RENDER_DEADLINE_S`)."""
 RENDER_DEADLINE_S = 2.0
@@ -45,6 +47,10 @@ CHILD_CPU_S = RENDER_DEADLINE_S + 3.0
 """CPU seconds one render may use before the kernel ends its child (``RLIMIT_CPU``, SIGXCPU): the router kills it
 at :data:`RENDER_DEADLINE_S` of wall time, but a router that is itself killed (``up``'s liveness watch, the OOM
 killer) leaves its children behind, and one rendering a template that never ends would spin forever."""
+RESPAWN_FIRST_S = 1.0
+RESPAWN_MAX_S = 30.0
+"""A replacement child that fails to start is tried again after 1 s, doubling to at most 30 s, each failure logged:
+before, the pool shrank silently and, every child lost, each request template got a 503 until the router restarted."""
 START_TIMEOUT_S = 60.0
 """Seconds a new child may take to start (import ``jinja2`` and this package) and say it is ready."""
 
@@ -123,8 +129,11 @@ class RequestTemplatePool:
         self._all: set[_Child] = set()
         self._replacing: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._closing = asyncio.Event()
         self.killed = 0
         """Children killed at the deadline (or dead on their own) and replaced."""
+        self.spawn_failures = 0
+        """Replacement children that failed to start (each tried again: :data:`RESPAWN_FIRST_S`)."""
 
     async def start(self) -> None:
         """Start every child and wait until each is ready.
@@ -178,10 +187,21 @@ class RequestTemplatePool:
             await child.kill()
             if self._closed:
                 return
-            try:
-                new = await self._spawn()
-            except TemplatePoolError:
-                return  # renders wait for the children left (a 503 when none): nothing else to do here
+            wait_s = RESPAWN_FIRST_S
+            while True:
+                try:
+                    new = await self._spawn()
+                    break
+                except TemplatePoolError as e:  # renders wait for the children left (a 503 when none) meanwhile
+                    self.spawn_failures += 1
+                    structlog.get_logger("router").warning(
+                        "a chat template child could not be started; trying again", error=str(e), retry_in_s=wait_s,
+                        children_left=len(self._all))
+                    with contextlib.suppress(TimeoutError):  # the backoff, cut short by a close
+                        await asyncio.wait_for(self._closing.wait(), wait_s)
+                    wait_s = min(wait_s * 2, RESPAWN_MAX_S)
+                    if self._closed:
+                        return
             if self._closed:
                 await new.kill()
             else:
@@ -250,6 +270,7 @@ class RequestTemplatePool:
         """Kill every child, the replacements being started too (awaited, not cancelled: a start cancelled inside
         ``create_subprocess_exec`` leaves a child no one holds; each sees the pool closed and kills its own)."""
         self._closed = True
+        self._closing.set()
         for task in list(self._replacing):
             with contextlib.suppress(BaseException):
                 await task

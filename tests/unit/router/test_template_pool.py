@@ -118,3 +118,37 @@ async def test_a_child_left_rendering_is_ended_by_its_cpu_limit():
         assert time.monotonic() - t0 < 5.0
     finally:
         await pool.close()
+
+
+async def test_a_replacement_that_cannot_start_is_tried_again_and_a_close_does_not_wait_for_its_backoff(monkeypatch):
+    """A replacement child that failed to start left the pool one child short, silently; with every child lost each
+    request template got a 503 until the router restarted. It is now logged and tried again (1 s, doubling)."""
+    import services.router.template_pool as tp
+
+    monkeypatch.setattr(tp, "RESPAWN_FIRST_S", 0.05)
+    pool = RequestTemplatePool(1, deadline_s=0.5, queue_s=30.0)
+    await pool.start()
+    try:
+        real_spawn, fails = pool._spawn, [2]
+
+        async def flaky() -> object:
+            if fails[0]:
+                fails[0] -= 1
+                raise TemplatePoolError("cannot fork (the test's)")
+            return await real_spawn()
+
+        pool._spawn = flaky  # type: ignore[method-assign]
+        with pytest.raises(TemplateRenderError, match="took longer"):
+            await _render(pool, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+        assert await _render(pool, TPL) == "<s>[system] Be brief.[user] hi!"  # served by the third try's child
+        assert (pool.spawn_failures, fails[0]) == (2, 0)
+        fails[0] = 1000  # never starts again: the close must not wait out the backoff
+        monkeypatch.setattr(tp, "RESPAWN_FIRST_S", 30.0)
+        with pytest.raises(TemplateRenderError, match="took longer"):
+            await _render(pool, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+        await asyncio.sleep(0.1)
+    finally:
+        t0 = time.monotonic()
+        await pool.close()
+        assert time.monotonic() - t0 < 5.0
+    assert not pool._all
