@@ -23,8 +23,32 @@ from tests.deploy.test_slurm_supervision import Job, get, job_pids
 
 
 def pid_of(run: Path, name: str) -> int:
-    """The running process of head service ``name`` as its supervise loop wrote it (``pids/NAME.pid``)."""
-    return int((run / "pids" / f"{name}.pid").read_text().split()[0])
+    """The running process of head service ``name`` as its supervise loop wrote it (``pids/NAME.pid``).
+
+    Raises:
+        OSError: no pid file yet.
+        ValueError: the file is empty or not a pid: being written (``echo ... >FILE`` truncates it first), as
+            ``evolving_infra.liveness.read_pid_file`` reads it too. Before, an empty file was an IndexError, which the
+            crash-loop test's poll did not expect (it failed once in a fresh clone's suite, between a restart's
+            truncate and its write).
+    """
+    words = (run / "pids" / f"{name}.pid").read_text().split()
+    if not words:
+        raise ValueError(f"{run / 'pids' / name}.pid is empty (being written)")
+    return int(words[0])
+
+
+def test_pid_of_a_pid_file_being_written_is_a_value_error_the_polls_retry(tmp_path):
+    """The crash-loop test polls ``pid_of`` and retries on OSError / ValueError: a file caught between the supervise
+    loop's truncate and its write (empty) must be one of those, not an IndexError that fails the test."""
+    (tmp_path / "pids").mkdir()
+    with pytest.raises(OSError):
+        pid_of(tmp_path, "planner")
+    (tmp_path / "pids" / "planner.pid").write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        pid_of(tmp_path, "planner")
+    (tmp_path / "pids" / "planner.pid").write_text("123 45\n")
+    assert pid_of(tmp_path, "planner") == 123
 
 
 @pytest.mark.timeout(150)
