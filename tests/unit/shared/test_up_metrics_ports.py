@@ -179,10 +179,15 @@ def test_a_fixed_metrics_port_that_is_taken_is_one_error_before_any_service_star
     from evolving_infra.cluster import ClusterError
 
     monkeypatch.delenv("EI_METRICS_PORT", raising=False)
+    # base .. base + 3: the KV directory, the planner, the router, worker-w0, bound in the order kvdirectory, planner,
+    # worker-w0, router. All four were free a moment ago and lie outside the kernel's ephemeral range (``_free_base``):
+    # only the router's is taken, by this test. Before, base was a kernel-chosen (ephemeral) port less 2, so worker-w0's
+    # port was an ephemeral one that another process's connection could hold (the other xdist lane's clusters):
+    # "worker-w0: cannot listen for metrics on 127.0.0.1:<base + 3>", not the router's error
+    base = _free_base(4)
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+        taken.bind(("127.0.0.1", base + 2))
         taken.listen()
-        base = taken.getsockname()[1] - 2  # the router's port (base + 2) is taken
         c = LocalCluster(ClusterSpec(nodes=1, split="collocated", metrics=True, metrics_base_port=base, log_dir=str(tmp_path)))
         c.log_dir = tmp_path
         try:
