@@ -176,6 +176,12 @@ _RELIABLE = tuple(s.template.format(**dict.fromkeys(s.params, "*")) for s in ALL
 """The subjects consumed from the partition's stream, relative, with ``*`` for each parameter."""
 
 
+_CORE_ONLY = frozenset({("router", "branch.events")})
+"""Reliable subjects an identity reads only through a core subscription, so it gets no consumer on them: a router
+hears other routers' relayed branch ends live (``reliable=False``); a consumer would let it replay the stream's whole
+history of branch, agent and parent ids, which it does not need."""
+
+
 def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
     """The server permissions of one identity: ``{"publish": [...], "subscribe": [...]}`` (full subjects).
 
@@ -231,7 +237,8 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
         # (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``); neither the bare form nor the named
         # one without a filter (any filter, or several) is granted
         pub += [f"$JS.API.STREAM.INFO.{stream}", f"$JS.FC.{stream}.>"]
-        pub += [f"$JS.API.CONSUMER.CREATE.{stream}.*.{p}{s}" for s in sub if any(subject_matches(r, s) for r in _RELIABLE)]
+        pub += [f"$JS.API.CONSUMER.CREATE.{stream}.*.{p}{s}" for s in sub
+                if any(subject_matches(r, s) for r in _RELIABLE) and (ident.kind, s) not in _CORE_ONLY]
     if ident.kind == "launcher":  # creates the stream before any service starts
         pub += [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}"]
     sub = [p + s for s in sub] + [f"{p}svc.stats.{ident.name}", f"_INBOX.{ident.name}.>"]

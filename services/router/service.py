@@ -2549,6 +2549,11 @@ class RouterService(WatchedService):
         settles once the republish has gone quiet (``services/kvdirectory/settle.py``), read nothing for as long."""
         out = self.branches.republish()
         for i, ev in enumerate(out, 1):
+            # the list was taken before the yields below: a branch ended or evicted by the cap since is not sent (its
+            # end or eviction went out before; a start sent after an eviction the new directory did not know yet made it
+            # active there until its TTL while this table held it expired)
+            if not self.branches.is_active(ev.branch_id):
+                continue
             await self.bus.publish(ROUTE_PLACED if isinstance(ev, m.RoutePlaced) else BRANCH_EVENTS, ev)
             if i % REPUBLISH_YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # the client's flusher sends what is queued; HTTP and NATS handlers run
@@ -3182,8 +3187,10 @@ class RouterService(WatchedService):
         republish does not know yet (``unsynced``) or that the directory did not say (``unanswered``); the last two
         503 with ``Retry-After: 1``, which the OpenAI SDK retries."""
         if verdict == "unknown":
-            return self._error(404, f"{unknown.reason}, and the KV directory does not know it either (no router started "
-                               "it, or it ended or expired long enough ago to be forgotten)")  # fmt: skip
+            return self._error(404, f"{unknown.reason}, and the KV directory does not know it either: no router started "
+                               "it, it ended or expired long enough ago to be forgotten, or its start has not reached the "
+                               "directory yet (a request an instant ago through another router, or a router that has not "
+                               "yet republished its branches to a restarted directory): a retry in a moment tells")  # fmt: skip
         if verdict == "unsynced":
             why = ("the KV directory, which (re)started an instant ago, has not yet read the routers' republish of their "
                    "branches (branch.sync): retry in a second")  # fmt: skip

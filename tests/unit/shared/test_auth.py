@@ -101,6 +101,8 @@ def test_a_consumer_only_on_a_reliable_subject_the_identity_reads():
         assert not allowed(w0, "publish", f"{create}.c1.{p}{s}"), s
     router = permissions(identity("router"))
     assert allowed(router, "publish", f"{create}.c1.{p}req.*.out.*") and not allowed(router, "publish", f"{create}.c1.{p}work.w0.prefill")
+    # branch.events: read live (core), never replayed from the stream (a consumer on it) by a router
+    assert allowed(router, "subscribe", f"{p}branch.events") and not allowed(router, "publish", f"{create}.c1.{p}branch.events")
     kvd = permissions(identity("kvdirectory"))
     assert allowed(kvd, "publish", f"{create}.c1.{p}kv.events.*") and not allowed(kvd, "publish", f"{create}.c1.{p}req.*.out.*")
 
