@@ -161,6 +161,10 @@ ALIVE_EARLY_S = 0.002
 it (uvloop rounds a timer to whole ms of its cached clock) wakes up to ~1 ms early, and without this margin the loop
 went round without sending until the batch was due (a spin, as the heartbeat's in 4c88d96)."""
 
+HANDOFF_SENDS_MAX = 16
+"""A step's hand-offs going out at once beside the step loop (``WorkerService._handoff_aside``; their K/V bytes held
+until every piece is answered): past it the step waits for one to end."""
+
 KV_READY_SLACK_WALL_S = 1.0
 """Wall seconds a received hand-off's ``kv_ready_at`` may lie past twice its transfer time (:func:`kv_ready_bound`)."""
 
@@ -471,8 +475,12 @@ class WorkerService:
         longer cancels it (as it cannot stop a step publishing a hand-off); a drain, new work of
         the rid (:meth:`_newest_attempt`) and :meth:`stop` wait for it."""
         self._sending_handoffs = 0
-        """Hand-offs :meth:`_handoff` is sending now (a threaded engine's awaits the execute thread): a drain
-        waits for them as for :attr:`_handing_off` (a step's requests have left the core by then)."""
+        """Hand-offs :meth:`_handoff` is sending now (a threaded engine's awaits the execute thread) and a step's
+        :meth:`_deliver_aside` tasks: a drain waits for them as for :attr:`_handing_off` (a step's requests have left
+        the core by then)."""
+        self._deliveries: set[asyncio.Task[None]] = set()
+        """A step's hand-offs going out beside the step loop (:meth:`_handoff_aside`), at most
+        :data:`HANDOFF_SENDS_MAX`: each rid is in :attr:`_handing_off` too until its DecodeWork is out (or failed)."""
         self._kv_in = handoffkv.KvAssembler(cfg.handoff_buffer_bytes, cfg.handoff_kv_timeout_s)
         """Hand-off K/V coming in (``work.<node>.kv``), until its ``DecodeWork`` takes it (``handoffkv.py``)."""
         self._kv_timer: asyncio.TimerHandle | None = None
@@ -1992,7 +2000,7 @@ class WorkerService:
             if isinstance(out, TokensOut):
                 await self._emit_tokens(out, now)
             elif isinstance(out, HandOff):
-                await self._handoff(out)
+                await self._handoff_aside(out)
         return now
 
     def _execute_thread(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -2198,7 +2206,46 @@ class WorkerService:
         finally:
             self._sending_handoffs -= 1
 
+    async def _handoff_aside(self, h: HandOff) -> None:
+        """A step's hand-off ``h``: its K/V is copied out of the engine here, on the step (:meth:`_take_handoff`), and
+        sent (:meth:`_deliver_handoff`: every piece answered, then the DecodeWork) by a task beside the step loop, in
+        :attr:`_handing_off` (a drain, new work of the rid and :meth:`stop` wait for it; the engine keeps the rid's
+        registration meanwhile). Before, the step awaited every piece's answer: a stalled decode node held all
+        prefill work here for up to ``handoffkv.TRIES`` × ``--handoff-chunk-timeout-s`` per hand-off
+        (``tests/integration/test_torch_handoff_aside_live.py``). At most :data:`HANDOFF_SENDS_MAX` go out at once
+        (their bytes held): the step waits for one to end past that."""
+        while len(self._deliveries) >= HANDOFF_SENDS_MAX:
+            self.counters["handoff.waited_for_send"] += 1
+            await asyncio.wait(set(self._deliveries), return_when=asyncio.FIRST_COMPLETED)
+        self._sending_handoffs += 1
+        try:
+            work, headers = await self._take_handoff(h)
+        except BaseException:
+            self._sending_handoffs -= 1
+            raise
+        task = self._spawn(self._deliver_aside(h, work, headers), name=f"worker-{self.node}-handoff-{h.rid}", fatal=True)
+        self._deliveries.add(task)
+        self._handing_off[h.rid] = task
+
+    async def _deliver_aside(self, h: HandOff, work: m.DecodeWork, headers: dict[str, str] | None) -> None:
+        """:meth:`_handoff_aside`'s task: deliver ``work`` (``h``'s), then leave :attr:`_handing_off`."""
+        try:
+            await self._deliver_handoff(h, work, headers)
+        finally:
+            self._sending_handoffs -= 1
+            me = asyncio.current_task()
+            self._deliveries.discard(me)
+            if self._handing_off.get(h.rid) is me:
+                del self._handing_off[h.rid]
+            self._input()  # a drain may be over (_maybe_switch), KV freed
+
     async def _send_handoff(self, h: HandOff) -> None:
+        work, headers = await self._take_handoff(h)
+        await self._deliver_handoff(h, work, headers)
+
+    async def _take_handoff(self, h: HandOff) -> tuple[m.DecodeWork, dict[str, str] | None]:
+        """``h``'s DecodeWork with its K/V copied out of the engine (``kv_ready_at`` on the wall clock) and its trace
+        headers; ``h.rid``'s stream is forgotten here."""
         self._streams.pop(h.rid, None)
         headers = self._traces.handoff(h.rid, h.decode_node) if self._traces else None
         # A threaded engine's hand-off takes the engine's lock, which execute holds for a whole plan, and copies the
@@ -2208,6 +2255,11 @@ class WorkerService:
         # CPU: 20-140 ms). The rid stays registered meanwhile (_step_rids or _handing_off keep it at a drain).
         work = await self._beside_step(self.engine.handoff, h.work) if self.engine.threaded else self.engine.handoff(h.work)
         work = msgspec.structs.replace(work, kv_ready_at=self._to_wall(work.kv_ready_at))  # the decode node's clock is wall-based
+        return work, headers
+
+    async def _deliver_handoff(self, h: HandOff, work: m.DecodeWork, headers: dict[str, str] | None) -> None:
+        """Send ``work`` (``h``'s, K/V inside) to its decode node: the K/V in pieces, then the DecodeWork naming them;
+        a failure fails the request (:meth:`_reject`, ``requests.handoff_failed``)."""
         size = len(work.kv)
         pieces = 0
         if size:
