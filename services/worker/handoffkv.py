@@ -171,7 +171,7 @@ class KvAssembler:
             (:meth:`expire`).
 
     Counters (``counters``): ``chunks`` / ``bytes`` stored, ``duplicate_chunks`` (sent again, not stored),
-    ``refused.<why>`` (``full``, ``mismatch``, ``crc``, ``ended``), ``taken`` / ``taken_bytes`` (handed to a
+    ``refused.<why>`` (``full``, ``mismatch``, ``crc``, ``ended``, ``nomem``: the kernel refused its buffer), ``taken`` / ``taken_bytes`` (handed to a
     ``DecodeWork``), ``missing`` (a work whose K/V was not all here), ``duplicate_work`` (a work of a transfer taken
     already), ``expired`` / ``expired_bytes`` (dropped by :meth:`expire`), ``discarded`` (dropped by
     :meth:`discard`: its work was not served here).
@@ -212,7 +212,12 @@ class KvAssembler:
                 return (f"hand-off buffer full: {self.held_bytes} B held for {len(self.open)} transfers, {c.total} B more "
                         f"would pass its {self.max_bytes} B (--handoff-buffer-bytes)")  # fmt: skip
             size = len(c.data) if c.index < c.count - 1 else (c.offset // c.index if c.index else c.total)
-            a = Assembly(c.transfer, c.rid, c.count, c.total, size, mmap.mmap(-1, c.total), bytearray(c.count), c.src, now, now)
+            try:
+                buf = mmap.mmap(-1, c.total)
+            except (OSError, OverflowError) as e:  # the kernel refuses the mapping (ENOMEM): an answer, not a lost request
+                self.counters["refused.nomem"] += 1
+                return f"cannot allocate {c.total} B for transfer {c.transfer} of {c.rid}: {e}"
+            a = Assembly(c.transfer, c.rid, c.count, c.total, size, buf, bytearray(c.count), c.src, now, now)
             self.open[c.transfer] = a
             self.held_bytes += c.total
         why = _fits(a, c)

@@ -162,6 +162,17 @@ def test_the_buffer_bound_refuses_a_new_transfer_and_holds_only_what_came():
     assert len(big.expire(10.0)) == 1 and big.held_bytes == 0
 
 
+def test_a_buffer_the_kernel_refuses_is_a_refusal_not_an_exception():
+    """L2: ``mmap.mmap(-1, total)`` raising ENOMEM went up through ``Bus.serve`` (no reply: the sender sent the piece
+    three times and failed "unanswered"); now the piece is refused naming the bytes, and nothing is held."""
+    a = hk.KvAssembler(1 << 63, 10.0)
+    data = b"\0" * 1024
+    huge = m.KvChunk(transfer="t4", rid="r1", index=0, count=2**52, offset=0, total=2**62, crc32=zlib.crc32(data), data=data)
+    why = a.add(huge, 0.0)
+    assert why.startswith(f"cannot allocate {2**62} B for transfer t4 of r1: "), why
+    assert a.counters["refused.nomem"] == 1 and a.held_bytes == 0 and not a.open
+
+
 def test_the_edge_refuses_pieces_and_works_of_no_shape():
     kv = os.urandom(3000)
     c = _pieces(kv, 1024)[0]
