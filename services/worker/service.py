@@ -791,6 +791,8 @@ class WorkerService:
         self.counters["requests.received"] += 1
         self.counters["requests.received.decode"] += 1
         if not self._valid_rid(work.rid) or self._superseded(work.rid):
+            if work.kv_transfer:  # not served here: its K/V is not kept until the timeout (L3)
+                self._kv_in.discard(work.kv_transfer)
             return
         now = self.clock.local_now()
         if not await self._newest_attempt(work.rid, work.attempt, work.router, now):

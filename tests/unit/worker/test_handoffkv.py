@@ -346,3 +346,29 @@ async def test_a_decode_node_that_switched_to_prefill_hands_the_kv_back_inline_o
     (err,) = _errors(bus)
     assert "serves prefill now and cannot hand the decode back" in err and "30000 B of K/V" in err
     await d.stop()
+
+
+async def test_the_kv_of_an_older_attempts_work_is_discarded_at_once():
+    """L3: a work of an attempt older than the one served here is dropped (``requests.stale_attempt``) and its K/V
+    with it (``discarded``), not held until ``--handoff-kv-timeout-s``."""
+    bus = _Bus()
+    d = _worker("d", "decode", bus)
+    kv = os.urandom(50_000)
+    new = _pieces(kv, 16_384, transfer="p-aa-5", rid="r5")
+    for c in new:
+        await d._on_kv_chunk(c, "")
+    await d._on_decode(_work("r5", attempt=2, kv_bytes=len(kv), kv_transfer="p-aa-5", kv_chunks=len(new)), "")
+    assert "r5" in d.core.requests and d._kv_in.held_bytes == 0
+    old = _pieces(kv, 16_384, transfer="p-bb-1", rid="r5")
+    for c in old:
+        await d._on_kv_chunk(c, "")
+    assert d._kv_in.held_bytes == 50_000
+    await d._on_decode(_work("r5", attempt=1, kv_bytes=len(kv), kv_transfer="p-bb-1", kv_chunks=len(old)), "")
+    assert d.counters["requests.stale_attempt"] == 1 and not _errors(bus)
+    assert d._kv_in.held_bytes == 0 and d._kv_in.counters["discarded"] == 1 and "p-bb-1" not in d._kv_in.open
+    # a work dropped for its rid (no reply subject can be formed from it): its K/V goes too
+    bad = _pieces(kv, 16_384, transfer="p-bb-2", rid="r 6")
+    for c in bad:
+        assert d._kv_in.add(c, 0.0) == ""
+    await d._on_decode(_work("r 6", kv_bytes=len(kv), kv_transfer="p-bb-2", kv_chunks=len(bad)), "")
+    assert d.counters["requests.bad_rid"] == 1 and d._kv_in.held_bytes == 0 and d._kv_in.counters["discarded"] == 2
