@@ -37,14 +37,13 @@ from shared.auth import AuthError, Credentials, NatsAuth, generate, redact_url, 
 from shared.bus import Bus, BusError, PermissionDenied, StreamLacksSubjects, stream_api_subject, stream_name
 from shared.config import ENV_PREFIX, CommonConfig, ConfigError, field_from_text
 from shared.natsserver import MAX_PAYLOAD_BYTES, EmbeddedNatsServer, NatsServerError, die_with_parent, exit_text, signal_text
-from shared.natsping import Ping
 from shared.net import http_url, listen_socket
 from shared.profile import Profile, load_profile, with_kv_tokens
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
 from shared.split import parse_split, split_phases
 from shared.subjects import SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
 from evolving_infra.liveness import (  # the liveness decisions, shared with the Slurm job's watcher
-    LIVENESS_MIN_S as LIVENESS_MIN_S, NATS_PROBE_TIMEOUT_S, SUPERVISE_GAP_S as SUPERVISE_GAP_S, bus_watch, count_exit,
+    LIVENESS_MIN_S as LIVENESS_MIN_S, SUPERVISE_GAP_S as SUPERVISE_GAP_S, BusProbe, bus_watch, count_exit,
     liveness_overdue, nats_info_probe, paused, probe_seen_until,
 )
 
@@ -860,11 +859,8 @@ class LocalCluster:
         """Every ``interval_s``: probe the embedded nats-server (:func:`nats_info_probe`) and PING it through the
         launcher's own connection (a round trip, at most :data:`NATS_PROBE_TIMEOUT_S`); note when each answered,
         for :meth:`supervise_once`'s liveness decisions."""
-        # The PING is never cancelled while nats-py holds it (shared/natsping.py): a wait_for around flush cancelled its
-        # PONG future at the timeout, and a PONG that came later ended nats-py's read loop: up's connection deaf, every
-        # later PING unanswered, the services' liveness never judged again. One not answered within the round's wait
-        # is waited for again in the next round, until its PONG comes or a reconnect loses it.
-        ping: Ping | None = None
+        # the PING's round is the Slurm watcher's too (BusProbe): never cancelled while nats-py holds it
+        probe = BusProbe()
         try:
             while True:
                 if self.nats is not None and self.nats.alive() and self.nats.port is not None:
@@ -872,19 +868,11 @@ class LocalCluster:
                     if await nats_info_probe(self.nats.port):
                         self._nats_last_ok = time.monotonic()
                     self._nats_tried_at = tried
-                if self._bus is not None:
-                    if ping is None and self._bus.nc.is_connected:
-                        ping = self._bus.ping()
-                    if ping is not None:
-                        got = await ping.wait(NATS_PROBE_TIMEOUT_S)
-                        if got:
-                            self._bus_last_ok = time.monotonic()
-                        if got is not None:
-                            ping = None  # (not answered: refused, lost to a reconnect; the beats cannot be seen now)
+                if self._bus is not None and await probe.round(self._bus):
+                    self._bus_last_ok = time.monotonic()
                 await asyncio.sleep(interval_s)
         finally:
-            if ping is not None:
-                ping.drop()  # left to its PONG while nats-py holds it; the bus's close cancels it
+            probe.close()
 
     def _spawn(self, child: _Child) -> None:
         if child.log_file is None:

@@ -146,6 +146,47 @@ async def nats_info_probe(port: int, timeout_s: float = NATS_PROBE_TIMEOUT_S, ho
                 await asyncio.wait_for(writer.wait_closed(), timeout_s)
 
 
+class BusProbe:
+    """The supervisor's PING through its own NATS connection, one round at a time: ``up``'s liveness probe
+    (``LocalCluster._probe``, :mod:`evolving_infra.cluster`) and the Slurm job's watcher's (:meth:`Watcher.probe`).
+
+    The PING is never cancelled while nats-py holds it (``Bus.ping``, ``shared.natsping``): a ``wait_for`` around
+    ``flush`` cancelled its PONG's future at the deadline, and a PONG that came later ended nats-py's read loop (the
+    connection deaf: every later PING "answered" at once, no heartbeat heard again;
+    ``tests/integration/test_liveness_watcher_late_pong_live.py``). One not answered within a round's wait is waited
+    for again in the next round, until its PONG comes or a reconnect loses it.
+
+    Attributes:
+        ping: the PING waited for (None: none; the next round sends one when the client is connected).
+    """
+
+    def __init__(self) -> None:
+        self.ping: Ping | None = None
+
+    async def round(self, bus: Bus, timeout_s: float = NATS_PROBE_TIMEOUT_S) -> bool:
+        """One round: send a PING on ``bus`` when none is waited for and the client is connected, then wait at most
+        ``timeout_s`` seconds for its PONG.
+
+        Returns:
+            True when its PONG came in this round; False otherwise (not connected, refused, lost to a reconnect,
+            or not answered yet: then waited for again at the next round). Never raises for the bus's state.
+        """
+        if self.ping is None and bus.nc.is_connected:
+            self.ping = bus.ping()
+        if self.ping is None:
+            return False
+        got = await self.ping.wait(timeout_s)
+        if got is not None:
+            self.ping = None  # (not answered: refused, lost to a reconnect; the beats cannot be seen now)
+        return bool(got)
+
+    def close(self) -> None:
+        """Stop watching the PING waited for: left to its PONG while nats-py holds it (the bus's close cancels it)."""
+        if self.ping is not None:
+            self.ping.drop()
+            self.ping = None
+
+
 NATS = "nats"
 """The name the Slurm job gives its nats-server (``$EI_RUN_DIR/pids/nats.pid``): judged by its INFO line, not a beat."""
 
@@ -343,26 +384,18 @@ class Watcher:
         that came later (nats-server hung a few seconds) ended nats-py's read loop: the watcher heard no heartbeat
         again while its flush returned at once (no PING sent), so every head service looked silent on a healthy bus
         and was SIGKILLed after the liveness timeout (``tests/integration/test_liveness_watcher_late_pong_live.py``)."""
-        ping: Ping | None = None
+        probe = BusProbe()
         try:
             while True:
                 if self.nats_port is not None and NATS in self.names:
                     tried = time.monotonic()
                     ok = await nats_info_probe(self.nats_port)
                     self.watch.nats_probed(tried, time.monotonic() if ok else None)
-                if self.bus is not None:
-                    if ping is None and self.bus.nc.is_connected:
-                        ping = self.bus.ping()
-                    if ping is not None:
-                        got = await ping.wait(NATS_PROBE_TIMEOUT_S)
-                        if got:
-                            self.watch.bus_answered(time.monotonic())
-                        if got is not None:
-                            ping = None  # (not answered: refused, lost to a reconnect; the beats cannot be seen now)
+                if self.bus is not None and await probe.round(self.bus):
+                    self.watch.bus_answered(time.monotonic())
                 await asyncio.sleep(interval_s)
         finally:
-            if ping is not None:
-                ping.drop()  # left to its PONG while nats-py holds it; the bus's close cancels it
+            probe.close()
 
     def kill(self, name: str, pid: int, silent: float) -> None:
         """SIGKILL ``name``'s process ``pid`` if it is still the one its ``supervise`` loop runs (the loop restarts it)."""
