@@ -43,7 +43,7 @@ from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
 from shared.split import parse_split, split_phases
 from shared.subjects import SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
 from evolving_infra.liveness import (  # the liveness decisions, shared with the Slurm job's watcher
-    LIVENESS_MIN_S as LIVENESS_MIN_S, SUPERVISE_GAP_S as SUPERVISE_GAP_S, BusProbe, bus_watch, count_exit,
+    LIVENESS_MIN_S as LIVENESS_MIN_S, SUPERVISE_GAP_S as SUPERVISE_GAP_S, ANSWERED, DEAF, BusProbe, bus_watch, count_exit,
     liveness_overdue, nats_info_probe, paused, probe_seen_until,
 )
 
@@ -858,8 +858,10 @@ class LocalCluster:
     async def _probe(self, interval_s: float = 1.0) -> None:
         """Every ``interval_s``: probe the embedded nats-server (:func:`nats_info_probe`) and PING it through the
         launcher's own connection (a round trip, at most :data:`NATS_PROBE_TIMEOUT_S`); note when each answered,
-        for :meth:`supervise_once`'s liveness decisions."""
-        # the PING's round is the Slurm watcher's too (BusProbe): never cancelled while nats-py holds it
+        for :meth:`supervise_once`'s liveness decisions. The PING's round is the Slurm watcher's too
+        (:class:`BusProbe`): never cancelled while nats-py holds it; a deaf launcher client (its read loop or flusher
+        ended) is made to reconnect at once, and the services' clocks start again at its next answer (the beats it
+        did not read are no silence of theirs)."""
         probe = BusProbe()
         try:
             while True:
@@ -868,8 +870,12 @@ class LocalCluster:
                     if await nats_info_probe(self.nats.port):
                         self._nats_last_ok = time.monotonic()
                     self._nats_tried_at = tried
-                if self._bus is not None and await probe.round(self._bus):
-                    self._bus_last_ok = time.monotonic()
+                if self._bus is not None:
+                    got = await probe.round(self._bus)
+                    if got == ANSWERED:
+                        self._bus_last_ok = time.monotonic()
+                    elif got == DEAF:  # reconnected now: the beats it did not read are no silence of the services
+                        self._bus_last_ok = self._bus_ok_since = None
                 await asyncio.sleep(interval_s)
         finally:
             probe.close()

@@ -146,6 +146,15 @@ async def nats_info_probe(port: int, timeout_s: float = NATS_PROBE_TIMEOUT_S, ho
                 await asyncio.wait_for(writer.wait_closed(), timeout_s)
 
 
+ANSWERED = "answered"
+"""A :meth:`BusProbe.round` whose PING's PONG came: the services' heartbeats can be seen up to now."""
+UNANSWERED = "unanswered"
+"""A :meth:`BusProbe.round` with no PONG (not connected, refused, lost to a reconnect, not answered yet)."""
+DEAF = "deaf"
+"""A :meth:`BusProbe.round` that found the supervisor's own client deaf and made it reconnect: what it heard before
+says nothing of the services since (their heartbeats were not read); their clocks start again at its next answer."""
+
+
 class BusProbe:
     """The supervisor's PING through its own NATS connection, one round at a time: ``up``'s liveness probe
     (``LocalCluster._probe``, :mod:`evolving_infra.cluster`) and the Slurm job's watcher's (:meth:`Watcher.probe`).
@@ -156,29 +165,46 @@ class BusProbe:
     ``tests/integration/test_liveness_watcher_late_pong_live.py``). One not answered within a round's wait is waited
     for again in the next round, until its PONG comes or a reconnect loses it.
 
+    A client found deaf (connected, its read loop or flusher ended: ``shared.natsping.deaf``) is made to reconnect at
+    once (``Bus.reconnect_deaf``, as the router's NATS probe does), whether its PING ended ``DeafClient`` or one sent
+    before the read loop ended waits for a PONG nats-py can no longer read. Before, the supervisor's client stayed
+    deaf until nats-py's own PINGs (every 2 min, two unanswered) called it stale, or for good while such a PING was
+    waited for: no heartbeat heard, no service judged, a hung one never killed
+    (``tests/integration/test_liveness_deaf_probe_live.py``).
+
     Attributes:
         ping: the PING waited for (None: none; the next round sends one when the client is connected).
+        deaf_reconnects: how many times a round made the deaf client reconnect.
     """
 
     def __init__(self) -> None:
         self.ping: Ping | None = None
+        self.deaf_reconnects = 0
 
-    async def round(self, bus: Bus, timeout_s: float = NATS_PROBE_TIMEOUT_S) -> bool:
+    async def round(self, bus: Bus, timeout_s: float = NATS_PROBE_TIMEOUT_S) -> str:
         """One round: send a PING on ``bus`` when none is waited for and the client is connected, then wait at most
-        ``timeout_s`` seconds for its PONG.
+        ``timeout_s`` seconds for its PONG; a deaf client is made to reconnect.
 
         Returns:
-            True when its PONG came in this round; False otherwise (not connected, refused, lost to a reconnect,
-            or not answered yet: then waited for again at the next round). Never raises for the bus's state.
+            :data:`ANSWERED` when its PONG came in this round; :data:`DEAF` when the client was found deaf and made to
+            reconnect (the caller stops counting the services' silence until the next answer); :data:`UNANSWERED`
+            otherwise (not connected, refused, lost to a reconnect, or not answered yet: then waited for again at the
+            next round). Never raises for the bus's state.
         """
         if self.ping is None and bus.nc.is_connected:
             self.ping = bus.ping()
         if self.ping is None:
-            return False
+            return UNANSWERED
         got = await self.ping.wait(timeout_s)
         if got is not None:
             self.ping = None  # (not answered: refused, lost to a reconnect; the beats cannot be seen now)
-        return bool(got)
+        if got:
+            return ANSWERED
+        if await bus.reconnect_deaf():  # its PING ended DeafClient, or one in flight can no longer be answered
+            self.close()  # forgotten by the reconnect: cancelled at the bus's next PING, or at its close
+            self.deaf_reconnects += 1
+            return DEAF
+        return UNANSWERED
 
     def close(self) -> None:
         """Stop watching the PING waited for: left to its PONG while nats-py holds it (the bus's close cancels it)."""
@@ -298,6 +324,12 @@ class Watch:
         """The watcher's own NATS connection answered a PING at ``now``."""
         self.bus_last_ok = now
 
+    def bus_deaf(self) -> None:
+        """The watcher's own NATS client was found deaf (it read no heartbeat for a while) and made to reconnect: the
+        services are judged again from its next answered PING, with a whole timeout from then (:func:`bus_watch`)."""
+        self.bus_last_ok = None
+        self.bus_ok_since = None
+
     def overdue(self, now: float) -> list[tuple[str, int, float]]:
         """One pass: ``(name, pid, silent s)`` of each running process silent past its limit, marked killed (not
         named again); after a pause of the watcher itself every clock starts again and nothing is named. Passes late
@@ -391,8 +423,12 @@ class Watcher:
                     tried = time.monotonic()
                     ok = await nats_info_probe(self.nats_port)
                     self.watch.nats_probed(tried, time.monotonic() if ok else None)
-                if self.bus is not None and await probe.round(self.bus):
-                    self.watch.bus_answered(time.monotonic())
+                if self.bus is not None:
+                    got = await probe.round(self.bus)
+                    if got == ANSWERED:
+                        self.watch.bus_answered(time.monotonic())
+                    elif got == DEAF:
+                        self.watch.bus_deaf()
                 await asyncio.sleep(interval_s)
         finally:
             probe.close()
