@@ -16,7 +16,7 @@ identity          may publish (relative to ``ei.<partition>.``)
                   answers ``kv.lookup``, ``branch.query``, ``kv.countsync.*``)
 ``worker-<n>``    ``kv.events.<n>``, ``node.state.<n>``, ``node.iters.<n>`` (its own node only),
                   ``split.applied``, ``req.*.out.<n>`` (output of its own node only), ``work.*.decode``
-                  (hand-off to a decode node);
+                  (hand-off to a decode node), ``work.*.kvcancel`` (a hand-off's K/V given up);
                   requests ``work.*.kv`` (a hand-off's K/V in pieces, first), ``work.requeue.*``,
                   ``route.bind.*`` (the owning router), ``kv.pool.*``,
                   ``split.get`` (the current split, at start), ``kv.countsync.<n>`` (its own counts)
@@ -25,7 +25,8 @@ identity          may publish (relative to ``ei.<partition>.``)
 ``admin``         everything (``evolving-infra tap``, debugging); no service uses it
 ================  ==============================================================================
 
-Subscriptions follow the same table (a worker receives only its own ``work.<n>.*`` (``work.<n>.kv`` included),
+Subscriptions follow the same table (a worker receives only its own ``work.<n>.*`` (``work.<n>.kv`` and
+``work.<n>.kvcancel`` included),
 ``kv.counts.<n>``, ``kv.resync.<n>``, ``kv.pool.<n>``, ``node.state.<n>``; the planner, router and directory their
 kind's ``svc.heartbeat.<kind>``, where a later process under their instance id would beat (:data:`BEAT_WATCHERS`; not
 a worker, whose kind's beats every node may publish); only the router and the planner
@@ -216,9 +217,9 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
             raise AuthError(f"worker identity {ident.name!r} names no node")
         pub = [
             f"kv.events.{n}", f"node.state.{n}", f"node.iters.{n}", "split.applied", f"req.*.out.{n}",
-            "work.*.decode", "work.*.kv", "work.requeue.*", "route.bind.*", "route.held.*", "kv.pool.*", "split.get", f"kv.countsync.{n}",
+            "work.*.decode", "work.*.kv", "work.*.kvcancel", "work.requeue.*", "route.bind.*", "route.held.*", "kv.pool.*", "split.get", f"kv.countsync.{n}",
         ]
-        sub = [f"work.{n}.prefill", f"work.{n}.decode", f"work.{n}.kv", f"work.{n}.abort", "split.commands", f"kv.counts.{n}", f"kv.resync.{n}", f"kv.pool.{n}",
+        sub = [f"work.{n}.prefill", f"work.{n}.decode", f"work.{n}.kv", f"work.{n}.kvcancel", f"work.{n}.abort", "split.commands", f"kv.counts.{n}", f"kv.resync.{n}", f"kv.pool.{n}",
                f"node.state.{n}"]  # its own: a process that started later under its node id supersedes it (services/worker)
     elif ident.kind == "operator":
         pub = ["split.set", "split.get", "svc.stats.*"]

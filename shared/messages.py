@@ -17,6 +17,7 @@ Producer → consumer flow, in the order of the subject table:
     worker ──split.applied─────────▶ all              (SplitApplied)
     router ──work.<node>.prefill───▶ worker           (PrefillWork)
     worker ──work.<node>.kv────────▶ worker           (KvChunk → KvChunkAck: a hand-off's K/V in pieces, first)
+    worker ──work.<node>.kvcancel──▶ worker           (KvCancel: its sender gave the hand-off up; free its K/V)
     worker ──work.<node>.decode────▶ worker           (DecodeWork, prefill → decode hand-off)
     router ──work.<node>.abort─────▶ worker           (RequestAbort)
     worker ──req.<rid>.out.<n>─────▶ router           (TokenChunk stream)
@@ -820,16 +821,37 @@ class KvChunk(Msg, frozen=True, kw_only=True):
     crc32: NonNeg = 0
     """``zlib.crc32`` of ``data``: the decode node refuses a piece whose bytes differ."""
     data: bytes = b""
+    attempt: NonNeg = 0
+    """The hand-off's ``DecodeWork.attempt``: an abort of this rid at this attempt or a later one frees the K/V on
+    the decode node at once (not one of an older attempt: a re-dispatched request's new K/V stays)."""
+    router: str = ""
+    """The hand-off's ``DecodeWork.router`` (its owning router's instance id; "" = ``router``): an abort from another
+    router leaves the K/V alone, as it leaves that router's request."""
 
 
 class KvChunkAck(Msg, frozen=True, kw_only=True):
     """Decode worker's answer to a :class:`KvChunk`: stored (or already held: a piece sent again), or ``error``
     (why the decode node refused it: its hand-off buffer full, a piece that does not fit its transfer, a CRC-32
-    mismatch, a transfer it dropped); the prefill node then fails the hand-off with that reason."""
+    mismatch, a transfer it dropped); the prefill node then fails the hand-off with that reason, but for ``full``."""
 
     transfer: str
     index: NonNeg = 0
     error: str = ""
+    full: bool = False
+    """The refusal is the decode node's hand-off buffer having no room now (``error`` says how much it holds): a
+    transient state, so the prefill node sends the piece again after a short backoff (``handoffkv.FULL_TRIES``)
+    before it fails the hand-off."""
+
+
+class KvCancel(Msg, frozen=True, kw_only=True):
+    """Prefill worker → decode worker (``work.<decode node>.kvcancel``, core NATS, no answer): the hand-off of
+    ``transfer`` will not be completed (a piece refused or unanswered, its ``DecodeWork`` refused by the bus, the
+    prefill node stopping): the decode node frees the K/V it holds of it at once instead of at its idle timeout.
+    Best effort: a lost one costs the timeout, as before."""
+
+    transfer: str
+    rid: str
+    reason: str = ""
 
 
 class DecodeBindRequest(Msg, frozen=True, kw_only=True):

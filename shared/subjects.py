@@ -84,6 +84,11 @@ WORK_KV = Subject(
 """Core NATS request/reply, not the JetStream stream: each piece is acknowledged (a lost one is sent again, a refused
 one fails the hand-off at the prefill node), and the stream (``shared.bus.STREAM_MAX_BYTES``) and the resend window
 hold no K/V (``services/worker/handoffkv.py``)."""
+WORK_KV_CANCEL = Subject(
+    "work.{node}.kvcancel", m.KvCancel, doc="prefill worker → decode worker: a hand-off's K/V its sender gave up; free it"
+)
+"""Core NATS, fire and forget: the sender waits for no answer (a lost cancel costs the decode node's idle timeout,
+``--handoff-piece-idle-s`` / ``--handoff-kv-timeout-s``, as before there was one)."""
 WORK_ABORT = Subject("work.{node}.abort", m.RequestAbort, doc="router → worker: abort a request", reliable=True)
 REQ_OUT = Subject("req.{rid}.out.{node}", m.TokenChunk, doc="worker → router: token stream of a request, per node", reliable=True)
 """One subject per request and sender: ``node`` is the publishing node (``TokenChunk.node``; a router's own end of a
@@ -125,6 +130,7 @@ ALL: tuple[Subject, ...] = (
     WORK_PREFILL,
     WORK_DECODE,
     WORK_KV,
+    WORK_KV_CANCEL,
     WORK_ABORT,
     REQ_OUT,
     SVC_HEARTBEAT,

@@ -504,6 +504,8 @@ def _kv_chunk(c: m.KvChunk, p: dict[str, str], nodes: Collection[str] | None) ->
     _int(c.count, "count", c.total, 1)
     _int(c.index, "index", c.count - 1)
     _int(c.crc32, "crc32", 2**32 - 1)
+    _int(c.attempt, "attempt", MAX_SEQ)
+    _tok(c.router, "router", optional=True)
     if not c.data or c.offset + len(c.data) > c.total:
         raise Invalid(f"piece of {len(c.data)} B at offset {c.offset} does not fit a K/V of {c.total} B")
 
@@ -512,6 +514,12 @@ def _kv_chunk_ack(a: m.KvChunkAck, p: dict[str, str], nodes: Collection[str] | N
     _tok(a.transfer, "transfer")
     _int(a.index, "index", MAX_BIG)
     _text(a.error, "error")
+
+
+def _kv_cancel(c: m.KvCancel, p: dict[str, str], nodes: Collection[str] | None) -> None:
+    _tok(c.transfer, "transfer")
+    _tok(c.rid, "rid")
+    _text(c.reason, "reason")
 
 
 def _abort(a: m.RequestAbort, p: dict[str, str], nodes: Collection[str] | None) -> None:
@@ -727,6 +735,7 @@ CHECKERS: dict[type, Checker] = {
     m.DecodeWork: _decode,
     m.KvChunk: _kv_chunk,
     m.KvChunkAck: _kv_chunk_ack,
+    m.KvCancel: _kv_cancel,
     m.RequestAbort: _abort,
     m.TokenChunk: _chunk,
     m.DecodeBindRequest: _bind_req,

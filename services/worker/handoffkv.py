@@ -20,17 +20,22 @@ Flow::
     split(kv) ─ KvChunk i ─────work.<d>.kv──────▶ add(chunk): copied into one buffer of ``total`` bytes at
                ◀──────── KvChunkAck(i, error) ─── ``offset``, CRC-32 checked; a piece held already is
     (≤ WINDOW in flight; one unanswered is sent      answered again (a resend), never stored twice
-     again, up to ``TRIES``; an error fails
-     the hand-off: today's 500)
+     again, up to ``TRIES``; ``full``: again after
+     a backoff, up to ``FULL_TRIES``; any other
+     error fails the hand-off: the request's 500)
     DecodeWork(kv_transfer, kv_chunks, kv_bytes) ─work.<d>.decode (JetStream)─▶ take(...): the buffer, once
+    or, given up: KvCancel ─────work.<d>.kvcancel──▶ cancel(...): freed at once
 
 Checks: every piece is checked against its transfer (same rid, count and total; ``offset`` = ``index`` × the
 first piece's size, the last piece ending at ``total``) and its CRC-32; ``take`` checks the work's rid, piece
-count and bytes against the pieces, and that every one came. Bounds: the bytes of every transfer held
-(``max_bytes``; a piece of a new transfer past it is refused) and the time one is kept without a new piece or its
-``DecodeWork`` (``idle_s``: :meth:`KvAssembler.expire`, then counted, and a late piece or work of it refused,
-naming why). Memory: the decode node holds the K/V once (the buffer, handed to the engine as it is: no second
-copy); the prefill node holds its bytes and the pieces in flight (``WINDOW`` × ≤ 8 MiB, each encoded once).
+count and bytes against the pieces, and that every one came. Bounds (:class:`KvAssembler`): the bytes stored
+for every transfer held (``max_bytes``, counted as pieces land, not as announced), the time an incomplete one is
+kept without a new piece (``piece_idle_s``) and a complete one without its ``DecodeWork`` (``idle_s``); then
+:meth:`KvAssembler.expire` drops it, counted, and a late piece or work of it is refused naming why. A sender that
+gives up says so (``KvCancel``: :meth:`KvAssembler.cancel`), and the shell drops a rid's K/V at its abort and what a
+node that now serves prefill cannot hand back. Memory: the decode node holds the K/V once (the buffer, handed to the
+engine as it is: no second copy); the prefill node holds its bytes and the pieces in flight (``WINDOW`` × ≤ 8 MiB,
+each encoded once).
 
 Why not Mooncake (``--kv-pool real``, the real-bytes L2 path): it is an optional extra (``scripts/install-mooncake.sh``)
 with its own ports and a registered buffer of fixed-size slots, off by default; every PD cluster of the torch engine
@@ -65,6 +70,20 @@ SERVE_PENDING_BYTES = 1024 * 1024 * 1024
 bound): ``WINDOW`` × 8 MiB from each of 32 prefill nodes at once."""
 TRIES = 3
 """Sends of one piece without an answer before the hand-off fails (a NATS reconnect loses a request in flight)."""
+FULL_TRIES = 6
+"""Sends of one piece the decode node refuses ``full`` (``KvChunkAck.full``: its hand-off buffer has no room now)
+before the hand-off fails, saying so; between them the sender waits :func:`full_backoff_s` (0.1, 0.2, 0.4, 0.8,
+1 s: 2.5 s in all), time for transfers held there to be taken by their work or cancelled."""
+FULL_BACKOFF_S = 0.1
+FULL_BACKOFF_MAX_S = 1.0
+FULL_PREFIX = "hand-off buffer full"
+"""How :meth:`KvAssembler.add`'s refusal for want of room starts (the shell answers it ``full``: transient)."""
+OPEN_MAX = 1024
+"""Transfers the decode node receives at once: past it, a piece of a new one is refused ``full``. Stored bytes bound
+the memory; this bounds the address space that announced totals reserve (one anonymous mapping each) and the
+bookkeeping, so that pieces announcing huge K/Vs cannot exhaust either."""
+CANCEL_TIMEOUT_S = 1.0
+"""The most a sender waits to hand its ``KvCancel`` to the bus (core NATS: it waits for no answer)."""
 ENDED_KEPT = 4096
 """Transfers the decode node remembers after they ended (taken, dropped): a late piece or ``DecodeWork`` of one is
 answered with what became of it instead of starting a new one."""
@@ -81,6 +100,12 @@ class KvMissing(Exception):
     def __init__(self, reason: str, *, duplicate: bool = False) -> None:
         super().__init__(reason)
         self.duplicate = duplicate
+
+
+def full_backoff_s(tries: int) -> float:
+    """Seconds to wait before sending again a piece refused ``full`` ``tries`` (>= 1) times: doubling from
+    :data:`FULL_BACKOFF_S`, at most :data:`FULL_BACKOFF_MAX_S`."""
+    return min(FULL_BACKOFF_MAX_S, FULL_BACKOFF_S * 2 ** (max(1, tries) - 1))
 
 
 def chunk_bytes(max_payload: int, cap: int = CHUNK_CAP_BYTES) -> int:
@@ -107,10 +132,13 @@ def pieces(total: int, size: int) -> int:
     return max(1, -(-total // size))
 
 
-def split(kv: bytes | bytearray | memoryview, *, transfer: str, rid: str, size: int) -> Iterator[m.KvChunk]:
+def split(
+    kv: bytes | bytearray | memoryview, *, transfer: str, rid: str, size: int, attempt: int = 0, router: str = ""
+) -> Iterator[m.KvChunk]:
     """The pieces of ``kv`` (``size`` bytes each, the last one the rest), built one at a time as the sender
     takes them: each one's ``data`` is a view of ``kv`` (no copy; the bus encodes it once) and its CRC-32 is
-    computed then (~6 GB/s, zlib). ``kv`` must stay unchanged until the last piece is sent.
+    computed then (~6 GB/s, zlib). ``kv`` must stay unchanged until the last piece is sent. ``attempt`` and
+    ``router``: the hand-off's ``DecodeWork``'s (an abort of them frees the K/V on the decode node).
 
     Raises:
         ValueError: ``kv`` is empty or ``size`` < 1.
@@ -125,7 +153,7 @@ def split(kv: bytes | bytearray | memoryview, *, transfer: str, rid: str, size: 
     for i in range(count):
         data = view[i * size : min(total, (i + 1) * size)]
         yield m.KvChunk(transfer=transfer, rid=rid, index=i, count=count, offset=i * size, total=total,
-                        crc32=zlib.crc32(data), data=data)  # type: ignore[arg-type]  # fmt: skip
+                        crc32=zlib.crc32(data), data=data, attempt=attempt, router=router)  # type: ignore[arg-type]  # fmt: skip
 
 
 @dataclass(slots=True, eq=False)
@@ -149,9 +177,16 @@ class Assembly:
     """Instance that sent the first piece (``Msg.src``: ``worker-<prefill node>``), for the log."""
     started: float
     last: float
-    """``now`` of the last piece stored or sent again (monotonic s): :meth:`KvAssembler.expire` counts from it."""
+    """``now`` of the last piece stored, sent again or refused ``full`` (monotonic s: its sender is alive):
+    :meth:`KvAssembler.expire` counts from it."""
+    attempt: int = 0
+    """The hand-off's attempt (``KvChunk.attempt``, the first piece's)."""
+    router: str = ""
+    """The hand-off's owning router (``KvChunk.router``, the first piece's; "" = ``router``)."""
     got: int = 0
     """Pieces stored."""
+    stored: int = 0
+    """Bytes stored (what this transfer counts in :attr:`KvAssembler.held_bytes`)."""
     dup: int = field(default=0)
     """Pieces sent again (answered, not stored)."""
 
@@ -164,39 +199,64 @@ class KvAssembler:
     """The decode node's hand-off K/V being received (sans-IO; the shell answers each piece with :meth:`add`'s
     words and hands a ``DecodeWork`` its K/V with :meth:`take`).
 
+    The buffer counts the bytes stored, as they land, not the total a transfer's first piece announces. Before,
+    a transfer reserved its announced total from its first piece on: one 1-KiB piece announcing 8 GiB (a forged
+    piece, a prefill node that died after it) filled ``--handoff-buffer-bytes`` for ``--handoff-kv-timeout-s``
+    (60 s), and every real hand-off meanwhile was refused "full" (its client's 500). A transfer agent that receives
+    pushed bytes cannot trust an announcement: NIXL and Mooncake let the receiver reserve what it will receive (the
+    decode side allocates the request's KV blocks from its own scheduler before the prefill side writes them, and an
+    unread reservation is freed after a timeout); here the sender names the size, so what it costs is what it has
+    delivered, and the rest is bounded apart:
+
+    * a new transfer is admitted only when its announced total fits beside the bytes stored now (a total past
+      ``max_bytes`` is refused at once, ``refused.too_large``: it could never fit, so the sender does not retry it),
+      and at most :data:`OPEN_MAX` are open (the address space their mappings reserve);
+    * a piece that would take the bytes stored past ``max_bytes`` (several transfers admitted at once, each fitting
+      alone) is refused ``full`` (``refused.full``), its transfer kept: a transient state, so the sender sends it again
+      after a backoff (:data:`FULL_TRIES`), while transfers held are taken by their work, cancelled, or expire;
+    * an incomplete transfer without a new piece for ``piece_idle_s`` is dropped (a live sender's next piece, or the
+      same one sent again, comes within its ``--handoff-chunk-timeout-s``, 5 s), a complete one without its
+      ``DecodeWork`` for ``idle_s`` (the work waits its turn in the decode node's JetStream consumer);
+    * a sender that gives up says so (``KvCancel``, :meth:`cancel`), and the shell drops what an abort or a switch to
+      prefill leaves unserved (:meth:`discard`).
+
     Args:
-        max_bytes: bytes every transfer held may take together (a piece of a new transfer past it is refused:
-            ``refused.full``); a transfer takes its ``total`` from its first piece on.
-        idle_s: seconds a transfer is kept without a new piece, or, complete, without its ``DecodeWork``
-            (:meth:`expire`).
+        max_bytes: bytes every transfer held may store together (``--handoff-buffer-bytes``).
+        idle_s: seconds a complete transfer is kept without its ``DecodeWork`` (:meth:`expire`).
+        piece_idle_s: seconds an incomplete transfer is kept without a new piece; None: ``idle_s``.
 
     Counters (``counters``): ``chunks`` / ``bytes`` stored, ``duplicate_chunks`` (sent again, not stored),
-    ``refused.<why>`` (``full``, ``mismatch``, ``crc``, ``ended``, ``nomem``: the kernel refused its buffer), ``taken`` / ``taken_bytes`` (handed to a
-    ``DecodeWork``), ``missing`` (a work whose K/V was not all here), ``duplicate_work`` (a work of a transfer taken
-    already), ``expired`` / ``expired_bytes`` (dropped by :meth:`expire`), ``discarded`` (dropped by
-    :meth:`discard`: its work was not served here).
+    ``refused.<why>`` (``full``, ``too_large``, ``mismatch``, ``crc``, ``ended``, ``nomem``: the kernel refused its
+    buffer), ``taken`` / ``taken_bytes`` (handed to a ``DecodeWork``), ``missing`` (a work whose K/V was not all
+    here), ``duplicate_work`` (a work of a transfer taken already), ``expired`` / ``expired_bytes`` (dropped by
+    :meth:`expire`), ``discarded`` (dropped by :meth:`discard`: its work is not served here), ``cancelled`` /
+    ``cancelled_bytes`` (dropped by :meth:`cancel`: its sender gave it up).
 
     Raises:
-        ValueError: ``max_bytes`` < 1 or ``idle_s`` <= 0.
+        ValueError: ``max_bytes`` < 1, or ``idle_s`` or ``piece_idle_s`` <= 0.
     """
 
-    def __init__(self, max_bytes: int, idle_s: float) -> None:
-        if max_bytes < 1 or not idle_s > 0:
-            raise ValueError(f"K/V assembler: max_bytes {max_bytes} must be >= 1 and idle_s {idle_s} > 0")
+    def __init__(self, max_bytes: int, idle_s: float, piece_idle_s: float | None = None) -> None:
+        piece_idle_s = idle_s if piece_idle_s is None else piece_idle_s
+        if max_bytes < 1 or not idle_s > 0 or not piece_idle_s > 0:
+            raise ValueError(f"K/V assembler: max_bytes {max_bytes} must be >= 1, idle_s {idle_s} and piece_idle_s "
+                             f"{piece_idle_s} > 0")  # fmt: skip
         self.max_bytes = max_bytes
         self.idle_s = idle_s
+        self.piece_idle_s = piece_idle_s
         self.open: dict[str, Assembly] = {}
         """Transfers being received or waiting for their ``DecodeWork``, by id."""
         self.held_bytes = 0
-        """Sum of ``total`` over :attr:`open`."""
+        """Bytes stored over :attr:`open` (``Assembly.stored``): what their buffers take."""
         self.ended: OrderedDict[str, str] = OrderedDict()
         """Transfer id → what became of it (the newest :data:`ENDED_KEPT`)."""
         self.counters: Counter[str] = Counter()
 
     def add(self, c: m.KvChunk, now: float) -> str:
         """Store piece ``c`` (received at ``now``, monotonic s). Returns "" (stored, or held already: a piece sent
-        again, counted ``duplicate_chunks``) or why it is refused (counted ``refused.<why>``; the transfer is
-        dropped then, but for ``full``, which never started it): its sender fails the hand-off with these words."""
+        again, counted ``duplicate_chunks``) or why it is refused (counted ``refused.<why>``): one starting with
+        :data:`FULL_PREFIX` (``full``: no room now) leaves its transfer as it was (the sender sends it again after a
+        backoff); any other drops the transfer (its sender fails the hand-off with these words)."""
         a = self.open.get(c.transfer)
         if a is None:
             gone = self.ended.get(c.transfer)
@@ -207,19 +267,21 @@ class KvAssembler:
             if why:
                 self.counters["refused.mismatch"] += 1
                 return why
-            if self.held_bytes + c.total > self.max_bytes:
+            if c.total > self.max_bytes:
+                self.counters["refused.too_large"] += 1
+                return (f"a K/V of {c.total} B can never fit this node's {self.max_bytes} B hand-off buffer "
+                        f"(--handoff-buffer-bytes)")  # fmt: skip
+            if self.held_bytes + c.total > self.max_bytes or len(self.open) >= OPEN_MAX:
                 self.counters["refused.full"] += 1
-                return (f"hand-off buffer full: {self.held_bytes} B held for {len(self.open)} transfers, {c.total} B more "
-                        f"would pass its {self.max_bytes} B (--handoff-buffer-bytes)")  # fmt: skip
+                return self._full(c.total, "a new transfer of")
             size = len(c.data) if c.index < c.count - 1 else (c.offset // c.index if c.index else c.total)
             try:
                 buf = mmap.mmap(-1, c.total)
             except (OSError, OverflowError) as e:  # the kernel refuses the mapping (ENOMEM): an answer, not a lost request
                 self.counters["refused.nomem"] += 1
                 return f"cannot allocate {c.total} B for transfer {c.transfer} of {c.rid}: {e}"
-            a = Assembly(c.transfer, c.rid, c.count, c.total, size, buf, bytearray(c.count), c.src, now, now)
+            a = Assembly(c.transfer, c.rid, c.count, c.total, size, buf, bytearray(c.count), c.src, now, now, c.attempt, c.router)
             self.open[c.transfer] = a
-            self.held_bytes += c.total
         why = _fits(a, c)
         if why:
             self.counters["refused.mismatch"] += 1
@@ -234,9 +296,15 @@ class KvAssembler:
             self.counters["refused.crc"] += 1
             self._end(a, f"piece {c.index} failed its CRC-32 check")
             return f"piece {c.index} of transfer {c.transfer} ({len(c.data)} B) failed its CRC-32 check"
+        if self.held_bytes + len(c.data) > self.max_bytes:  # admitted beside others that filled the buffer since
+            a.last = now  # its sender is alive: it sends this piece again after a backoff
+            self.counters["refused.full"] += 1
+            return self._full(len(c.data), f"piece {c.index} of")
         a.buf[c.offset : c.offset + len(c.data)] = c.data
         a.have[c.index] = 1
         a.got += 1
+        a.stored += len(c.data)
+        self.held_bytes += len(c.data)
         a.last = now
         self.counters["chunks"] += 1
         self.counters["bytes"] += len(c.data)
@@ -276,33 +344,65 @@ class KvAssembler:
         self.counters["taken_bytes"] += a.total
         return memoryview(a.buf)
 
-    def discard(self, transfer: str) -> bool:
-        """Drop ``transfer`` (its work will not be served here: an older attempt, a duplicate rid); True if held."""
+    def discard(self, transfer: str, why: str = "its work was not served here") -> bool:
+        """Drop ``transfer``: its work will not be served here (an older attempt, a duplicate rid, an abort of its
+        rid, a node that serves prefill now and cannot hand it back: ``why``, which a late piece or work of it is
+        told). True if it was held."""
         a = self.open.get(transfer)
         if a is None:
             return False
         self.counters["discarded"] += 1
-        self._end(a, "discarded: its work was not served here")
+        self._end(a, f"discarded: {why}")
         return True
 
+    def refuse(self, transfer: str, why: str) -> None:
+        """Remember that the shell refused ``transfer``'s pieces before they reached :meth:`add` (``why``: a node that
+        serves prefill now): its work, when it comes, is told why (not "no piece of it came"). Counted by the shell."""
+        if transfer not in self.open:
+            self.ended[transfer] = f"refused: {why}"
+            while len(self.ended) > ENDED_KEPT:
+                self.ended.popitem(last=False)
+
+    def cancel(self, transfer: str, rid: str, why: str) -> Assembly | None:
+        """Drop ``transfer`` of ``rid``: its sender gave the hand-off up (``KvCancel``: ``why``); returns it if it
+        was held (a cancel of a transfer ended already, or naming another rid, changes nothing)."""
+        a = self.open.get(transfer)
+        if a is None or a.rid != rid:
+            return None
+        self.counters["cancelled"] += 1
+        self.counters["cancelled_bytes"] += a.stored
+        self._end(a, f"cancelled by its sender: {why}" if why else "cancelled by its sender")
+        return a
+
     def expire(self, now: float) -> list[Assembly]:
-        """Drop every transfer without a new piece (or, complete, without its work) for ``idle_s`` at ``now``
-        (monotonic s); returns them (the shell logs each). A late piece or work of one is refused naming this."""
-        out = [a for a in self.open.values() if now - a.last >= self.idle_s]
+        """Drop every incomplete transfer without a new piece for ``piece_idle_s``, and every complete one without its
+        work for ``idle_s``, at ``now`` (monotonic s); returns them (the shell logs each). A late piece or work of one
+        is refused naming this."""
+        out = [a for a in self.open.values() if now >= a.last + self._idle(a)]  # next_deadline's sum: no rounding gap
         for a in out:
             self.counters["expired"] += 1
-            self.counters["expired_bytes"] += a.total
-            state = "complete, its work did not come" if a.complete else f"{a.got} of {a.count} pieces came"
-            self._end(a, f"dropped after {self.idle_s:g} s without a piece or its work ({state})")
+            self.counters["expired_bytes"] += a.stored
+            if a.complete:
+                self._end(a, f"dropped after {self.idle_s:g} s complete without its work")
+            else:
+                self._end(a, f"dropped after {self.piece_idle_s:g} s without a piece ({a.got} of {a.count} pieces came)")
         return out
 
     def next_deadline(self) -> float | None:
         """When :meth:`expire` next drops a transfer (monotonic s), or None when none is held."""
-        return min(a.last for a in self.open.values()) + self.idle_s if self.open else None
+        return min(a.last + self._idle(a) for a in self.open.values()) if self.open else None
+
+    def _idle(self, a: Assembly) -> float:
+        return self.idle_s if a.complete else self.piece_idle_s
+
+    def _full(self, nbytes: int, what: str) -> str:
+        return (f"{FULL_PREFIX}: {self.held_bytes} B stored for {len(self.open)} transfers, {what} {nbytes} B would "
+                f"pass its {self.max_bytes} B (--handoff-buffer-bytes)"
+                + (f" or its {OPEN_MAX} transfers at once" if len(self.open) >= OPEN_MAX else ""))  # fmt: skip
 
     def _end(self, a: Assembly, what: str) -> None:
         del self.open[a.transfer]
-        self.held_bytes -= a.total
+        self.held_bytes -= a.stored
         self.ended[a.transfer] = what
         while len(self.ended) > ENDED_KEPT:
             self.ended.popitem(last=False)

@@ -47,11 +47,14 @@ name                                       type     meaning
 ``ei_node_handoff_received_bytes_total{node}`` counter bytes of K/V those brought
 ``ei_node_handoff_received_chunks_total{node}`` counter pieces that K/V came in
 ``ei_node_handoff_kv_dropped_total{node,reason}`` counter hand-off K/V the decode node let go unused: ``expired`` (no
-                                                    piece or work for ``--handoff-kv-timeout-s``), ``refused`` (a piece
-                                                    refused: buffer full, a bad piece, a CRC-32 mismatch, stopping),
-                                                    ``lost`` (a work whose K/V was not all here: the request failed),
-                                                    ``discarded`` (its work was not served here: an old attempt)
-``ei_node_handoff_kv_held_bytes{node}``    gauge    bytes of hand-off K/V held for transfers not yet taken by their work
+                                                    piece for ``--handoff-piece-idle-s``, or, complete, no work for
+                                                    ``--handoff-kv-timeout-s``), ``refused`` (a piece refused: buffer
+                                                    full (sent again), too large, a bad piece, a CRC-32 mismatch,
+                                                    stopping, serving prefill), ``lost`` (a work whose K/V was not all
+                                                    here: the request failed), ``discarded`` (its work is not served
+                                                    here: an old attempt, its rid aborted, a switch to prefill),
+                                                    ``cancelled`` (its prefill node gave the hand-off up)
+``ei_node_handoff_kv_held_bytes{node}``    gauge    bytes of hand-off K/V stored for transfers not yet taken by their work
 =========================================  =======  ===============================================================
 
 ``ei_node_requests_dropped_owner_gone_total{node,reason}`` (counter): requests the owner check dropped because their
@@ -82,7 +85,7 @@ if TYPE_CHECKING:
 
 PHASES = ("prefill", "decode", "both")
 
-HANDOFF_KV_DROPS = ("expired", "refused", "lost", "discarded")
+HANDOFF_KV_DROPS = ("expired", "refused", "lost", "discarded", "cancelled")
 """``reason`` label values of ``ei_node_handoff_kv_dropped_total`` (each exported from 0)."""
 
 OWNER_DROP_REASONS = ("router_gone", "not_in_flight")
@@ -168,15 +171,17 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
         ("ei_node_handoff_received_chunks", "Pieces the taken hand-offs' K/V came in", c["handoff.received_chunks"]),
     ):
         yield counter_family(name, doc, {(n,): float(v)}, ["node"])
-    refused = sum(v for k, v in kc.items() if k.startswith("refused.")) + c["handoff.kv.refused.stopping"]
-    drops = {"expired": kc["expired"], "refused": refused, "lost": kc["missing"], "discarded": kc["discarded"]}
+    refused = sum(v for k, v in kc.items() if k.startswith("refused.")) + c["handoff.kv.refused.stopping"] + c["handoff.kv.refused.prefill"]
+    drops = {"expired": kc["expired"], "refused": refused, "lost": kc["missing"], "discarded": kc["discarded"], "cancelled": kc["cancelled"]}
     yield counter_family(
         "ei_node_handoff_kv_dropped",
-        "Hand-off K/V this decode node let go unused: expired (no piece or work for --handoff-kv-timeout-s), refused (a "
-        "piece refused: buffer full, a bad piece, a CRC-32 mismatch, stopping), lost (a work whose K/V was not all here: "
-        "the request failed), discarded (its work was not served here)",
+        "Hand-off K/V this decode node let go unused: expired (no piece for --handoff-piece-idle-s, or complete, no work "
+        "for --handoff-kv-timeout-s), refused (a piece refused: buffer full (sent again), too large, a bad piece, a CRC-32 "
+        "mismatch, stopping, serving prefill), lost (a work whose K/V was not all here: the request failed), discarded "
+        "(its work is not served here: an old attempt, its rid aborted, a switch to prefill), cancelled (its prefill node "
+        "gave the hand-off up)",
         {(n, k): float(drops[k]) for k in HANDOFF_KV_DROPS}, ["node", "reason"],
     )
-    yield gauge_family("ei_node_handoff_kv_held_bytes", "Bytes of hand-off K/V held for transfers not yet taken by their work",
+    yield gauge_family("ei_node_handoff_kv_held_bytes", "Bytes of hand-off K/V stored for transfers not yet taken by their work",
                        {(n,): float(svc._kv_in.held_bytes)}, ["node"])
     yield gauge_family("ei_node_count_syncing", "1 while the node's counts await a kv.countsync snapshot", {(n,): float(svc.counts.syncing)}, ["node"])

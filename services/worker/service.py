@@ -98,6 +98,7 @@ from shared.subjects import (
     WORK_ABORT,
     WORK_DECODE,
     WORK_KV,
+    WORK_KV_CANCEL,
     WORK_PREFILL,
     WORK_REQUEUE,
     check_token,
@@ -481,7 +482,7 @@ class WorkerService:
         self._deliveries: set[asyncio.Task[None]] = set()
         """A step's hand-offs going out beside the step loop (:meth:`_handoff_aside`), at most
         :data:`HANDOFF_SENDS_MAX`: each rid is in :attr:`_handing_off` too until its DecodeWork is out (or failed)."""
-        self._kv_in = handoffkv.KvAssembler(cfg.handoff_buffer_bytes, cfg.handoff_kv_timeout_s)
+        self._kv_in = handoffkv.KvAssembler(cfg.handoff_buffer_bytes, cfg.handoff_kv_timeout_s, cfg.handoff_piece_idle_s)
         """Hand-off K/V coming in (``work.<node>.kv``), until its ``DecodeWork`` takes it (``handoffkv.py``)."""
         self._kv_timer: asyncio.TimerHandle | None = None
         """Wakes :meth:`_expire_kv` at the assembler's next deadline while it holds a transfer."""
@@ -556,6 +557,7 @@ class WorkerService:
         # pieces of up to 8 MiB, WINDOW of them ahead from each prefill node handing off here at once: nats-py's 64 MiB
         # queue would drop some as a slow consumer (each then sent again after --handoff-chunk-timeout-s)
         await b.serve(WORK_KV, self._on_kv_chunk, node=node, pending_bytes=handoffkv.SERVE_PENDING_BYTES)
+        await b.subscribe(WORK_KV_CANCEL, self._on_kv_cancel, node=node)
         await b.subscribe(WORK_DECODE, self._on_decode, node=node)
         await b.subscribe(WORK_ABORT, self._on_abort, node=node)
         await b.subscribe(SPLIT_COMMANDS, self._on_split)
@@ -872,13 +874,50 @@ class WorkerService:
         if self._stopped:
             self.counters["handoff.kv.refused.stopping"] += 1
             error = f"node {self.node} is shutting down"
+        elif (
+            self.core.phase == "prefill"
+            and c.transfer not in self._kv_in.open
+            and c.total + handoffkv.ENVELOPE_BYTES > self.bus.max_payload
+        ):
+            # its work would go back through the router with the K/V inline (_on_decode), and cannot: refused now,
+            # not held until its work fails
+            self.counters["handoff.kv.refused.prefill"] += 1
+            error = (f"node {self.node} serves prefill now: a hand-off's {c.total} B of K/V cannot go back through the "
+                     f"router in one message (NATS max_payload {self.bus.max_payload} B)")  # fmt: skip
+            self._kv_in.refuse(c.transfer, error)
         else:
             error = self._kv_in.add(c, now)
+        full = error.startswith(handoffkv.FULL_PREFIX)
         if error:
             self._kv_log.event("handoff_kv_refused", "hand-off K/V piece refused", rid=c.rid, transfer=c.transfer, piece=c.index,
-                               pieces=c.count, prefill=c.src, error=error)  # fmt: skip
+                               pieces=c.count, prefill=c.src, error=error, full=full)  # fmt: skip
         self._arm_kv_timer()
-        return m.KvChunkAck(transfer=c.transfer, index=c.index, error=error)
+        return m.KvChunkAck(transfer=c.transfer, index=c.index, error=error, full=full)
+
+    async def _on_kv_cancel(self, msg: m.KvCancel, _subject: str) -> None:
+        """``work.<node>.kvcancel``: the prefill node gave the hand-off of ``msg.transfer`` up (a piece refused or
+        unanswered, its work refused by the bus, it stopped): its K/V is freed now (``handoff.kv.cancelled``), not
+        after ``--handoff-piece-idle-s`` / ``--handoff-kv-timeout-s``; a late piece or work of it is refused naming
+        the cancel. A cancel of a transfer not held (taken, never started here) changes nothing."""
+        if self._superseded(msg.rid):
+            return
+        a = self._kv_in.cancel(msg.transfer, msg.rid, msg.reason)
+        if a is not None:
+            self._kv_log.event("handoff_kv_cancelled", "hand-off K/V freed: its sender gave it up", level="info", rid=a.rid, transfer=a.transfer,
+                               prefill=a.src, pieces_in=a.got, pieces=a.count, kv_bytes=a.stored, reason=msg.reason)  # fmt: skip
+            self._arm_kv_timer()
+
+    def _discard_kv(self, why: str, keep: Callable[[handoffkv.Assembly], bool]) -> int:
+        """Drop every hand-off K/V held whose work will not be served here (``keep`` false: an abort of its rid, a
+        switch to prefill), counted ``handoff.kv.discarded`` and logged; returns how many."""
+        gone = [a for a in self._kv_in.open.values() if not keep(a)]
+        for a in gone:
+            self._kv_in.discard(a.transfer, why)
+            self._kv_log.event("handoff_kv_discarded", "hand-off K/V freed: its work will not be served here", level="info", rid=a.rid,
+                               transfer=a.transfer, prefill=a.src, pieces_in=a.got, pieces=a.count, kv_bytes=a.stored, why=why)  # fmt: skip
+        if gone:
+            self._arm_kv_timer()
+        return len(gone)
 
     def _arm_kv_timer(self) -> None:
         """Wake :meth:`_expire_kv` at the K/V assembler's next deadline (none while it holds no transfer)."""
@@ -1050,6 +1089,12 @@ class WorkerService:
         if held is not None and held.attempt > msg.attempt:
             self.counters["aborts.stale_attempt"] += 1  # aimed at an attempt this node no longer holds
             return
+        if self._kv_in.open:
+            # hand-off K/V of that attempt (or an older one) of that router's request, its work not come yet: the
+            # work will be dropped (_aborted), so the K/V goes now (before, it was held --handoff-kv-timeout-s)
+            self._discard_kv(f"its request was aborted ({msg.reason})" if msg.reason else "its request was aborted",
+                             lambda a: not (a.rid == msg.rid and a.attempt <= msg.attempt
+                                            and (not sender or _Owner(router=a.router).router_id == sender)))  # fmt: skip
         if not await self._drop(msg.rid, msg.reason, attempt=msg.attempt, router=msg.router):
             self.counters["aborts.unknown"] += 1
             # its work may still come (behind a wait for a step, or overtaken on the bus): dropped then
@@ -1379,6 +1424,13 @@ class WorkerService:
         old = self.core.phase
         with self._fatal_on_error("switch: set the phase"):
             self.core.set_phase(sw.target, now)
+        if sw.target == "prefill" and self._kv_in.open:
+            # a decode work that comes now goes back through the router with its K/V inline (_on_decode): K/V that
+            # cannot fit one message would only fail its request when its work comes; freed now, and the work fails
+            # naming why (before, held until --handoff-kv-timeout-s)
+            room = self.bus.max_payload - handoffkv.ENVELOPE_BYTES
+            self._discard_kv(f"node {self.node} switched to prefill and its K/V cannot go back through the router in one "
+                             f"message (NATS max_payload {self.bus.max_payload} B)", lambda a: a.total <= room)  # fmt: skip
         off = self._wall_offset()  # one offset for the switch's local times: they keep their order and lengths
         local, now = now, now + off
         received, since = sw.received_at + off, sw.since + off
@@ -2270,7 +2322,7 @@ class WorkerService:
             # the server's max_payload the hand-off failed (18 MB of an 8-layer model's 1,100-token prompt; 1 MiB, the
             # default, is 8 tokens of Llama-3-8B)
             try:
-                transfer, pieces = await self._send_kv(h.decode_node, work.rid, work.kv)
+                transfer, pieces = await self._send_kv(h.decode_node, work.rid, work.kv, attempt=work.attempt, router=work.router)
             except (handoffkv.KvSendFailed, BusError, ValueError) as e:
                 self.counters["requests.handoff_failed"] += 1
                 reason = f"hand-off to {h.decode_node} failed ({size} B of K/V): {e}"
@@ -2282,6 +2334,8 @@ class WorkerService:
         except Exception as e:  # the bus refused it (NATS gone past its buffer): fail it, never hang
             self.counters["requests.handoff_failed"] += 1
             reason = f"hand-off to {h.decode_node} failed ({size} B of K/V): {e!r}"
+            if work.kv_transfer:  # the decode node holds its K/V: freed now, not after its timeout
+                await self._cancel_kv(h.decode_node, work.kv_transfer, work.rid, f"its work was not sent: {e!r}")
             await self._reject(WorkRejected(h.rid, reason), self.clock.local_now())
             return
         self._owners.pop(h.rid, None)
@@ -2291,14 +2345,17 @@ class WorkerService:
         if self.cfg.log_requests:
             self.log.info("request handed off", rid=h.rid, decode=h.decode_node, kv_bytes=size, kv_chunks=pieces)
 
-    async def _send_kv(self, decode_node: str, rid: str, kv: bytes) -> tuple[str, int]:
-        """Send ``kv``, the hand-off K/V of ``rid``, to ``decode_node`` in pieces (``work.<decode_node>.kv``) of at
-        most ``handoffkv.CHUNK_CAP_BYTES`` under this connection's ``max_payload``, ``handoffkv.WINDOW`` in flight;
-        returns (its transfer id, its piece count) once the decode node has answered every one.
+    async def _send_kv(self, decode_node: str, rid: str, kv: bytes, *, attempt: int = 0, router: str = "") -> tuple[str, int]:
+        """Send ``kv``, the hand-off K/V of ``rid`` (its work's ``attempt`` and ``router``), to ``decode_node`` in pieces
+        (``work.<decode_node>.kv``) of at most ``handoffkv.CHUNK_CAP_BYTES`` under this connection's ``max_payload``,
+        ``handoffkv.WINDOW`` in flight; returns (its transfer id, its piece count) once the decode node has answered
+        every one. A send that fails or is cancelled once a piece went out tells the decode node to free what it
+        holds (``KvCancel``, :meth:`_cancel_kv`): before, it held the partial K/V until its timeout.
 
         Raises:
             handoffkv.KvSendFailed: a piece refused (its answer's ``error``, or the request refused as invalid, or
-                not allowed), or unanswered after ``handoffkv.TRIES`` sends of ``--handoff-chunk-timeout-s`` each.
+                not allowed), or unanswered after ``handoffkv.TRIES`` sends of ``--handoff-chunk-timeout-s`` each, or
+                refused ``full`` ``handoffkv.FULL_TRIES`` times.
             ValueError: the server's ``max_payload`` leaves no room for a piece (``handoffkv.chunk_bytes``).
         """
         size = handoffkv.chunk_bytes(self.bus.max_payload)
@@ -2312,47 +2369,84 @@ class WorkerService:
             if first is not None:
                 raise first
 
+        sent = False
         try:
-            for piece in handoffkv.split(kv, transfer=transfer, rid=rid, size=size):
+            for piece in handoffkv.split(kv, transfer=transfer, rid=rid, size=size, attempt=attempt, router=router):
                 while len(pending) >= handoffkv.WINDOW:
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                     settle(done)
                 pending.add(asyncio.create_task(self._send_piece(decode_node, piece), name=f"worker-{self.node}-kv-{rid}"))
+                sent = True
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 settle(done)
-        finally:
+        except BaseException as e:
             if pending:  # one failed (or this send was cancelled): the rest are not waited for
                 await cancel_until_done(pending)
+            if sent:  # the decode node may hold some of it: freed there now, not after its timeout
+                why = "the prefill node stopped sending it" if isinstance(e, asyncio.CancelledError) else str(e)
+                await self._cancel_kv(decode_node, transfer, rid, why)
+            raise
         return transfer, handoffkv.pieces(len(kv), size)
+
+    async def _cancel_kv(self, decode_node: str, transfer: str, rid: str, why: str) -> None:
+        """Tell ``decode_node`` that ``transfer`` (``rid``'s hand-off K/V) will not be completed (``KvCancel`` on
+        ``work.<decode_node>.kvcancel``): best effort, core NATS, waited for at most ``handoffkv.CANCEL_TIMEOUT_S``
+        (counted ``handoff.cancels_sent``; one the bus refuses, ``handoff.cancels_failed``: the decode node then frees
+        the K/V at its idle timeout, as before). Never raises but a cancellation of the caller."""
+        msg = m.KvCancel(transfer=transfer, rid=rid, reason=why[:500])
+        try:
+            await asyncio.wait_for(self.bus.publish(WORK_KV_CANCEL, msg, node=decode_node), handoffkv.CANCEL_TIMEOUT_S)
+        except Exception as e:  # BusError, TimeoutError: the decode node's timeout frees it
+            self.counters["handoff.cancels_failed"] += 1
+            self.log.info("hand-off cancel not sent", rid=rid, transfer=transfer, decode=decode_node, error=repr(e))
+            return
+        self.counters["handoff.cancels_sent"] += 1
 
     async def _send_piece(self, decode_node: str, piece: m.KvChunk) -> None:
         """One piece of a hand-off's K/V, sent until answered (``handoffkv.TRIES`` sends; counted
-        ``handoff.chunk_retries``).
+        ``handoff.chunk_retries``). One refused ``full`` (``KvChunkAck.full``: the decode node's hand-off buffer has
+        no room now) is sent again after ``handoffkv.full_backoff_s`` (counted ``handoff.chunk_full_retries``), up to
+        ``handoffkv.FULL_TRIES`` sends; before, a full buffer failed the request at once (its client's 500).
 
         Raises:
             handoffkv.KvSendFailed: refused (the answer's ``error``; the request refused as invalid; not allowed),
-                or unanswered.
+                unanswered, or refused ``full`` every time (the message says the buffer was full).
         """
         timeout = self.cfg.handoff_chunk_timeout_s
         last: BusError | None = None
-        for send in range(handoffkv.TRIES):
-            if send:
-                self.counters["handoff.chunk_retries"] += 1
+        unanswered = full = 0
+        waited = 0.0
+        while unanswered < handoffkv.TRIES:
             try:
                 ack = await self.bus.request(WORK_KV, piece, timeout=timeout, node=decode_node)
             except (RequestRefused, PermissionDenied) as e:  # sending it again changes nothing
                 raise handoffkv.KvSendFailed(f"piece {piece.index} of {piece.count}: {e}") from None
             except BusError as e:  # no answer in time, nobody serving (the decode node restarting), a reconnect
                 last = e
-                if isinstance(e, NoResponders):  # answered at once: give a restarting decode node a moment
-                    await asyncio.sleep(min(0.5, timeout))
+                unanswered += 1
+                if unanswered < handoffkv.TRIES:
+                    self.counters["handoff.chunk_retries"] += 1
+                    if isinstance(e, NoResponders):  # answered at once: give a restarting decode node a moment
+                        await asyncio.sleep(min(0.5, timeout))
                 continue
-            if ack.error or ack.transfer != piece.transfer or ack.index != piece.index:
-                raise handoffkv.KvSendFailed(
-                    f"decode node {decode_node} refused piece {piece.index} of {piece.count}: "
-                    + (ack.error or f"its answer names piece {ack.index} of {ack.transfer}")
-                )
+            if ack.transfer != piece.transfer or ack.index != piece.index:
+                raise handoffkv.KvSendFailed(f"decode node {decode_node} refused piece {piece.index} of {piece.count}: "
+                                             f"its answer names piece {ack.index} of {ack.transfer}")  # fmt: skip
+            if ack.error and ack.full:
+                full += 1
+                if full >= handoffkv.FULL_TRIES:
+                    raise handoffkv.KvSendFailed(
+                        f"decode node {decode_node}'s hand-off buffer was full: piece {piece.index} of {piece.count} "
+                        f"refused {full} times over {waited:.1f} s ({ack.error})"
+                    )
+                self.counters["handoff.chunk_full_retries"] += 1
+                pause = handoffkv.full_backoff_s(full)
+                waited += pause
+                await asyncio.sleep(pause)
+                continue
+            if ack.error:
+                raise handoffkv.KvSendFailed(f"decode node {decode_node} refused piece {piece.index} of {piece.count}: {ack.error}")
             return
         raise handoffkv.KvSendFailed(f"piece {piece.index} of {piece.count} unanswered by {decode_node} after "
                                      f"{handoffkv.TRIES} sends of {timeout:g} s: {last}")  # fmt: skip

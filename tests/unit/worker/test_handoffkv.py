@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import zlib
 
 import msgspec
@@ -101,7 +102,7 @@ def test_a_missing_piece_fails_the_take_or_the_transfer_expires_and_late_pieces_
     c3 = _pieces(kv, 2000, transfer="t3")
     assert all(a.add(c, 20.0) == "" for c in c3)
     assert [x.transfer for x in a.expire(30.0)] == ["t3"]
-    assert a.counters["expired"] == 2 and a.counters["expired_bytes"] == 10_000
+    assert a.counters["expired"] == 2 and a.counters["expired_bytes"] == 4000 + 5000  # what they stored
     # never heard of (the decode node restarted meanwhile)
     with pytest.raises(hk.KvMissing, match="no piece of it came"):
         a.take("t9", "r1", 1, 10)
@@ -146,20 +147,79 @@ def test_bad_pieces_are_refused_and_end_their_transfer():
     assert not a.open
 
 
-def test_the_buffer_bound_refuses_a_new_transfer_and_holds_only_what_came():
+def test_the_buffer_bound_refuses_a_new_transfer_that_does_not_fit_beside_what_is_stored():
     a = hk.KvAssembler(10_000, 10.0)
     one, two = _pieces(os.urandom(6000), 2048, transfer="t1"), _pieces(os.urandom(6000), 2048, transfer="t2")
-    assert a.add(one[0], 0.0) == ""
-    assert "hand-off buffer full: 6000 B held for 1 transfers" in a.add(two[0], 0.0)
-    assert a.counters["refused.full"] == 1 and list(a.open) == ["t1"]
-    assert a.add(one[1], 0.0) == "" and a.add(one[2], 0.0) == ""  # its own pieces go on
+    assert a.add(one[0], 0.0) == "" and a.add(one[1], 0.0) == ""
+    why = a.add(two[0], 0.0)
+    assert why.startswith(hk.FULL_PREFIX) and "4096 B stored for 1 transfers, a new transfer of 6000 B" in why, why
+    assert a.counters["refused.full"] == 1 and list(a.open) == ["t1"] and a.held_bytes == 4096
+    assert a.add(one[2], 0.0) == ""  # its own pieces go on
     a.take("t1", "r1", 3, 6000)
     assert a.add(two[0], 1.0) == ""  # room again
     # a piece announcing a huge K/V takes no memory beyond what came (anonymous pages, untouched until written)
     big = hk.KvAssembler(1 << 40, 10.0)
     huge = m.KvChunk(transfer="t3", rid="r1", index=0, count=2**20, offset=0, total=2**30, crc32=zlib.crc32(b"\0" * 1024), data=b"\0" * 1024)
-    assert big.add(huge, 0.0) == "" and big.held_bytes == 2**30
+    assert big.add(huge, 0.0) == "" and big.held_bytes == 1024
     assert len(big.expire(10.0)) == 1 and big.held_bytes == 0
+
+
+def test_a_forged_announcement_costs_what_it_stored_not_what_it_announced():
+    """Before, a transfer reserved its announced total from its first piece: one 1-KiB piece announcing the whole
+    buffer filled it for ``idle_s`` and every real hand-off meanwhile was refused "full" (its client's 500)."""
+    a = hk.KvAssembler(MIB, 60.0, 5.0)
+    forged = m.KvChunk(transfer="f1", rid="rf", index=0, count=MIB // 1024, offset=0, total=MIB, crc32=zlib.crc32(b"\1" * 1024),
+                       data=b"\1" * 1024)  # fmt: skip
+    assert a.add(forged, 0.0) == "" and a.held_bytes == 1024
+    kv = os.urandom(600_000)
+    real = _pieces(kv, 100_000, transfer="t1")
+    assert all(a.add(c, 1.0) == "" for c in real), a.counters
+    assert bytes(a.take("t1", "r1", len(real), len(kv))) == kv and a.held_bytes == 1024
+    # a total past the whole buffer is refused at once, not as "full" (it never fits: the sender does not retry it)
+    over = msgspec.structs.replace(forged, transfer="f2", total=MIB + 1024, count=MIB // 1024 + 1)
+    why = a.add(over, 1.0)
+    assert "can never fit this node's 1048576 B hand-off buffer" in why and not why.startswith(hk.FULL_PREFIX)
+    assert a.counters["refused.too_large"] == 1 and "f2" not in a.open
+    # the forged transfer, no piece after its first: dropped after piece_idle_s (5 s), not idle_s (60 s)
+    assert a.next_deadline() == 5.0 and a.expire(4.9) == []
+    (gone,) = a.expire(5.0)
+    assert gone.transfer == "f1" and a.held_bytes == 0 and a.counters["expired_bytes"] == 1024
+    assert "dropped after 5 s without a piece (1 of 1024 pieces came)" in a.add(msgspec.structs.replace(forged, index=1, offset=1024), 6.0)
+    # a complete transfer waits idle_s for its work
+    done = _pieces(kv, 100_000, transfer="t2")
+    assert all(a.add(c, 10.0) == "" for c in done)
+    assert a.next_deadline() == 70.0 and a.expire(69.0) == [] and [x.transfer for x in a.expire(70.0)] == ["t2"]
+
+
+def test_a_piece_past_the_buffer_is_refused_full_and_its_transfer_kept_until_room_comes():
+    """Two transfers admitted at once, each fitting alone: the piece that would pass the bound is refused ``full``
+    (transient: the transfer stays, its sender sends it again) and stored once the other one's work took its K/V."""
+    a = hk.KvAssembler(10_000, 60.0, 5.0)
+    kv1, kv2 = os.urandom(6000), os.urandom(6000)
+    one, two = _pieces(kv1, 2048, transfer="t1"), _pieces(kv2, 2048, transfer="t2", rid="r2")
+    assert a.add(one[0], 0.0) == "" and a.add(two[0], 0.0) == ""  # 2048 + 6000 fits; 4096 + 6000 would not
+    assert a.add(one[1], 0.0) == "" and a.add(one[2], 0.0) == ""  # 8048 stored
+    why = a.add(two[1], 3.0)
+    assert why.startswith(hk.FULL_PREFIX) and "piece 1 of 2048 B" in why, why
+    assert "t2" in a.open and a.open["t2"].last == 3.0 and a.held_bytes == 8048  # kept: its sender is alive
+    assert a.expire(7.9) == []  # the refused piece counted as a sign of life
+    a.take("t1", "r1", 3, 6000)
+    assert a.add(two[1], 4.0) == "" and a.add(two[2], 4.0) == ""
+    assert bytes(a.take("t2", "r2", 3, 6000)) == kv2 and a.held_bytes == 0
+
+
+def test_a_cancel_frees_its_transfer_at_once():
+    a = hk.KvAssembler(MIB, 60.0, 15.0)
+    pieces = _pieces(os.urandom(5000), 2000)
+    assert a.add(pieces[0], 0.0) == "" and a.held_bytes == 2000
+    assert a.cancel("t1", "r9", "x") is None and "t1" in a.open  # another rid's cancel changes nothing
+    gone = a.cancel("t1", "r1", "piece 1 of 3 unanswered")
+    assert gone is not None and gone.stored == 2000 and a.held_bytes == 0 and not a.open
+    assert (a.counters["cancelled"], a.counters["cancelled_bytes"]) == (1, 2000)
+    assert "cancelled by its sender: piece 1 of 3 unanswered" in a.add(pieces[1], 1.0)
+    with pytest.raises(hk.KvMissing, match="cancelled by its sender"):
+        a.take("t1", "r1", 3, 5000)
+    assert a.cancel("t1", "r1", "again") is None and a.counters["cancelled"] == 1
 
 
 def test_a_buffer_the_kernel_refuses_is_a_refusal_not_an_exception():
@@ -274,7 +334,7 @@ async def test_the_decode_node_takes_a_work_whose_kv_came_and_fails_one_whose_kv
 
     fams = {f.name: f for f in worker_families(d)}
     assert {s.labels["reason"]: s.value for s in fams["ei_node_handoff_kv_dropped"].samples} == {
-        "expired": 1.0, "refused": 0.0, "lost": 2.0, "discarded": 0.0}
+        "expired": 1.0, "refused": 0.0, "lost": 2.0, "discarded": 0.0, "cancelled": 0.0}
     assert fams["ei_node_handoff_received_bytes"].samples[0].value == 50_000
     await d.stop()
 
@@ -296,12 +356,13 @@ async def test_the_prefill_node_sends_the_kv_in_pieces_then_the_work_and_fails_t
     assert (p.counters["requests.handed_off"], p.counters["handoff.sent_bytes"], p.counters["handoff.sent_chunks"]) == (1, 70_000, 6)
     await d._on_decode(sent, "")
     assert "r1" in d.core.requests and d.counters["handoff.received_bytes"] == 70_000
-    # the decode node refuses a piece (its buffer full): the request fails at the prefill node, naming why
+    # the decode node refuses a piece for good (a K/V that can never fit): the request fails at once, naming why
     d._kv_in.max_bytes = 1000
     await p._handoff(HandOff("r2", "d", _work("r2"), 0.0))
     (err,) = _errors(pbus)
-    assert "hand-off to d failed (70000 B of K/V)" in err and "hand-off buffer full" in err
-    assert p.counters["requests.handoff_failed"] == 1 and len(pbus.published) == 2  # no work went out for r2
+    assert "hand-off to d failed (70000 B of K/V)" in err and "can never fit this node's 1000 B hand-off buffer" in err
+    assert p.counters["requests.handoff_failed"] == 1 and p.counters["handoff.chunk_full_retries"] == 0
+    assert [t for t, _, _ in pbus.published].count("work.{node}.decode") == 1  # no work went out for r2
     # an unanswered piece is sent again, then the hand-off fails
     tries = []
 
@@ -339,13 +400,148 @@ async def test_a_decode_node_that_switched_to_prefill_hands_the_kv_back_inline_o
     assert back.decode is not None and back.decode.kv == kv and (back.decode.kv_transfer, back.decode.kv_chunks) == ("", 0)
     assert d.counters["requeue.decode"] == 1 and not _errors(bus) and d._kv_in.held_bytes == 0
     big = os.urandom(30_000)  # with its envelope, past the bus's 20,000-B max_payload
-    for c in _pieces(big, 8192, transfer="p-aa-2", rid="r2"):
-        await d._on_kv_chunk(c, "")
+    for c in _pieces(big, 8192, transfer="p-aa-2", rid="r2"):  # refused at once: never held (before: held, then failed)
+        assert "serves prefill now: a hand-off's 30000 B of K/V cannot go back" in (await d._on_kv_chunk(c, "")).error
+    assert d._kv_in.held_bytes == 0 and not d._kv_in.open and d.counters["handoff.kv.refused.prefill"] == 4
     await d._on_decode(_work("r2", kv_bytes=len(big), kv_transfer="p-aa-2", kv_chunks=4), "")
     assert len(handed) == 1 and d.counters["requeue.decode_refused"] == 1
     (err,) = _errors(bus)
-    assert "serves prefill now and cannot hand the decode back" in err and "30000 B of K/V" in err
+    assert "serves prefill now and cannot hand the decode back" in err and "30000 B of K/V cannot go back" in err
     await d.stop()
+
+
+async def test_a_switch_to_prefill_frees_the_kv_that_cannot_go_back_inline_and_keeps_the_rest():
+    """K/V held for works not come yet when a decode node switches to prefill: what cannot go back through the
+    router in one message would only fail its request when its work comes; freed at the switch (before: held until
+    ``--handoff-kv-timeout-s``), its work failing naming why; the small one still goes back inline."""
+    from services.worker.service import _Switch
+
+    bus = _Bus()
+    d = _worker("d", "decode", bus)
+    handed: list[m.WorkRequeue] = []
+
+    async def router(msg: m.WorkRequeue) -> m.WorkRequeueReply:
+        handed.append(msg)
+        return m.WorkRequeueReply(rid=msg.rid, accepted=True)
+
+    bus.answer = router
+    small, big = os.urandom(8_000), os.urandom(30_000)
+    for c in (*_pieces(small, 4096, transfer="p-aa-1"), *_pieces(big, 8192, transfer="p-aa-2", rid="r2")):
+        assert (await d._on_kv_chunk(c, "")).error == ""
+    assert d._kv_in.held_bytes == 38_000
+    now = d.clock.local_now()
+    await d._serving(_Switch(epoch=1, target="prefill", since=now, received_at=now, decided_at=0.0), now)
+    assert d.core.phase == "prefill" and list(d._kv_in.open) == ["p-aa-1"] and d._kv_in.held_bytes == 8_000
+    assert d._kv_in.counters["discarded"] == 1
+    await d._on_decode(_work("r2", kv_bytes=len(big), kv_transfer="p-aa-2", kv_chunks=4), "")
+    (err,) = _errors(bus)
+    assert "cannot hand the decode back" in err and "discarded: node d switched to prefill" in err, err
+    await d._on_decode(_work(kv_bytes=len(small), kv_transfer="p-aa-1", kv_chunks=2), "")
+    (back,) = handed
+    assert back.decode is not None and back.decode.kv == small and d._kv_in.held_bytes == 0
+    await d.stop()
+
+
+async def test_an_abort_frees_the_kv_of_its_rid_not_a_newer_attempts_nor_another_routers():
+    """An abort of a rid whose K/V came but whose work has not: the work will be dropped (``_aborted``), so the K/V
+    goes now (before: held until ``--handoff-kv-timeout-s``). Not the K/V of a newer attempt (a re-dispatch) nor of
+    another router's request of the same id."""
+    bus = _Bus()
+    d = _worker("d", "decode", bus)
+    kv = os.urandom(20_000)
+    for t, att, router in (("p-aa-1", 3, "router-a"), ("p-aa-2", 4, "router-a"), ("p-aa-3", 1, "router-b")):
+        for c in _pieces(kv, 8192, transfer=t, rid="r1"):
+            assert (await d._on_kv_chunk(msgspec.structs.replace(c, attempt=att, router=router), "")).error == ""
+    other = _pieces(kv, 8192, transfer="p-aa-4", rid="r2")
+    for c in other:
+        assert (await d._on_kv_chunk(c, "")).error == ""
+    await d._on_abort(m.RequestAbort(rid="r1", reason="client went away", attempt=3, router="router-a"), "")
+    assert sorted(d._kv_in.open) == ["p-aa-2", "p-aa-3", "p-aa-4"] and d._kv_in.counters["discarded"] == 1
+    assert "its request was aborted (client went away)" in d._kv_in.ended["p-aa-1"]
+    await d._on_abort(m.RequestAbort(rid="r2", reason="gone"), "")  # an older sender's abort names no router
+    assert sorted(d._kv_in.open) == ["p-aa-2", "p-aa-3"] and d._kv_in.held_bytes == 40_000
+    # its work, when it comes, is dropped as aborted, not failed
+    await d._on_decode(_work("r2", kv_bytes=len(kv), kv_transfer="p-aa-4", kv_chunks=len(other)), "")
+    assert not _errors(bus) and d.counters["requests.aborted_before_arrival"] == 1
+    await d.stop()
+
+
+async def test_the_prefill_node_retries_a_full_buffer_then_fails_saying_so_and_cancels_what_it_gave_up(monkeypatch):
+    """A full hand-off buffer is transient: the piece is sent again after a backoff (``FULL_TRIES``); before, the
+    first "full" failed the request (its client's 500). A hand-off given up (refused, unanswered) tells the decode
+    node (``KvCancel``), which frees what it holds at once; before, the partial K/V stayed until its timeout."""
+    import time
+
+    from services.worker.plan import HandOff
+
+    monkeypatch.setattr(hk, "FULL_BACKOFF_S", 0.001)
+    monkeypatch.setattr(hk, "FULL_BACKOFF_MAX_S", 0.001)
+    pbus, dbus = _Bus(), _Bus()
+    p, d = _worker("p", "prefill", pbus), _worker("d", "decode", dbus)
+    kv = os.urandom(70_000)
+    p.engine.handoff = lambda w: msgspec.structs.replace(w, kv=kv)  # type: ignore[method-assign]
+    d._kv_in.max_bytes = 100_000
+    for c in _pieces(os.urandom(40_000), 16_384, transfer="x-1", rid="rx"):  # 40,000 B stored: 70,000 more do not fit
+        assert d._kv_in.add(c, time.monotonic()) == ""
+    refusals = 0
+
+    async def answer(c: m.KvChunk) -> m.KvChunkAck:
+        nonlocal refusals
+        ack = await d._on_kv_chunk(c, "")
+        assert ack is not None
+        if ack.full:
+            refusals += 1
+            if refusals == 2 and free:  # room comes: the stuffing's work took its K/V
+                d._kv_in.discard("x-1")
+        return ack
+
+    pbus.answer = answer
+    free = True
+    await p._handoff(HandOff("r1", "d", _work(), 0.0))
+    assert not _errors(pbus) and p.counters["requests.handed_off"] == 1 and p.counters["handoff.chunk_full_retries"] == 2
+    (r1,) = d._kv_in.open  # its work (recorded, not delivered here) would take it
+    d._kv_in.discard(r1)
+    # full every time: fails after FULL_TRIES sends, saying the decode node's buffer was full
+    for c in _pieces(os.urandom(40_000), 16_384, transfer="x-2", rid="rx"):
+        assert d._kv_in.add(c, time.monotonic()) == ""
+    free, refusals = False, 0
+    await p._handoff(HandOff("r2", "d", _work("r2"), 0.0))
+    (err,) = _errors(pbus)
+    assert re.search(f"decode node d's hand-off buffer was full: piece [0-3] of 6 refused {hk.FULL_TRIES} times", err), err
+    assert refusals >= hk.FULL_TRIES and p.counters["requests.handoff_failed"] == 1
+    # a hand-off given up mid-way: the decode node stored two pieces, the third goes unanswered
+    d._kv_in.discard("x-2")
+    seen = 0
+
+    async def then_silent(c: m.KvChunk) -> m.KvChunkAck:
+        nonlocal seen
+        from shared.bus import NoReply
+
+        seen += 1
+        if c.index >= 2:
+            raise NoReply("no reply on work.d.kv: TimeoutError")
+        ack = await d._on_kv_chunk(c, "")
+        assert ack is not None
+        return ack
+
+    pbus.answer = then_silent
+    p.cfg = msgspec.structs.replace(p.cfg, handoff_chunk_timeout_s=0.01)
+    await p._handoff(HandOff("r3", "d", _work("r3"), 0.0))
+    assert "unanswered by d after 3 sends" in _errors(pbus)[-1]
+    (transfer,) = [x.transfer for x in d._kv_in.open.values() if x.rid == "r3"]
+    size = hk.chunk_bytes(pbus.max_payload)
+    assert d._kv_in.open[transfer].got == 2 and d._kv_in.held_bytes == 2 * size  # as it was before the cancel
+    cancels = [msg for t, msg, kw in pbus.published if t == "work.{node}.kvcancel" and kw["node"] == "d"]
+    assert [c.transfer for c in cancels][-1] == transfer and "unanswered" in cancels[-1].reason
+    for c in cancels:  # as the decode node receives them
+        await d._on_kv_cancel(c, "")
+    assert not d._kv_in.open and d._kv_in.held_bytes == 0 and d._kv_in.counters["cancelled"] == 1
+    assert p.counters["handoff.cancels_sent"] == len(cancels)
+    from services.worker.prom import worker_families
+
+    fams = {f.name: f for f in worker_families(d)}
+    assert {s.labels["reason"]: s.value for s in fams["ei_node_handoff_kv_dropped"].samples}["cancelled"] == 1.0
+    await asyncio.gather(p.stop(), d.stop())
 
 
 async def test_the_kv_of_an_older_attempts_work_is_discarded_at_once():
