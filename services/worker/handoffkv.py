@@ -95,11 +95,14 @@ class KvSendFailed(Exception):
 
 
 class KvMissing(Exception):
-    """The K/V a ``DecodeWork`` names is not (all) here; ``duplicate``: it was taken already (the work came twice)."""
+    """The K/V a ``DecodeWork`` names is not (all) here; ``duplicate``: it was taken already (the work came twice);
+    ``unknown``: no piece of it ever came to this assembler (a decode node restarted after the pieces were answered,
+    or a work naming a transfer never sent)."""
 
-    def __init__(self, reason: str, *, duplicate: bool = False) -> None:
+    def __init__(self, reason: str, *, duplicate: bool = False, unknown: bool = False) -> None:
         super().__init__(reason)
         self.duplicate = duplicate
+        self.unknown = unknown
 
 
 def full_backoff_s(tries: int) -> float:
@@ -327,7 +330,7 @@ class KvAssembler:
                 self.counters["duplicate_work"] += 1
                 raise KvMissing(f"transfer {transfer} was taken already (its work came twice)", duplicate=True)
             self.counters["missing"] += 1
-            raise KvMissing(f"transfer {transfer} is not here ({gone if gone is not None else 'no piece of it came'})")
+            raise KvMissing(f"transfer {transfer} is not here ({gone if gone is not None else 'no piece of it came'})", unknown=gone is None)
         if (a.rid, a.count, a.total) != (rid, count, total):
             self.counters["missing"] += 1
             why = (f"transfer {transfer} carries {a.count} pieces, {a.total} B of {a.rid}; its work names {count} "

@@ -489,6 +489,8 @@ class WorkerService:
         self._kv_log = RateLimitedLog(self.log, first=5, interval_s=10.0)
         """Bounds the warnings of refused and dropped hand-off K/V (a flood of bad pieces writes a few lines)."""
         self._transfer_tag = f"{cfg.node[:64]}-{os.urandom(6).hex()}"
+        self._started_mono = time.monotonic()
+        """When this process's service was made (monotonic s): a work whose K/V it never saw names it."""
         """Prefix of this process's transfer ids (``KvChunk.transfer``: ``<tag>-<n>``), new at each start."""
         self._transfers = 0
         self._kv_due = 0.0
@@ -811,6 +813,9 @@ class WorkerService:
                     self.log.info("hand-off work came again: dropped", rid=work.rid, transfer=work.kv_transfer)
                     return
                 kv_lost = f"its K/V ({work.kv_bytes} B in {work.kv_chunks} pieces from {work.prefill_node or 'its prefill node'}) is not all here: {e}"
+                if e.unknown:  # every piece was answered (the work follows the last answer), by an earlier process?
+                    kv_lost += (f"; this process of node {self.node} started {time.monotonic() - self._started_mono:.1f} s ago: a "
+                                f"decode node restarted after its pieces were answered loses them (the request must be sent again)")  # fmt: skip
             else:
                 work = msgspec.structs.replace(work, kv=kv, kv_transfer="", kv_chunks=0)
         if self.accepting and self.core.phase == "prefill" and work.rid not in self.core.requests:

@@ -104,8 +104,9 @@ def test_a_missing_piece_fails_the_take_or_the_transfer_expires_and_late_pieces_
     assert [x.transfer for x in a.expire(30.0)] == ["t3"]
     assert a.counters["expired"] == 2 and a.counters["expired_bytes"] == 4000 + 5000  # what they stored
     # never heard of (the decode node restarted meanwhile)
-    with pytest.raises(hk.KvMissing, match="no piece of it came"):
+    with pytest.raises(hk.KvMissing, match="no piece of it came") as e:
         a.take("t9", "r1", 1, 10)
+    assert e.value.unknown and not e.value.duplicate
 
 
 def test_bad_pieces_are_refused_and_end_their_transfer():
@@ -330,11 +331,16 @@ async def test_the_decode_node_takes_a_work_whose_kv_came_and_fails_one_whose_kv
     assert d._kv_in.held_bytes == 0 and d.stats()[0]["handoff.kv.expired"] == 1
     await d._on_decode(_work("r3", kv_bytes=len(kv), kv_transfer="p-aa-3", kv_chunks=4), "")
     assert "dropped after 60 s" in _errors(bus)[-1]
+    # a work whose pieces went to an earlier process of this node (restarted after their answers): the error says so
+    await d._on_decode(_work("r4", kv_bytes=len(kv), kv_transfer="p-aa-9", kv_chunks=4), "")
+    err = _errors(bus)[-1]
+    assert "transfer p-aa-9 is not here (no piece of it came)" in err and "this process of node d started" in err, err
+    assert "a decode node restarted after its pieces were answered loses them" in err
     from services.worker.prom import worker_families
 
     fams = {f.name: f for f in worker_families(d)}
     assert {s.labels["reason"]: s.value for s in fams["ei_node_handoff_kv_dropped"].samples} == {
-        "expired": 1.0, "refused": 0.0, "lost": 2.0, "discarded": 0.0, "cancelled": 0.0}
+        "expired": 1.0, "refused": 0.0, "lost": 3.0, "discarded": 0.0, "cancelled": 0.0}
     assert fams["ei_node_handoff_received_bytes"].samples[0].value == 50_000
     await d.stop()
 
