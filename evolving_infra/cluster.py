@@ -672,7 +672,8 @@ class LocalCluster:
         kids = [
             _Child(
                 "kvdirectory",
-                py + ["services.kvdirectory"] + self._common("kvdirectory") + service_flags(s, "kvdirectory") + ["--nodes", ",".join(nodes)],
+                py + ["services.kvdirectory"] + self._common("kvdirectory") + service_flags(s, "kvdirectory")
+                + ["--nodes", ",".join(nodes), "--routers", ",".join(s.router_names())],  # waited for after its branch.sync
                 self.log_dir / "kvdirectory.log",
             ),
             _Child("planner", py + ["services.planner"] + self._common("planner") + service_flags(s, "planner"), self.log_dir / "planner.log"),

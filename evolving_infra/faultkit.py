@@ -142,7 +142,8 @@ class FaultCluster:
             extra = [a for prefix, flags in s.extra.items() if name.startswith(prefix) for a in flags]
             self.procs[name] = _Proc(name, py + [module] + self._common(name) + args + extra, self.workdir / f"{name}.log")
 
-        add("kvdirectory", "services.kvdirectory", ["--block-size", str(s.block_size)])
+        # --routers: after a start (a restart among the faults) it waits for each router's republish, not a quiet period
+        add("kvdirectory", "services.kvdirectory", ["--block-size", str(s.block_size), "--routers", ",".join(self.router_names())])
         add("planner", "services.planner", ["--nodes", ",".join(nodes), "--split", s.split, "--silent-after-s", repr(s.fence_after_s)])
         for node, phase in zip(nodes, phases):
             add(f"worker-{node}", "services.worker", ["--node", node, "--profile", s.profile, "--phase", phase,

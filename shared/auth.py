@@ -12,8 +12,8 @@ identity          may publish (relative to ``ei.<partition>.``)
                   ``req.*.out.<its name>`` (the end of a request that ended parked);
                   requests ``kv.lookup``, ``split.get``, ``route.held.*`` (does the router that placed an
                   ``X-Request-ID`` sent here still have it?), ``branch.query`` (the state of a branch it never saw)
-``kvdirectory``   ``kv.counts.*``, ``kv.liveness``, ``branch.sync``; requests ``kv.resync.*`` (reads ``node.state.*``;
-                  answers ``kv.lookup``, ``branch.query``, ``kv.countsync.*``)
+``kvdirectory``   ``kv.counts.*``, ``kv.liveness``, ``branch.sync``; requests ``kv.resync.*`` (reads ``node.state.*``,
+                  ``svc.heartbeat.router``; answers ``kv.lookup``, ``branch.query``, ``kv.countsync.*``)
 ``worker-<n>``    ``kv.events.<n>``, ``node.state.<n>``, ``node.iters.<n>`` (its own node only),
                   ``split.applied``, ``req.*.out.<n>`` (output of its own node only), ``work.*.decode``
                   (hand-off to a decode node), ``work.*.kvcancel`` (a hand-off's K/V given up);
@@ -211,7 +211,8 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
                "branch.events", f"route.bind.{ident.name}", f"work.requeue.{ident.name}", f"route.held.{ident.name}"]  # fmt: skip
     elif ident.kind == "kvdirectory":
         pub = ["kv.counts.*", "kv.resync.*", "kv.liveness", "branch.sync"]
-        sub = ["kv.events.*", "branch.events", "route.placed", "split.applied", "kv.lookup", "branch.query", "node.state.*", "kv.countsync.*"]
+        sub = ["kv.events.*", "branch.events", "route.placed", "split.applied", "kv.lookup", "branch.query", "node.state.*", "kv.countsync.*",
+               "svc.heartbeat.router"]  # the routers it waits for after its branch.sync (services/kvdirectory/settle.py)
     elif ident.kind == "worker":
         if not n:
             raise AuthError(f"worker identity {ident.name!r} names no node")

@@ -5,7 +5,7 @@ Producer → consumer flow, in the order of the subject table:
     worker ──kv.events.<node>──────▶ kvdirectory      (KvEventBatch, per-node seq)
     kvdirectory ──kv.resync.<node>─▶ worker           (KvResyncRequest → KvSnapshot)
     router ──kv.lookup─────────────▶ kvdirectory      (KvLookupRequest → KvLookupReply)
-    router ──branch.events─────────▶ kvdirectory      (BranchStart | BranchEnd)
+    router ──branch.events─────────▶ kvdirectory      (BranchStart | BranchEnd | BranchToolCall | BranchSyncDone)
     router ──branch.query──────────▶ kvdirectory      (BranchQuery → BranchQueryReply: a branch this router never saw)
     router ──route.placed──────────▶ kvdirectory      (RoutePlaced)
     kvdirectory ──kv.counts.<node>─▶ worker           (CountUpdates, per-node seq)
@@ -250,7 +250,22 @@ class BranchToolCall(Msg, frozen=True, kw_only=True, tag=True):
     ts: float = 0.0
 
 
-BranchEvent = Union[BranchStart, BranchEnd, BranchToolCall]
+class BranchSyncDone(Msg, frozen=True, kw_only=True, tag=True):
+    """A router's last message of its answer to a directory's ``branch.sync``: it has republished its active branches
+    (``branches`` ``BranchStart`` and ``placements`` ``RoutePlaced``) for the sync ``sync_id``. Published on
+    ``branch.events`` after the republished starts (one publisher, one subject of the stream: read after them); the
+    directory is settled once every router it knows of has sent one (``services/kvdirectory/settle.py``). The
+    router's instance id is ``src`` (set by the bus)."""
+
+    sync_id: str
+    """The ``BranchSync.sync_id`` answered."""
+    directory: str = ""
+    """The ``BranchSync.directory`` answered."""
+    branches: NonNeg = 0
+    placements: NonNeg = 0
+
+
+BranchEvent = Union[BranchStart, BranchEnd, BranchToolCall, BranchSyncDone]
 
 
 # branch.query  (router → directory, request/reply)
@@ -924,10 +939,14 @@ class HeldReply(Msg, frozen=True, kw_only=True):
 class BranchSync(Msg, frozen=True, kw_only=True):
     """Directory → routers (``branch.sync``), sent when a directory starts: every router
     republishes its active branches (``BranchStart``) and their latest placements
-    (``RoutePlaced``), so a restarted directory gets its branch table and counts back (issue #22)."""
+    (``RoutePlaced``), so a restarted directory gets its branch table and counts back (issue #22), then a
+    :class:`BranchSyncDone`. Sent again (same ``sync_id``) every second while the directory is not settled, for a
+    router that missed it; a router answers one ``sync_id`` once."""
 
     directory: str = ""
     ts: float = 0.0
+    sync_id: str = ""
+    """The directory process's id of this sync (one per start); empty: a sender from before the marker."""
 
 
 class NodeKvLiveness(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):

@@ -615,6 +615,14 @@ def _held_reply(r: m.HeldReply, p: dict[str, str], nodes: Collection[str] | None
 def _branch_sync(r: m.BranchSync, p: dict[str, str], nodes: Collection[str] | None) -> None:
     _tok(r.directory, "directory", optional=True)
     _time(r.ts, "ts")
+    _tok(r.sync_id, "sync_id", optional=True)
+
+
+def _branch_sync_done(r: m.BranchSyncDone, p: dict[str, str], nodes: Collection[str] | None) -> None:
+    _tok(r.sync_id, "sync_id")
+    _tok(r.directory, "directory", optional=True)
+    _int(r.branches, "branches", MAX_SEQ)
+    _int(r.placements, "placements", MAX_SEQ)
 
 
 def _kv_liveness(r: m.KvLiveness, p: dict[str, str], nodes: Collection[str] | None) -> None:
@@ -720,6 +728,7 @@ CHECKERS: dict[type, Checker] = {
     m.BranchStart: _branch,
     m.BranchEnd: _branch,
     m.BranchToolCall: _branch,
+    m.BranchSyncDone: _branch_sync_done,
     m.BranchQuery: _branch_query,
     m.BranchQueryReply: _branch_query,
     m.RoutePlaced: _placed,

@@ -9,8 +9,9 @@ Subjects in: ``kv.events.*``, ``branch.events``, ``route.placed``,
 router that never saw it), ``kv.countsync.*``
 (a worker's counts after it lost a ``kv.counts`` message: ``CountSnapshot`` pieces); out:
 ``kv.counts.<node>`` (count changes; every ``count_seq_beacon_s`` a seq beacon with the node's last
-``seq``), ``kv.liveness``, ``branch.sync`` (once, at start: the routers
-republish their active branches and latest placements); requests: ``kv.resync.<node>``. A malformed payload is counted by the bus
+``seq``), ``kv.liveness``, ``branch.sync`` (at start, and again each second until every router it knows of has
+answered with its republish of its active branches and latest placements, ended by a ``BranchSyncDone`` on
+``branch.events``; it reads ``svc.heartbeat.router`` to know the routers: ``settle.py``); requests: ``kv.resync.<node>``. A malformed payload is counted by the bus
 (``dropped.<template>``) and dropped; nothing here stops on bad input.
 """
 
@@ -45,6 +46,7 @@ from shared.subjects import (
     NODE_STATE,
     ROUTE_PLACED,
     SPLIT_APPLIED,
+    SVC_HEARTBEAT,
 )
 
 from .config import DirectoryConfig
@@ -138,10 +140,12 @@ class DirectoryService(WatchedService):
         self._count_sync_last: dict[str, float] = {}
         """Per node: ``time.monotonic()`` of its last new ``kv.countsync`` snapshot, while younger than
         ``count_sync_min_interval_s`` (dropped after it on the flush loop)."""
-        self.sync = BranchSyncSettle(cfg.branch_sync_settle_s)
+        self.sync = BranchSyncSettle(cfg.branch_sync_settle_s, cfg.branch_sync_max_s, cfg.routers)
         """Has the routers' republish (the answer to this process's ``branch.sync``) been read? ``branch.query``
         answers say so (``BranchQueryReply.synced``); fed ``clock.monotonic()`` (wall-rate seconds: the republish takes
         wall time whatever the ``--speedup``)."""
+        self._sync_msg: m.BranchSync | None = None
+        """This process's ``branch.sync`` (sent again, as it is, while not settled)."""
         if cfg.nodes:
             bus.known_nodes = frozenset(cfg.nodes)
 
@@ -159,12 +163,16 @@ class DirectoryService(WatchedService):
         await self.bus.serve(BRANCH_QUERY, self._on_branch_query, query=True)
         await self.bus.serve(KV_COUNT_SYNC, self._on_count_sync)
         await self.bus.subscribe(NODE_STATE, self._on_state)
+        await self.bus.subscribe(SVC_HEARTBEAT, self._on_router_beat, service="router")  # the routers to wait for
         # a restarted directory has lost its branch table: the routers republish it (issue #22); branch.query answers
-        # synced=false until that republish has been read (services/kvdirectory/settle.py)
+        # synced=false until every router's republish has been read (services/kvdirectory/settle.py)
         ts = self.clock.now()
-        self.sync.sent(self.clock.monotonic(), ts)  # before the publish: it may yield, and the republish come meanwhile
-        await self.bus.publish(BRANCH_SYNC, m.BranchSync(directory=self.bus.instance, ts=ts))
+        self._sync_msg = m.BranchSync(directory=self.bus.instance, ts=ts, sync_id=uuid.uuid4().hex)
+        # before the publish: it may yield, and the republish come meanwhile
+        self.sync.sent(self.clock.monotonic(), ts, self._sync_msg.sync_id)
+        await self.bus.publish(BRANCH_SYNC, self._sync_msg)
         self.counters["branch_sync.sent"] += 1
+        self._bg.start(self._sync_loop(), "kvdirectory-branch-sync", needed=False, counter="branch_sync.errors")
         self._bg.start(self._flush_loop(), "kvdirectory-flush")
         self._bg.start(self._liveness_loop(), "kvdirectory-liveness")
         if self.cfg.count_seq_beacon_s > 0:
@@ -241,14 +249,17 @@ class DirectoryService(WatchedService):
             self._ensure_resync(batch.node)
         await self._maybe_flush()
 
-    async def _on_branch(self, ev: m.BranchStart | m.BranchEnd | m.BranchToolCall, subject: str) -> None:
+    async def _on_branch(self, ev: m.BranchStart | m.BranchEnd | m.BranchToolCall | m.BranchSyncDone, subject: str) -> None:
         now = self.clock.local_now()
         if isinstance(ev, m.BranchToolCall):
             verdict = self.core.branch_hold(ev.branch_id, ev.outstanding, ev.expected_s, now)
             if verdict in ("ended", "unknown"):
                 self.log.warning("tool-call hint for no active branch", branch=ev.branch_id, verdict=verdict)
+        elif isinstance(ev, m.BranchSyncDone):
+            self._on_sync_done(ev)
+            return
         elif isinstance(ev, m.BranchStart):
-            if self.sync.start(ev.ts, self.clock.monotonic()):  # a router's republish (started before our branch.sync)
+            if self.sync.start(ev.ts, self.clock.monotonic(), ev.src):  # a router's republish (started before our branch.sync)
                 self.counters["branch_sync.republished"] += 1
             parent = self._parent_missing(ev.parent_branch_id)
             pre = self.core.branches.branches.get(ev.branch_id)
@@ -269,6 +280,56 @@ class DirectoryService(WatchedService):
             if verdict != "ended":
                 self.log.warning("branch end for no active branch", branch=ev.branch_id, verdict=verdict)
         await self._maybe_flush()
+
+    def _on_sync_done(self, ev: m.BranchSyncDone) -> None:
+        """A router's marker: it has republished its branches for ``ev.sync_id`` (counted ``branch_sync.markers``; one
+        for another sync, an older directory's, ``branch_sync.stale_markers``). Logs the settling it completes."""
+        if not self.sync.marker(ev.src, ev.sync_id, ev.branches):
+            self.counters["branch_sync.stale_markers"] += 1
+            return
+        self.counters["branch_sync.markers"] += 1
+        self.log.info("router republished its branches", router=ev.src, branches=ev.branches, placements=ev.placements,
+                      missing=self.sync.missing())  # fmt: skip
+        self._check_settled()
+
+    def _check_settled(self) -> bool:
+        """Whether the directory is settled (:attr:`sync`); logs it once, when it settles. O(routers)."""
+        was = self.sync.settled_at is not None
+        now = self.clock.monotonic()
+        if not self.sync.synced(now):
+            return False
+        if not was:
+            after = round(now - (self.sync.sync_at or now), 2)
+            if self.sync.timed_out:
+                self.counters["branch_sync.timed_out"] += 1
+                self.log.warning("BRANCH SYNC TIMED OUT: settled without the republish of routers that never answered "
+                                 "(dead, or stalled): a branch only they hold is unknown here until its next request",
+                                 missing=self.sync.missing(), after_s=after, max_s=self.sync.max_s)  # fmt: skip
+            else:
+                self.log.info("branch table settled: every known router republished", routers=sorted(self.sync.done),
+                              branches=sum(self.sync.done.values()), after_s=after)  # fmt: skip
+        return True
+
+    async def _on_router_beat(self, hb: m.Heartbeat, subject: str) -> None:
+        """A router's heartbeat: a router to wait for while not settled (:meth:`BranchSyncSettle.heard`)."""
+        if self.sync.heard(hb.instance):
+            self.counters["branch_sync.routers_heard"] += 1
+
+    async def _sync_loop(self) -> None:
+        """Until settled: every :data:`~services.kvdirectory.settle.SYNC_RESEND_S`, and within 50 ms of a router
+        newly heard, send ``branch.sync`` again (same ``sync_id``) for a router that missed it (not subscribed yet,
+        disconnected, restarted: a core NATS message); a router answers one ``sync_id`` once. A failed send is counted
+        (``branch_sync.resend_failed``) and retried."""
+        while not self._check_settled():
+            await asyncio.sleep(0.05)
+            if self._sync_msg is None or not self.sync.resend_due(self.clock.monotonic()):
+                continue
+            try:
+                await self.bus.publish(BRANCH_SYNC, self._sync_msg)
+                self.counters["branch_sync.resent"] += 1
+            except BusError as e:
+                self.counters["branch_sync.resend_failed"] += 1
+                self.log.warning("branch.sync resend failed", error=repr(e), missing=self.sync.missing())
 
     def _parent_missing(self, parent: str | None) -> str | None:
         """Why a new branch's parent is not an active branch here: ``unknown`` (never started here, or forgotten),
@@ -454,11 +515,11 @@ class DirectoryService(WatchedService):
         """``branch.query``: a router that never saw the branch (another router served it, or it restarted) asks its
         state before it relays the harness's end or tool call; counted ``branch_queries.<state>``. Answered from
         the branch table as it stands: a ``BranchStart`` still in ``branch.events``' stream reads ``unknown``.
-        ``synced`` is False until the routers' republish after this process's ``branch.sync`` has been read
+        ``synced`` is False until every known router's republish after this process's ``branch.sync`` has been read
         (:class:`~services.kvdirectory.settle.BranchSyncSettle`; counted ``branch_queries.unsynced``): an
         ``unknown`` then may be a branch not republished yet, which the router answers 503, not 404."""
         state = self.core.branch_state(q.branch_id, self.clock.local_now())
-        synced = self.sync.synced(self.clock.monotonic())
+        synced = self._check_settled()
         self.counters[f"branch_queries.{state}"] += 1
         if not synced:
             self.counters["branch_queries.unsynced"] += 1

@@ -48,7 +48,7 @@ import re
 import signal
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -991,6 +991,8 @@ class RouterService(WatchedService):
         self._retried = _RetriedRids()
         """Last attempts of ended requests with a client ``X-Request-ID`` (a retry starts past them)."""
         self._kv_liveness: dict[str, m.NodeKvLiveness] = {}
+        self._syncs_answered: deque[str] = deque(maxlen=8)
+        """``BranchSync.sync_id`` of the directory syncs answered (the directory repeats one until it settles)."""
         """Latest ``kv.liveness`` per node (the directory's view of each node's KV freshness)."""
         self._remote = RemoteSends()
         """Requests other routers placed (counted in ``core.view``, never aborted here)."""
@@ -2541,28 +2543,54 @@ class RouterService(WatchedService):
     async def _on_branch_sync(self, msg: m.BranchSync, _subject: str) -> None:
         """A directory started (issue #22): republish every active branch and its latest
         placements, so its branch table and counts are rebuilt (it rebuilds its block index
-        from the workers' snapshots).
+        from the workers' snapshots), then a :class:`~shared.messages.BranchSyncDone` marker on ``branch.events``
+        (after the starts: one publisher, one subject), which the directory waits for before it answers
+        ``branch.query`` as settled (``services/kvdirectory/settle.py``).
+
+        The directory sends its ``branch.sync`` again each second until every router it knows of has answered (for a
+        router that missed it): one ``sync_id`` is answered once (``branch_sync.repeated``); a republish that failed
+        (a publish refused) is answered again at the next one (``branch_sync.failed``). A ``branch.sync`` without
+        ``sync_id`` (a directory from before the marker) is answered every time, with no marker.
 
         The event loop is given back every :data:`REPUBLISH_YIELD_EVERY` messages: a publish does not wait, so the
         loop ran the whole republish at once (4.3 s for 65,536 branches, the default cap, on a 2-core host at load
-        4.5), serving nothing meanwhile, and NATS sent its first message only at the end: the directory, which
-        settles once the republish has gone quiet (``services/kvdirectory/settle.py``), read nothing for as long."""
+        4.5), serving nothing meanwhile, and NATS sent its first message only at the end."""
+        if msg.sync_id and msg.sync_id in self._syncs_answered:
+            self.counters["branch_sync.repeated"] += 1
+            return
+        if msg.sync_id:
+            self._syncs_answered.append(msg.sync_id)  # before the first yield: a repeat read meanwhile is not answered
         out = self.branches.republish()
-        for i, ev in enumerate(out, 1):
-            # the list was taken before the yields below: a branch ended or evicted by the cap since is not sent (its
-            # end or eviction went out before; a start sent after an eviction the new directory did not know yet made it
-            # active there until its TTL while this table held it expired)
-            if not self.branches.is_active(ev.branch_id):
-                continue
-            await self.bus.publish(ROUTE_PLACED if isinstance(ev, m.RoutePlaced) else BRANCH_EVENTS, ev)
-            if i % REPUBLISH_YIELD_EVERY == 0:
-                await asyncio.sleep(0)  # the client's flusher sends what is queued; HTTP and NATS handlers run
-        n = sum(1 for ev in out if isinstance(ev, m.BranchStart))
+        n = placed = 0
+        try:
+            for i, ev in enumerate(out, 1):
+                # the list was taken before the yields below: a branch ended or evicted by the cap since is not sent (its
+                # end or eviction went out before; a start sent after an eviction the new directory did not know yet
+                # made it active there until its TTL while this table held it expired)
+                if not self.branches.is_active(ev.branch_id):
+                    continue
+                await self.bus.publish(ROUTE_PLACED if isinstance(ev, m.RoutePlaced) else BRANCH_EVENTS, ev)
+                if isinstance(ev, m.BranchStart):
+                    n += 1
+                else:
+                    placed += 1
+                if i % REPUBLISH_YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # the client's flusher sends what is queued; HTTP and NATS handlers run
+            if msg.sync_id:
+                await self.bus.publish(BRANCH_EVENTS, m.BranchSyncDone(sync_id=msg.sync_id, directory=msg.directory, branches=n,
+                                                                       placements=placed))  # fmt: skip
+        except BusError as e:  # answered again at the directory's next branch.sync (it sends one each second)
+            with contextlib.suppress(ValueError):
+                self._syncs_answered.remove(msg.sync_id)
+            self.counters["branch_sync.failed"] += 1
+            self.log.warning("republish to the directory failed; retried at its next branch.sync", directory=msg.directory,
+                             sent=n, error=repr(e))  # fmt: skip
+            return
         self.counters["branch_sync.requests"] += 1
         self.counters["branch_sync.branches"] += n
-        self.log.info("directory started: active branches republished", directory=msg.directory, branches=n, placements=len(out) - n)
+        self.log.info("directory started: active branches republished", directory=msg.directory, branches=n, placements=placed)
 
-    async def _on_branch_event(self, ev: m.BranchStart | m.BranchEnd | m.BranchToolCall, _subject: str) -> None:
+    async def _on_branch_event(self, ev: m.BranchStart | m.BranchEnd | m.BranchToolCall | m.BranchSyncDone, _subject: str) -> None:
         """Another router's ``branch.events``: its ``BranchEnd`` ends the branch in this table too
         (``BranchTable.end_unseen``; counted ``branch_ends_heard``), its ``BranchToolCall`` holds a branch this table
         holds (``BranchTable.heard_tool_call``; ``branch_tool_calls_heard``). Two routers behind one address: the end
@@ -2575,7 +2603,7 @@ class RouterService(WatchedService):
         (this router's NATS link down at that instant; core NATS, not the stream) leaves this table as it was: the
         branch stays active here until its TTL or an end sent here (relayed again: the directory counts a duplicate),
         and a directory restart meanwhile would be given it back by this router's republish."""
-        if ev.src == self.bus.instance or isinstance(ev, m.BranchStart):
+        if ev.src == self.bus.instance or isinstance(ev, (m.BranchStart, m.BranchSyncDone)):
             return
         now = self.clock.local_now()
         if isinstance(ev, m.BranchToolCall):

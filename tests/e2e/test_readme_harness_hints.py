@@ -144,7 +144,7 @@ async def test_the_readme_harness_commands_work_as_written_and_do_what_it_says(c
             assert again_end.status_code == 200 and again_end.json()["already"] is True, again_end.text
             assert (await http.post("/v1/branches/task-42-explore/tool-call")).status_code == 410
             # an id nobody knows: a 404 once the directory has settled after its start (the section: 503 with
-            # Retry-After: 1 for the first 10 s or more, --branch-sync-settle-s)
+            # Retry-After: 1 until every router has republished its branches to it)
             for _ in range(30):
                 never = await http.post("/v1/branches/never-seen/tool-call")
                 if never.status_code != 503:

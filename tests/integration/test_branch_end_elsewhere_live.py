@@ -106,7 +106,10 @@ async def test_a_branch_ended_through_a_router_that_never_saw_it_releases_its_co
         await until(lambda: d.counters["branch.holds"] == holds + 1, 10.0, "the directory holds task-8")
         assert d.branches.branches["task-8"].hold_until > 0
 
-        # an id no router ever saw: 404, nothing published
+        # an id no router ever saw: 404 (once the directory has read both routers' answers to its branch.sync:
+        # before that a 503, services/kvdirectory/settle.py), nothing published
+        await until(lambda: dirs[0].sync.synced(dirs[0].clock.monotonic()), 10.0, "the directory settles")
+        assert dirs[0].sync.done == {"router-a": 0, "router-b": 0} and not dirs[0].sync.timed_out, dirs[0].sync.done
         never = await b.post("/v1/branches/never-seen/end")
         assert never.status_code == 404 and "the KV directory does not know it" in never.json()["error"]["message"], never.text
         assert "never-seen" not in d.branches.ended and d.counters.get("branch.unknown_end", 0) == 0

@@ -33,6 +33,7 @@ from services.router.config import RouterConfig
 from services.router.service import RouterService
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
+from shared import messages as m
 from tests.integration.live import Services, open_bus, router_factory
 from tests.integration.polling import answering, until
 from tests.integration.test_branch_end_elsewhere_live import _keep
@@ -99,6 +100,10 @@ async def _cluster(stack: AsyncExitStack, nats_url: str, tmp: Path, **dir_kw: fl
     c = _Cluster(svcs, dcfg, dirs, {}, {}, t_dir, {}, origin, nats_url, tmp)
     for name in ("a", "b"):
         await c.start_router(stack, name)
+    # both have answered the directory's branch.sync (sent again to a router heard after it; a test that restarts the
+    # directory counts their next answer from here)
+    await until(lambda: all(c.routers[n][0].counters["branch_sync.requests"] == 1 for n in ("a", "b")), 10.0, "routers answered the sync")
+    await until(lambda: dirs[0].counters["branch_sync.markers"] == 2, 10.0, "the directory reads both markers")
     return c
 
 
@@ -108,12 +113,13 @@ async def test_the_router_that_served_a_branch_hears_its_end_relayed_through_ano
         a, b = c.http["a"], c.http["b"]
         ra, rb = c.routers["a"][0], c.routers["b"][0]
         d = c.dirs[0].core
+        heard0 = rb.bus.counters["received.branch.events"]  # the routers' markers (BranchSyncDone) B read
         for bid in ("t1", "t2"):
             r = await a.post("/v1/completions", json=BODY, headers={"X-Branch-Id": bid})
             assert r.status_code == 200, r.text
         await until(lambda: all(bid in d.branches.branches and d.branches.branches[bid].counted for bid in ("t1", "t2")),
                     10.0, "the directory counts t1 and t2")  # fmt: skip
-        await until(lambda: rb.bus.counters["received.branch.events"] == 2, 10.0, "B reads A's branch.events")
+        await until(lambda: rb.bus.counters["received.branch.events"] == heard0 + 2, 10.0, "B reads A's branch.events")
         path = list(d.branches.branches["t1"].path)
         assert ra.branches.active_count == 2
 
@@ -206,6 +212,51 @@ async def test_an_end_through_another_router_while_a_restarted_directory_rebuild
         assert r.status_code == 404 and "does not know it either" in r.json()["error"]["message"], r.text
 
 
+async def test_a_router_stalled_past_settle_s_is_waited_for_and_an_end_elsewhere_is_not_lost(nats_url, tmp_path: Path, monkeypatch):
+    """Router A holds ``s1``; the directory restarts while A is stalled (its answer to ``branch.sync`` 13 s late, past
+    ``--branch-sync-settle-s``' 10 s, as a SIGSTOP or swap would make it). The directory knows A (its heartbeat) and
+    stays unsettled until A's republish ends with its ``BranchSyncDone``: B's end of ``s1`` meanwhile is a 503 the
+    harness retries, then relayed, 200. Before: the directory settled 10 s after its ``branch.sync`` (no republished
+    start read), answered ``unknown`` synced, and B answered 404: the end lost, A's branch counted until the TTL."""
+    real = RouterService._on_branch_sync
+    stall_until = [0.0]
+
+    async def stalled(self: RouterService, msg: m.BranchSync, subject: str) -> None:
+        while self.bus.instance == "router-a" and time.monotonic() < stall_until[0]:
+            await asyncio.sleep(0.05)
+        await real(self, msg, subject)
+
+    monkeypatch.setattr(RouterService, "_on_branch_sync", stalled)
+    async with AsyncExitStack() as stack:
+        c = await _cluster(stack, nats_url, tmp_path)  # --branch-sync-settle-s 10 s
+        a, b = c.http["a"], c.http["b"]
+        ra = c.routers["a"][0]
+        r = await a.post("/v1/completions", json=BODY, headers={"X-Branch-Id": "s1"})
+        assert r.status_code == 200, r.text
+        await until(lambda: "s1" in c.dirs[0].core.branches.branches, 10.0, "the directory has s1")
+
+        stall_until[0] = time.monotonic() + 13.0
+        d2 = await c.restart_directory()
+        t0 = time.monotonic()
+        seen: list[tuple[float, int, str]] = []
+        while time.monotonic() - t0 < 50:
+            e = await b.post("/v1/branches/s1/end")
+            seen.append((round(time.monotonic() - t0, 2), e.status_code, e.json().get("error", {}).get("message", "")))
+            if e.status_code != 503:
+                break
+            assert e.headers["retry-after"] == "1"
+            await asyncio.sleep(0.5)
+        # before: 404 "unknown branch 's1' ... the KV directory does not know it either" about 10 s in
+        assert seen[-1][1] == 200, seen[-3:]
+        assert seen[-1][0] >= 11.0, seen[-3:]  # answered only once A had republished
+        await until(lambda: "s1" in d2.core.branches.ended, 10.0, "the new directory ends s1")
+        await until(lambda: not ra.branches.is_active("s1"), 10.0, "A heard the end")
+        assert d2.sync.done.get("router-a") == 1 and d2.sync.done.get("router-b") == 0, d2.sync.done
+        assert not d2.sync.timed_out and d2.counters["branch_sync.markers"] == 2
+        assert ra.counters["branch_sync.requests"] == 2  # the first directory's, then the repeated one answered once
+        assert ra.counters["branch_sync.repeated"] >= 1 and d2.counters["branch_sync.resent"] >= 10
+
+
 async def test_a_restarted_router_remembers_the_directorys_ended_answer(nats_url, tmp_path: Path):
     async with AsyncExitStack() as stack:
         c = await _cluster(stack, nats_url, tmp_path)
@@ -251,7 +302,7 @@ async def test_a_router_republishing_20000_branches_yields_so_the_directory_read
         d2 = c.dirs[n]
         read_while_republishing = 0
         ended_meanwhile = False
-        while ra.counters["branch_sync.requests"] == 0:  # this loop runs only when the router yields
+        while ra.counters["branch_sync.requests"] == 1:  # this loop runs only when the router yields (1: the first directory's)
             read_while_republishing = max(read_while_republishing, d2.sync.republished)
             if not ended_meanwhile:  # the last branch leaves the table (an end, or the cap's eviction) mid-republish:
                 ra.branches.end("syn-19999", ra.clock.local_now())  # its start, listed before, must not go out after it

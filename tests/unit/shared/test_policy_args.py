@@ -193,7 +193,8 @@ def test_up_gives_each_service_the_flags_it_gave_before_service_flags_and_deploy
         items = text.split()
         return dict(zip(items[::2], items[1::2]))
 
-    assert flags(kids["kvdirectory"]) == want(f"--block-size 64 --nodes {ids}")
+    # --routers (session 54): the routers whose republish a (re)started directory waits for
+    assert flags(kids["kvdirectory"]) == want(f"--block-size 64 --nodes {ids} --routers router")
     assert flags(kids["planner"]) == want(f"--nodes {ids} {planner} --profile gb300-glm52")
     assert flags(kids["router"]) == want(f"--host 127.0.0.1 --port 8000 {router} {_SIM}")
     for i, phase in enumerate(phases):
