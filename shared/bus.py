@@ -231,6 +231,8 @@ RESEND_MAX_MSGS = 50_000
 """Bound in messages of the resend window (merged over disconnects no reconnect's check took, :meth:`Bus._put_back`:
 past it the oldest are dropped, counted ``resend_dropped``) and of the reliable publishes kept while the stream may be
 lost (``HELD_MAX_BYTES``)."""
+WINDOW_POLL_S = 0.02
+"""Seconds between two looks at the resend window while :meth:`Bus.window_room` waits for room."""
 HELD_MAX_BYTES = 64 * 1024 * 1024
 """Byte bound (payloads) of the reliable publishes a bus keeps from a disconnect until it knows the stream is there
 after the reconnect (:meth:`Bus._hold`): copies of what went to nats-py's reconnect buffer, published again, in
@@ -1636,6 +1638,39 @@ class Bus:
         (:meth:`flush`), and give the next waiters a fresh event."""
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+
+    def unconfirmed(self) -> int:
+        """Reliable publishes in the resend window now (:meth:`_trim_recent`): not yet known to have been read by the
+        server ``RESEND_WINDOW_S`` ago. At most ``RESEND_MAX_MSGS``. O(1) amortized."""
+        self._trim_recent(time.monotonic())
+        return len(self._recent)
+
+    async def window_room(self, room: int, timeout_s: float) -> bool:
+        """Wait until the resend window has room for ``room`` more reliable publishes (it holds at most
+        ``RESEND_MAX_MSGS - room``), for a publisher of a burst larger than the window (a router's republish of
+        65,536 branches is up to 196,608 messages; at 17,000 a second the window, the last 2-3 s, passed
+        ``RESEND_MAX_MSGS``, and the oldest left it unconfirmed: lost if the connection then died). The window empties
+        as the server's PONGs confirm what it read (:meth:`_confirm_loop`, each ``CONFIRM_PING_S``).
+
+        Args:
+            room: publishes the caller is about to make (0 < room <= ``RESEND_MAX_MSGS``).
+            timeout_s: longest wall seconds to wait (a hung server confirms nothing).
+
+        Returns:
+            True once there is room; False at ``timeout_s`` or when the bus is closing (the caller goes on: the oldest
+            then leave the window, counted ``resend_window_dropped``).
+
+        Raises:
+            ValueError: ``room`` outside (0, ``RESEND_MAX_MSGS``].
+        """
+        if not 0 < room <= RESEND_MAX_MSGS:
+            raise ValueError(f"room must be in (0, {RESEND_MAX_MSGS}], got {room!r}")
+        deadline = time.monotonic() + timeout_s
+        while self.unconfirmed() > RESEND_MAX_MSGS - room:
+            if self._closing or time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(WINDOW_POLL_S)
+        return True
 
     def _trim_recent(self, now: float) -> None:
         """Cut the resend window ``_recent`` (what a reconnect publishes again; ``now``: monotonic seconds).

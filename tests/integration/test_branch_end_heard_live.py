@@ -34,6 +34,7 @@ from services.router.service import RouterService
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
 from shared import messages as m
+from shared.subjects import BRANCH_SYNC
 from tests.integration.live import Services, open_bus, router_factory
 from tests.integration.polling import answering, until
 from tests.integration.test_branch_end_elsewhere_live import _keep
@@ -314,3 +315,35 @@ async def test_a_router_republishing_20000_branches_yields_so_the_directory_read
         assert d2.sync.republished == 19_999
         assert d2.core.branch_state("syn-19999", d2.clock.local_now()) == "unknown"
         assert d2.core.branch_state("syn-19998", d2.clock.local_now()) == "active"
+
+
+async def test_a_republish_larger_than_the_resend_window_waits_for_room_and_keeps_every_message_in_it(nats_url, tmp_path: Path):
+    """Router A holds 65,536 branches (``--max-active-branches``' default), each placed for prefill and decode: its
+    answer to ``branch.sync`` is 196,608 reliable publishes. It waits for room in its bus's resend window (the
+    publishes the server has not been seen to read, ``RESEND_MAX_MSGS``) as it goes, so none leaves the window
+    unconfirmed. Before: at ~17,000 a second the window (the last 2-3 s) passed 50,000 and the oldest were dropped from
+    it (``resend_window_dropped``; 27,579 of 131,072 measured): lost had the connection died then (a reconnect
+    publishes the window again), so a directory read the last 50,000 and a few of such a republish."""
+    async with AsyncExitStack() as stack:
+        c = await _cluster(stack, nats_url, tmp_path)
+        ra = c.routers["a"][0]
+        now = ra.clock.local_now()
+        started = ra.clock.now() - 1.0
+        for i in range(65_536):
+            bid = f"big-{i}"
+            ra.branches.observe(bid, now, ts=started + i * 1e-6)
+            ra.branches.done(bid, now)
+            for phase in ("prefill", "decode"):
+                ra.branches.note_placed(m.RoutePlaced(rid=f"r{i}", branch_id=bid, node="w0", phase=phase, block_hashes=list(range(16))))
+        c.svcs.stops[c.svcs.tasks.index(c.dir_task)].set()  # no directory reads it: the router publishes at full speed
+        await c.dir_task
+        bus = await open_bus(stack, c.nats_url, instance="sync-sender")
+        await bus.publish(BRANCH_SYNC, m.BranchSync(directory="test", ts=ra.clock.now(), sync_id="big-sync"))
+        t0 = time.monotonic()
+        await until(lambda: ra.counters["branch_sync.requests"] == 2, 180.0, "A republished", every=0.2)
+        took = time.monotonic() - t0
+        assert ra.counters["branch_sync.branches"] == 65_536  # (its answer to the first directory held none)
+        assert ra.bus.counters["published.route.placed"] >= 131_072
+        # before: resend_window_dropped > 0 (the oldest of the republish left the window unconfirmed)
+        assert ra.bus.counters.get("resend_window_dropped", 0) == 0, (ra.bus.counters.get("resend_window_dropped"), took)
+        assert ra.counters.get("branch_sync.window_full", 0) == 0, took
