@@ -41,13 +41,17 @@ from shared.net import http_url, listen_socket
 from shared.profile import Profile, load_profile, with_kv_tokens
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
 from shared.split import parse_split, split_phases
-from shared.subjects import SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
+from shared.subjects import NODE_DOWN, SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
 from evolving_infra.liveness import (  # the liveness decisions, shared with the Slurm job's watcher
     LIVENESS_MIN_S as LIVENESS_MIN_S, SUPERVISE_GAP_S as SUPERVISE_GAP_S, ANSWERED, DEAF, BusProbe, bus_watch, count_exit,
     liveness_overdue, nats_info_probe, paused, probe_seen_until,
 )
 
 log = structlog.get_logger("cluster")
+
+NODE_DOWN_PUBLISH_TIMEOUT_S = 1.0
+"""Wall seconds one ``node.down`` publish may take (:meth:`LocalCluster._announce_downs`); it only queues the message
+in the client's buffer as a rule."""
 
 
 def _short_exit(code: int | None) -> str:
@@ -536,6 +540,9 @@ class LocalCluster:
     """Optional ``callable(name: str) -> None`` called after the supervisor restarted a service; an exception it
     raises is logged (a warning) and supervision goes on."""
     _bus: Bus | None = None
+    _downs: list[m.NodeDown] = field(default_factory=list)
+    """Worker exits seen by the latest supervision pass, to be announced on ``node.down.<node>``
+    (:meth:`_announce_downs`)."""
     creds: Credentials | None = None
     """Credentials generated for the embedded server (None when it runs open or NATS is external)."""
     router_socket: socket.socket | None = None
@@ -1015,6 +1022,9 @@ class LocalCluster:
                 if c.proc.poll() is None:  # not dead yet: a later pass reaps it (no wait here: up's event loop runs this)
                     continue
             if c.restart_at is None:
+                if c.name.startswith("worker-"):  # the routers fence it now (node.down), not after its silence
+                    self._downs.append(m.NodeDown(node=c.name.removeprefix("worker-"), pid=c.proc.pid, exited_ns=time.time_ns(),
+                                                  code=c.proc.returncode or 0))  # fmt: skip
                 c.streak += 1
                 clean_after_stable = c.proc.returncode == 0 and now - c.started_at > s.stable_s
                 n = len(c.exits) if clean_after_stable else count_exit(c.exits, now, s.restart_window_s)
@@ -1063,6 +1073,7 @@ class LocalCluster:
                 self._failure = e
                 log.error("supervisor gave up", error=str(e))
                 return
+            await self._announce_downs()
             if started:
                 self.write_targets()  # the same ports (a restart reuses its argv): the file is current again
             if started and callable(self.on_restart):
@@ -1072,6 +1083,26 @@ class LocalCluster:
                     except Exception as e:
                         log.warning("restart callback failed; supervision goes on", service=name, error=repr(e))
             await asyncio.sleep(interval_s)
+
+    async def _announce_downs(self) -> None:
+        """Tell the routers of each worker exit the latest supervision pass saw (:attr:`_downs`): a
+        :class:`~shared.messages.NodeDown` on ``node.down.<node>`` (core NATS), each publish at most
+        :data:`NODE_DOWN_PUBLISH_TIMEOUT_S`. A router fences the node at once and re-dispatches its requests; before, a
+        ``kill -9`` of a worker stalled its requests until the router's ``--fence-after-s`` of state silence (or the
+        restarted process's first state) although ``up`` saw the exit within a pass (0.2 s). One that cannot be
+        published (the bus down, refused) is logged and dropped: the routers fence the node after its silence then.
+        Never raises."""
+        downs, self._downs = self._downs, []
+        for d in downs:
+            if self._bus is None:
+                return
+            try:
+                await asyncio.wait_for(self._bus.publish(NODE_DOWN, d, node=d.node), NODE_DOWN_PUBLISH_TIMEOUT_S)
+            except (BusError, asyncio.TimeoutError) as e:
+                log.warning("could not tell the routers that a worker exited (node.down); they fence it after "
+                            "--fence-after-s of silence", node=d.node, pid=d.pid, error=repr(e)[:300])  # fmt: skip
+            else:
+                log.info("told the routers that a worker exited (node.down)", node=d.node, pid=d.pid, code=d.code)
 
     def restarts(self) -> dict[str, int]:
         """Supervisor restarts per service (and ``nats-server``) so far."""

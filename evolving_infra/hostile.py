@@ -38,6 +38,7 @@ from shared.subjects import (
     KV_LOOKUP,
     KV_POOL,
     KV_RESYNC,
+    NODE_DOWN,
     NODE_ITERS,
     NODE_STATE,
     PLANNER_DECISIONS,
@@ -117,6 +118,8 @@ def samples(nodes: tuple[str, ...] = ("w0", "w1")) -> dict[str, tuple[dict[str, 
                 queue=[m.QueuedWork(rid="fz-q", uncached_tokens=64)], gpu_free_blocks=10, gpu_total_blocks=100,
             ),
         ),
+        # an exit seen before any real process started (exited_ns 1): a router fences no live node for it
+        NODE_DOWN.template: ({"node": a}, m.NodeDown(node=a, pid=1, exited_ns=1, code=-9)),
         NODE_ITERS.template: (
             {"node": a},
             m.IterationRecords(node=a, records=[m.IterationRecord(start=1.0, duration_s=0.01, phase="prefill", prefill_requests=1, sum_uncached=64)]),

@@ -21,7 +21,8 @@ identity          may publish (relative to ``ei.<partition>.``)
                   ``route.bind.*`` (the owning router), ``kv.pool.*``,
                   ``split.get`` (the current split, at start), ``kv.countsync.<n>`` (its own counts)
 ``operator``      requests ``split.set`` (through the planner), ``split.get``, ``svc.stats.*``
-``launcher``      requests ``svc.stats.*`` (reads heartbeats and ``split.applied``)
+``launcher``      ``node.down.*`` (a worker's process exited: routers fence it now); requests ``svc.stats.*``
+                  (reads heartbeats and ``split.applied``)
 ``admin``         everything (``evolving-infra tap``, debugging); no service uses it
 ================  ==============================================================================
 
@@ -207,7 +208,7 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
         pub = ["work.*.prefill", "work.*.decode", "work.*.abort", "branch.events", "route.placed", "route.sent", "kv.lookup", "split.get",
                "branch.query", "route.held.*", f"req.*.out.{ident.name}"]  # fmt: skip
         # branch.events: the other routers' relayed ends and tool calls of the branches this one served
-        sub = ["node.state.*", "split.commands", "planner.models", "req.*.out.*", "route.sent", "kv.liveness", "branch.sync",
+        sub = ["node.state.*", "node.down.*", "split.commands", "planner.models", "req.*.out.*", "route.sent", "kv.liveness", "branch.sync",
                "branch.events", f"route.bind.{ident.name}", f"work.requeue.{ident.name}", f"route.held.{ident.name}"]  # fmt: skip
     elif ident.kind == "kvdirectory":
         pub = ["kv.counts.*", "kv.resync.*", "kv.liveness", "branch.sync"]
@@ -226,7 +227,7 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
         pub = ["split.set", "split.get", "svc.stats.*"]
         sub = ["svc.heartbeat.*", "split.applied", "split.commands", "planner.decisions", "node.state.*"]
     elif ident.kind == "launcher":
-        pub = ["svc.stats.*"]
+        pub = ["svc.stats.*", "node.down.*"]
         sub = ["svc.heartbeat.*", "split.applied"]
     else:
         raise AuthError(f"unknown identity kind {ident.kind!r}")

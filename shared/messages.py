@@ -12,6 +12,7 @@ Producer → consumer flow, in the order of the subject table:
     kvdirectory ◀─kv.countsync.<node>─ worker         (CountSyncRequest → CountSnapshot, after a seq gap)
     worker ──kv.pool.<node>────────▶ worker           (PoolLocate → PoolLocation, real-bytes L2)
     worker ──node.state.<node>─────▶ router, planner  (NodeState)
+    launcher ──node.down.<node>────▶ router           (NodeDown: the node's process exited)
     worker ──node.iters.<node>─────▶ planner          (IterationRecords)
     planner ──split.commands───────▶ workers, router  (SplitCommand)
     worker ──split.applied─────────▶ all              (SplitApplied)
@@ -1071,6 +1072,24 @@ class Heartbeat(Msg, frozen=True, kw_only=True):
     boot: Boot = ""
     """The process's incarnation (:func:`new_boot`): a service that hears its own instance id beat from a later
     process was replaced while it was frozen, then resumed, and stops (``shared.service``). Empty: not known."""
+
+
+class NodeDown(Msg, frozen=True, kw_only=True):
+    """Launcher → routers (``node.down.<node>``): the process serving ``node`` exited (a crash, ``kill -9``, or the
+    supervisor's own liveness kill), seen by its supervisor (``evolving-infra up``) at once. A router fences the node
+    now and re-dispatches its requests, without waiting for ``--fence-after-s`` of silence; the node is let back in
+    at the state of a process that started after ``exited_ns`` (its restart). Only the launcher's identity may
+    publish it (``shared.auth``), and ``node`` must be the subject's token (``shared.validate``): it fences no other
+    node."""
+
+    node: str
+    pid: NonNeg = 0
+    """The process that exited (for the log)."""
+    exited_ns: NonNeg = 0
+    """Wall-clock ns (``time.time_ns()``) at which the supervisor saw the exit: a node state whose ``boot`` started
+    before it is of that process (or an older one), one that started after it of its restart."""
+    code: int = 0
+    """Its exit status as ``Popen.returncode`` gives it (negative: killed by that signal)."""
 
 
 class StatsRequest(Msg, frozen=True, kw_only=True):

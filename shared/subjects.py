@@ -70,6 +70,7 @@ BRANCH_QUERY = Subject(
 )
 ROUTE_PLACED = Subject("route.placed", m.RoutePlaced, doc="router → directory: branch placed on node", reliable=True)
 NODE_STATE = Subject("node.state.{node}", m.NodeState, doc="worker → router, planner: node state")
+NODE_DOWN = Subject("node.down.{node}", m.NodeDown, doc="launcher → routers: the node's process exited (fence it now)")
 NODE_ITERS = Subject("node.iters.{node}", m.IterationRecords, doc="worker → planner: iteration records")
 SPLIT_COMMANDS = Subject("split.commands", m.SplitCommand, doc="planner → workers, router: PD split")
 SPLIT_APPLIED = Subject("split.applied", m.SplitApplied, doc="worker → all: switch progress")
@@ -123,6 +124,7 @@ ALL: tuple[Subject, ...] = (
     BRANCH_QUERY,
     ROUTE_PLACED,
     NODE_STATE,
+    NODE_DOWN,
     NODE_ITERS,
     SPLIT_COMMANDS,
     SPLIT_APPLIED,

@@ -668,6 +668,15 @@ def _requeue_reply(r: m.WorkRequeueReply, p: dict[str, str], nodes: Collection[s
     _text(r.reason, "reason")
 
 
+def _node_down(d: m.NodeDown, p: dict[str, str], nodes: Collection[str] | None) -> None:
+    _tok(d.node, "node")
+    _same(d.node, p, "node", "node")
+    _known(d.node, nodes, "node")
+    _int(d.pid, "pid", 2**32)
+    _int(d.exited_ns, "exited_ns", 10**20 - 1)  # 20 digits, as NodeState.boot's start
+    _int(d.code, "code", 255, lo=-128)
+
+
 def _heartbeat(h: m.Heartbeat, p: dict[str, str], nodes: Collection[str] | None) -> None:
     _text(h.service, "service", 128)
     _same(h.service, p, "service", "service")
@@ -733,6 +742,7 @@ CHECKERS: dict[type, Checker] = {
     m.BranchQueryReply: _branch_query,
     m.RoutePlaced: _placed,
     m.NodeState: _node_state,
+    m.NodeDown: _node_down,
     m.IterationRecords: _iters,
     m.SplitCommand: _split,
     m.SplitApplied: _applied,

@@ -500,6 +500,10 @@ class RouterCore:
         """Fence silent nodes; see :meth:`NodeLoadView.check_fences`."""
         return self.view.check_fences(now)
 
+    def fence_exited(self, node: str, exited_ns: int, now: float) -> tuple[FencedNode | None, str]:
+        """Fence ``node`` now, its process seen to exit (``node.down``); see :meth:`NodeLoadView.fence_exited`."""
+        return self.view.fence_exited(node, exited_ns, now)
+
     def forget_left(self, now: float, forget_after: float) -> list[str]:
         """Forget nodes that have left for good and hold no request (:meth:`NodeLoadView.forget_left`), in the
         view, the policy (:meth:`RoutingPolicy.on_node_gone`) and the queue-time metrics; returns their ids,

@@ -96,10 +96,14 @@ class NodeRecord(Value):
     """Requests bound here for decode and not finished."""
     load: NodeLoad | None
     """This record as a :class:`NodeLoad` (built on demand; None after any change)."""
+    exited_before: str
+    """A ``NodeState.boot`` floor (``""``: none): the node's process was seen to exit (``node.down``,
+    :meth:`NodeLoadView.fence_exited`), and a state whose process started before this is of a process that has
+    exited: skipped (a late one would let the dead node back in)."""
 
     __slots__ = __match_args__ = (
         "node", "state", "last_seen", "split_phase", "fenced", "restarted", "fence_events", "inflight",
-        "inflight_prefill", "inflight_decode", "load",
+        "inflight_prefill", "inflight_decode", "load", "exited_before",
     )
     _repr_skip = _compare_skip = ("load",)  # a cache of the other fields (field(repr=False, compare=False))
 
@@ -107,6 +111,7 @@ class NodeRecord(Value):
         self, node: str, state: NodeState | None = None, last_seen: float | None = None,
         split_phase: Phase | None = None, fenced: bool = False, restarted: bool = False, fence_events: int = 0,
         inflight: int = 0, inflight_prefill: int = 0, inflight_decode: int = 0, load: NodeLoad | None = None,
+        exited_before: str = "",
     ) -> None:
         self.node = node
         self.state = state
@@ -119,6 +124,7 @@ class NodeRecord(Value):
         self.inflight_prefill = inflight_prefill
         self.inflight_decode = inflight_decode
         self.load = load
+        self.exited_before = exited_before
 
     @property
     def phase(self) -> Phase | None:
@@ -173,17 +179,24 @@ class FencedNode(FrozenValue):
     """Age of its last state at fencing time (caller's clock units)."""
     rids: tuple[str, ...]
     """Requests in flight that depend on it when it was fenced (:meth:`NodeLoadView.requests_depending_on`)."""
-    cause: Literal["silent", "restarted"]
+    cause: Literal["silent", "restarted", "exited"]
     """Why: ``silent``, no state for longer than ``fence_after``; ``restarted``, its state sequence went back (a new
-    process, :attr:`NodeRecord.restarted`) while it still reported within ``fence_after``."""
+    process, :attr:`NodeRecord.restarted`) while it still reported within ``fence_after``; ``exited``, its supervisor
+    saw its process exit (``node.down``, :meth:`NodeLoadView.fence_exited`)."""
 
     __slots__ = __match_args__ = ("node", "age", "rids", "cause")
 
-    def __init__(self, node: str, age: float, rids: tuple[str, ...] = (), cause: Literal["silent", "restarted"] = "silent") -> None:
+    def __init__(self, node: str, age: float, rids: tuple[str, ...] = (), cause: Literal["silent", "restarted", "exited"] = "silent") -> None:
         set_field(self, "node", node)
         set_field(self, "age", age)
         set_field(self, "rids", rids)
         set_field(self, "cause", cause)
+
+
+def _exited(rec: NodeRecord) -> bool:
+    """Whether ``rec``'s latest state is of a process its supervisor saw exit (:attr:`NodeRecord.exited_before`)."""
+    st = rec.state
+    return bool(rec.exited_before) and st is not None and (not st.boot or st.boot < rec.exited_before)
 
 
 class _Flight(StructValue):
@@ -331,6 +344,11 @@ class NodeLoadView(Value):
             self._tokens.add(state.node)
         rec = self.nodes.get(state.node) or self._record(state.node)
         old, seen = rec.state, rec.last_seen
+        if rec.exited_before and boot_older(state.boot, rec.exited_before):
+            # a state of the process its supervisor saw exit (sent before it died, read late): it would let the dead
+            # node back in until fence_after
+            self.superseded_states += 1
+            return False
         if old is not None and not rec.fenced and boot_older(state.boot, old.boot):
             # a process superseded under this node id (frozen, restarted, then resumed) until it stops itself:
             # its states would read as a restart of the node at each alternation (fence, re-dispatch). Once the
@@ -626,7 +644,9 @@ class NodeLoadView(Value):
                 parts.append(f"{rec.node}: no state reported")
             elif self.is_stale(rec, now):
                 age = now - (rec.last_seen if rec.last_seen is not None else now)
-                if age <= self.fence_after:  # fenced although it reported within the fence time: a new process
+                if age <= self.fence_after and _exited(rec):  # fenced at its supervisor's word (node.down)
+                    parts.append(f"{rec.node}: fenced (its process exited; let back in at its restarted process's first state)")
+                elif age <= self.fence_after:  # fenced although it reported within the fence time: a new process
                     parts.append(f"{rec.node}: fenced (restarted: its state sequence went back; let back in at its next state)")
                 elif self.wall_per_s is not None:  # the live router: wall s, as /v1/cluster's fence_after_s
                     w = self.wall_per_s
@@ -812,6 +832,34 @@ class NodeLoadView(Value):
                 out.append(FencedNode(node=rec.node, age=age, rids=tuple(self.requests_depending_on(rec.node)),
                                       cause="silent" if age > self.fence_after else "restarted"))
         return out
+
+    def fence_exited(self, node: str, exited_ns: int, now: float) -> tuple[FencedNode | None, str]:
+        """Fence ``node`` now: its supervisor saw its process exit at wall ns ``exited_ns`` (``node.down``). Its states
+        from a process that started before then are skipped from now on (:attr:`NodeRecord.exited_before`); the
+        first from one that started after (the restart) lets it back in.
+
+        Returns:
+            ``(fenced, why)``: the :class:`FencedNode` (cause ``exited``, with the requests in flight on it; the
+            caller re-dispatches them as for any fence) and ``""``; or None and why nothing was fenced:
+            ``unknown`` (no state heard from it), ``later_process`` (its latest state is of a process that started
+            after the exit: the notice came late), ``already_fenced``.
+        """
+        if self.clock is not None:
+            now = self.clock()
+        rec = self.nodes.get(node)
+        if rec is None or rec.state is None or rec.last_seen is None:
+            return None, "unknown"
+        floor = f"{exited_ns:020d}-"  # sorts after every boot that started before exited_ns, before every later one
+        if rec.state.boot and not boot_older(rec.state.boot, floor):
+            return None, "later_process"
+        rec.exited_before = max(rec.exited_before, floor)
+        if rec.fenced:
+            return None, "already_fenced"
+        rec.restarted = False
+        rec.fenced = True
+        rec.fence_events += 1
+        self._eligibility_changed(rec)
+        return FencedNode(node=node, age=now - rec.last_seen, rids=tuple(self.requests_depending_on(node)), cause="exited"), ""
 
     def next_deadline(self) -> float | None:
         """Earliest ``now`` at which a currently unfenced node would be fenced, or None."""

@@ -85,6 +85,7 @@ from shared.subjects import (
     BRANCH_SYNC,
     KV_LIVENESS,
     KV_LOOKUP,
+    NODE_DOWN,
     NODE_STATE,
     PLANNER_MODELS,
     REQ_OUT,
@@ -1089,6 +1090,7 @@ class RouterService(WatchedService):
         if self._templates is not None:
             await self._templates.start()
         await self.bus.subscribe(NODE_STATE, self._on_state)
+        await self.bus.subscribe(NODE_DOWN, self._on_node_down)  # the launcher saw a node's process exit
         await self.bus.subscribe(SPLIT_COMMANDS, self._on_split)
         await self.bus.subscribe(PLANNER_MODELS, self._on_models)
         await self.bus.subscribe(REQ_OUT, self._on_chunk)
@@ -1465,7 +1467,8 @@ class RouterService(WatchedService):
         if self.core.view.superseded_states != skipped:
             self.counters["states_superseded"] += 1
             self.bus.droplog.event("states_superseded", "node state of a superseded process skipped (a process that started "
-                                   "later reports under its node id)", node=st.node, boot=st.boot)  # fmt: skip
+                                   "later reports under its node id, or its supervisor saw it exit: node.down)",
+                                   node=st.node, boot=st.boot)  # fmt: skip
             return
         if back:
             self.counters["unfenced"] += 1
@@ -1484,6 +1487,22 @@ class RouterService(WatchedService):
                 node_block_size=st.block_size,
                 router_block_size=self.cfg.block_size,
             )
+
+    async def _on_node_down(self, msg: m.NodeDown, _subject: str) -> None:
+        """The launcher (``evolving-infra up``) saw ``msg.node``'s process exit: fence the node now and re-dispatch its
+        requests (:meth:`_fence`), whether or not the bus is settling (this is no silence to doubt). Before, they waited
+        for ``--fence-after-s`` of state silence after a ``kill -9`` the launcher had seen within 0.2 s. Only the
+        launcher may publish ``node.down.<node>`` and ``msg.node`` is the subject's node (``shared.validate``). Counted
+        ``node_down.fenced``, or ``node_down.<why>`` when nothing was fenced (``unknown``, ``later_process``: a
+        process that started after the exit already reports, ``already_fenced``)."""
+        f, why = self.core.fence_exited(msg.node, msg.exited_ns, self.clock.now())
+        if f is None:
+            self.counters[f"node_down.{why}"] += 1
+            self.log.info("node down notice: nothing fenced", node=msg.node, pid=msg.pid, why=why)
+            return
+        self.counters["node_down.fenced"] += 1
+        self._note_context()  # the fenced node's capacity no longer counts, as after any fence round
+        self._fence(f)
 
     async def _on_split(self, cmd: m.SplitCommand, _subject: str) -> None:
         if not epoch_step_ok(self.core.view.epoch, cmd.epoch):
@@ -2395,6 +2414,7 @@ class RouterService(WatchedService):
         self.counters["fenced"] += 1
         self.log.warning(
             "node fenced out: " + ("no node.state within fence_after_s" if f.cause == "silent"
+                                   else "its process exited (node.down from its supervisor)" if f.cause == "exited"
                                    else "restarted (its state sequence went back)"),
             node=node,
             cause=f.cause,
@@ -2403,6 +2423,7 @@ class RouterService(WatchedService):
             inflight=len(rids),
         )
         reason = (f"node {node} stopped answering (no state for {self.clock.to_wall(age):.1f}s)" if f.cause == "silent"
+                  else f"node {node}'s process exited" if f.cause == "exited"
                   else f"node {node} restarted (its state sequence went back)")
         for rid in rids:
             try:

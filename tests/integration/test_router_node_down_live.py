@@ -1,0 +1,95 @@
+"""A worker's process exits (``kill -9``) under ``evolving-infra up``: the launcher tells the routers at once
+(``node.down.<node>``, ``LocalCluster._announce_downs``) and the router fences the node and re-dispatches its
+requests without waiting for ``--fence-after-s`` of state silence (real nats-server, the router's service, nodes
+played by ``FakeCluster`` of ``test_router_live``; ``up``'s own announce with a real ``LocalCluster`` pass)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import pytest
+
+from evolving_infra.cluster import ClusterSpec, LocalCluster, _Child
+from shared import messages as m
+from shared.bus import Bus
+from shared.subjects import NODE_DOWN, NODE_STATE, Subjects
+from tests.integration.test_router_live import BS, _wait_for, router_env
+
+pytestmark = pytest.mark.timeout(60)
+
+FENCE_AFTER_S = 10.0
+"""The router's --fence-after-s here: a silence fence would come only after it."""
+
+WITHIN_S = 3.0
+"""How soon the request on the dead node must complete once its process exited (well below ``FENCE_AFTER_S``)."""
+
+
+async def test_a_request_on_a_node_whose_process_exited_is_re_dispatched_at_up_s_word(nats_server, tmp_path):
+    """``c0`` and ``c1`` (collocated) answer nothing at first; a request lands on one of them, which then dies (its
+    states stop). ``up``'s supervision pass sees the exit (a real ``LocalCluster`` whose child ``worker-<node>`` was
+    SIGKILLed) and announces it: the router fences the node, the request goes to the other node and completes within
+    ``WITHIN_S``. Before, it waited for ``FENCE_AFTER_S`` of silence (no node.down: the wait ran out)."""
+    async with router_env(nats_server.url, tmp_path, {"c0": "both", "c1": "both"}, fence_after_s=FENCE_AFTER_S) as env:
+        svc = env.service
+        env.cluster.answering.clear()
+        req = asyncio.create_task(env.http.post("/v1/completions", json={"prompt": [5] * 70, "max_tokens": 4}))
+        await _wait_for(lambda: len(env.cluster.works) == 1, what="the request's work on a node")
+        rid = env.cluster.works[0].rid
+        victim = svc.core.view.placement(rid)[0]
+        other = "c1" if victim == "c0" else "c0"
+        env.cluster.answering.add(other)
+        env.cluster.alive.discard(victim)  # no more states from it
+
+        launcher = await Bus.connect(nats_server.url, Subjects("p0"), service="launcher", instance="launcher")
+        up = LocalCluster(ClusterSpec(restart=True, restart_backoff_s=5.0, liveness_timeout_s=0.0))
+        up.log_dir = tmp_path
+        child = _Child(f"worker-{victim}", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "w.log")
+        up.children = [child]
+        up._spawn(child)
+        up._bus = launcher
+        try:
+            assert child.proc is not None
+            child.proc.kill()  # kill -9 of the worker
+            child.proc.wait()
+            killed = time.monotonic()
+            up.supervise_once()  # sees the exit, schedules the restart (5 s backoff) and notes the node's exit
+            await up._announce_downs()
+            r = await asyncio.wait_for(req, FENCE_AFTER_S + 5)
+            took = time.monotonic() - killed
+            st = await env.stats()
+        finally:
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.kill()
+                child.proc.wait()
+            if child.log_file is not None:
+                child.log_file.close()
+            await launcher.close()
+    assert r.status_code == 200 and r.headers["x-ei-prefill-node"] == other, (r.status_code, r.text, dict(r.headers))
+    assert took <= WITHIN_S, f"the request on the dead node completed {took:.2f} s after its process exited"
+    c = st.counters
+    assert c["node_down.fenced"] == 1 and c["fenced"] == 1, c
+
+
+async def test_a_node_down_on_another_node_s_subject_or_from_a_later_process_fences_nothing(nats_server, tmp_path):
+    """A ``NodeDown`` naming ``c0`` on ``node.down.c1`` is dropped (invalid: its node is not the subject's), and one
+    for ``c0`` whose exit is older than the process reporting now (a late notice) fences nothing."""
+    async with router_env(nats_server.url, tmp_path, {"c0": "both", "c1": "both"}, fence_after_s=FENCE_AFTER_S) as env:
+        svc = env.service
+        view = svc.core.view
+        await _wait_for(lambda: "c0" in view.nodes and "c1" in view.nodes, what="both nodes' states")
+        env.cluster.alive.discard("c0")  # c0's states from here on are this test's (a process with a boot)
+        boot = m.new_boot(time.time_ns(), b"\x01")
+        st = m.NodeState(node="c0", phase="both", epoch=1, block_size=BS, gpu_free_blocks=100, gpu_total_blocks=100,
+                         seq=10**6, boot=boot)  # fmt: skip
+        await env.bus.publish(NODE_STATE, st, node="c0")
+        await _wait_for(lambda: view.nodes["c0"].state is not None and view.nodes["c0"].state.boot == boot, what="c0's state with a boot")
+        await env.bus.publish_raw("ei.p0.node.down.c1", m.encode(m.NodeDown(node="c0", exited_ns=time.time_ns())))
+        await env.bus.publish(NODE_DOWN, m.NodeDown(node="c0", exited_ns=time.time_ns() - 60 * 10**9), node="c0")
+        await _wait_for(lambda: svc.counters["node_down.later_process"] == 1, what="the late notice")
+        stats = await env.stats()
+    c = stats.counters
+    assert c.get("node_down.fenced", 0) == 0 and c.get("fenced", 0) == 0, c
+    assert c["invalid.node.down.{node}"] == 1, c
+
