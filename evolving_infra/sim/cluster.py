@@ -1215,10 +1215,7 @@ class ClusterSim:
                 return
         n.kv_seq += 1
         d = self.directory
-        c = d.counters
-        z, p = c.get("evictions.host.zero_count", 0), c.get("evictions.host.positive_count", 0)
-        d.apply_kv_events(n.kv_id, n.kv_seq, t, events)  # apply_kv_batch without the batch and result objects
-        z, p = c.get("evictions.host.zero_count", 0) - z, c.get("evictions.host.positive_count", 0) - p
+        z, p = d.apply_kv_events(n.kv_id, n.kv_seq, t, events)  # apply_kv_batch without the batch and result objects
         if z or p:  # host evictions by (count > 0) and by the phase of the evicting node
             ev = self.stats.host_evictions
             ev[n.phase + ".zero_count"] = ev.get(n.phase + ".zero_count", 0) + z

@@ -139,6 +139,8 @@ class _Stream(Value):
 _EVICT_KEYS = {
     (t, pos): f"evictions.{TIERS[t]}.{'positive_count' if pos else 'zero_count'}" for t in (GPU, HOST) for pos in (0, 1)
 }
+_HOST_ZERO, _HOST_POS = _EVICT_KEYS[HOST, 0], _EVICT_KEYS[HOST, 1]
+_NO_HOST_EVICTIONS = (0, 0)
 
 
 def _writes_through(ev: BlockStored, nxt: object, block_size: int) -> bool:
@@ -424,24 +426,34 @@ class KvDirectory:
         res.expected_seq = st.next_seq
         return res
 
-    def apply_kv_events(self, n: int, seq: int, ts: float, events: list[KvEvent]) -> None:
+    def apply_kv_events(self, n: int, seq: int, ts: float, events: list[KvEvent]) -> tuple[int, int]:
         """What ``apply_kv_batch(KvEventBatch(node=…, seq=seq, ts=ts, events=events), ts)`` does
         to the directory, for an in-process caller that holds node n's id (:meth:`node_id`)
-        and reads no result (the simulator, ``ClusterSim._flush_kv``): the batch next in n's
-        sequence is applied by the same code (:meth:`_apply`), with no batch or
+        and reads no :class:`ApplyResult` (the simulator, ``ClusterSim._flush_kv``): the batch next
+        in n's sequence is applied by the same code (:meth:`_apply`), with no batch or
         :class:`ApplyResult` built; any other batch (n's first, a gap, a restart, n awaiting a
         resync) goes through :meth:`apply_kv_batch` itself. Same index, counts, outbox, counters
         and stream state either way (``tests/unit/kvdirectory/test_held_counts.py``).
+
+        Returns:
+            ``(zero, positive)``: the host-tier blocks this call evicted (removed from n's host
+            tier) with a zero / positive branch count on n, what it added to the counters
+            ``evictions.host.zero_count`` / ``evictions.host.positive_count`` (the simulator
+            splits them by the evicting node's phase; read here, not as two counter reads
+            before and two after every batch).
 
         Raises:
             IndexError: for a node id never registered.
         """
         st = self._streams[n]
         if seq != st.next_seq or st.awaiting or not st.known:
+            c = self.counters
+            z, p = c.get(_HOST_ZERO, 0), c.get(_HOST_POS, 0)
             self.apply_kv_batch(KvEventBatch(node=self.names[n], seq=seq, ts=ts, events=events), ts)
-            return
-        self._apply(n, events, ts, [])
+            return c.get(_HOST_ZERO, 0) - z, c.get(_HOST_POS, 0) - p
+        host = self._apply(n, events, ts, [])[2]
         st.next_seq += 1
+        return host
 
     def _buffer(self, st: _Stream, batch: KvEventBatch, res: ApplyResult, status: ApplyStatus) -> ApplyResult:
         st.buffer[batch.seq] = batch
@@ -471,20 +483,22 @@ class KvDirectory:
     def _apply_events(self, n: int, batch: KvEventBatch, res: ApplyResult) -> None:
         """Apply ``batch``, the next of node n's sequence; its blocks (and block sizes refused) are
         added to ``res``."""
-        stored, removed = self._apply(n, batch.events, batch.ts, res.mismatched_block_sizes)
+        stored, removed, _ = self._apply(n, batch.events, batch.ts, res.mismatched_block_sizes)
         res.blocks_stored += stored
         res.blocks_removed += removed
 
-    def _apply(self, n: int, events: Sequence[Any], ts: float, mismatched: list[int]) -> tuple[int, int]:
+    def _apply(self, n: int, events: Sequence[Any], ts: float, mismatched: list[int]) -> tuple[int, int, tuple[int, int]]:
         """Apply ``events`` of node n (a batch stamped ``ts``, next in its sequence): index,
         presence hooks, counters; the block size of every ``BlockStored`` refused is appended to
-        ``mismatched``. Returns (blocks stored, blocks removed) as :class:`ApplyResult` counts them."""
+        ``mismatched``. Returns (blocks stored, blocks removed) as :class:`ApplyResult` counts them,
+        and the host-tier evictions' ``(zero, positive)`` count tallies (:meth:`apply_kv_events`)."""
         index, table, counters = self.index, self.branches, self.counters
         counters["kv.batches_applied"] += 1
         st = self._streams[n]
         if ts > st.last_ts:
             st.last_ts = ts
         stored = removed_blocks = 0
+        host = _NO_HOST_EVICTIONS
         last = len(events) - 1
         done = -1  # events up to this one were applied with an earlier one (a write-through pair or triple)
         for i, ev in enumerate(events):
@@ -523,21 +537,28 @@ class KvDirectory:
                             table.on_stored_through(n, newly)
                             stored += 2 * len(newly)
                             counters["kv.blocks_stored"] += 2 * len(newly)
-                            removed_blocks += self._apply_removed(n, nxt)
+                            removed_blocks += len(nxt.block_hashes)
+                            z, p = self._apply_removed(n, nxt)
+                            host = (host[0] + z, host[1] + p)  # (a host eviction)
                             continue
                 newly = index.store(n, tier, ev.block_hashes, ev.parent_block_hash)
                 table.on_stored(n, tier, newly)
                 stored += len(ev.block_hashes)
                 counters["kv.blocks_stored"] += len(ev.block_hashes)
             elif t is BlockRemoved:
-                removed_blocks += self._apply_removed(n, ev)
+                removed_blocks += len(ev.block_hashes)
+                z, p = self._apply_removed(n, ev)
+                if z or p:
+                    if ev.tier == "host":
+                        host = (host[0] + z, host[1] + p)
             elif t is AllBlocksCleared:
                 counters["kv.cleared_blocks"] += self._clear(n, None if ev.tier is None else TIER_INDEX[ev.tier])
                 counters["kv.clears"] += 1
-        return stored, removed_blocks
+        return stored, removed_blocks, host
 
-    def _apply_removed(self, n: int, ev: BlockRemoved) -> int:
-        """Apply node n's ``BlockRemoved`` ``ev``: index, presence hook, counters. Returns its blocks."""
+    def _apply_removed(self, n: int, ev: BlockRemoved) -> tuple[int, int]:
+        """Apply node n's ``BlockRemoved`` ``ev``: index, presence hook, counters. Returns the blocks
+        it removed with a zero and with a positive branch count on n (``evictions.<tier>.*``)."""
         index, table, counters = self.index, self.branches, self.counters
         tier = TIER_INDEX[ev.tier]
         if table.chained:
@@ -548,10 +569,10 @@ class KvDirectory:
             removed = index.remove(n, tier, ev.block_hashes)
             pos = table.on_removed(n, tier, removed)
         counters[_EVICT_KEYS[tier, 1]] += pos
-        counters[_EVICT_KEYS[tier, 0]] += len(removed) - pos
-        k = len(ev.block_hashes)
-        counters["kv.blocks_removed"] += k
-        return k
+        z = len(removed) - pos
+        counters[_EVICT_KEYS[tier, 0]] += z
+        counters["kv.blocks_removed"] += len(ev.block_hashes)
+        return z, pos
 
     def _through_first(self, n: int, hashes: list[int], parent: int | None, evicted: list[int]) -> bool:
         """Whether node n's GPU store of ``hashes`` (below ``parent``), a host eviction of

@@ -135,6 +135,8 @@ class _World:
         self.seq = dict.fromkeys(NODES, 0)
         self.entries = 0
         self.moved = 0
+        self.host_evicted = 0
+        """Host-tier blocks evicted, as ``apply_kv_events`` returned them (``direct``)."""
 
     def place(self, bid: str, n: str, phase: str, path: list[int], t: float) -> None:
         """``RoutePlaced``: through ``place_unread`` when ``direct`` (the simulator's call, no result built)."""
@@ -155,7 +157,12 @@ class _World:
             elif ev:
                 self.seq[n] += 1
                 if self.direct:
-                    self.d.apply_kv_events(self.d.node_id(n), self.seq[n], t, ev)
+                    c = self.d.counters
+                    before = c.get("evictions.host.zero_count", 0), c.get("evictions.host.positive_count", 0)
+                    got = self.d.apply_kv_events(self.d.node_id(n), self.seq[n], t, ev)
+                    # its host evictions by count, what it added to the two counters (the simulator's per-phase split)
+                    assert got == (c.get("evictions.host.zero_count", 0) - before[0], c.get("evictions.host.positive_count", 0) - before[1])
+                    self.host_evicted += got[0] + got[1]
                 else:
                     self.d.apply_kv_batch(KvEventBatch(node=n, seq=self.seq[n], ts=t, events=ev), t)
         self.drain()
@@ -418,11 +425,16 @@ def test_apply_kv_events_off_sequence_is_apply_kv_batch():
     for seq, ts, events in batches:
         for w in worlds:
             if w.direct:
-                w.d.apply_kv_events(w.d.node_id("n0"), seq, ts, events)
+                c = w.d.counters
+                before = c.get("evictions.host.zero_count", 0), c.get("evictions.host.positive_count", 0)
+                got = w.d.apply_kv_events(w.d.node_id("n0"), seq, ts, events)
+                assert got == (c.get("evictions.host.zero_count", 0) - before[0], c.get("evictions.host.positive_count", 0) - before[1])
+                w.host_evicted += got[0] + got[1]
             else:
                 w.d.apply_kv_batch(KvEventBatch(node="n0", seq=seq, ts=ts, events=events), ts)
         assert worlds[0].directory_state() == worlds[1].directory_state(), f"after batch {seq} at {ts}"
     c = worlds[1].d.all_counters()
+    assert worlds[1].host_evicted == 1  # batch 4's, applied in sequence (the stale one is not applied)
     assert c["kv.gaps"] == 1 and c["kv.batches_stale"] == 1 and c["kv.seq_restarts"] == 1
     assert c["kv.recovered_without_resync"] == 1 and worlds[1].d.awaiting_resync("n0")
 
@@ -529,6 +541,8 @@ def _differential(
     assert full.moved == held.moved and full.moved > 0
     if direct or split:
         assert held.entries == full.entries
+        if direct:
+            assert held.host_evicted == sum(v for k, v in held.d.all_counters().items() if k.startswith("evictions.host."))
     elif chained:
         assert held.entries == full.entries
         c = held.d.all_counters()
