@@ -1231,16 +1231,36 @@ class BranchTable:
         held = self.held_counts_only and not self.index.counters["cap.rejected_blocks"]
         for n in nodes:
             box = outbox[n]
-            out = self._held_changes(n, box) if held else box
-            if held and not out:  # the node holds none of their blocks
+            if len(box) == 1:  # one change (the usual): every block listed once, each count changed
+                # _held_changes and _chains of one change, inline: its own lists are the message's
+                # (new lists the outbox held alone), or their head n holds (a Count cut by _held_cut)
+                hashes, step, counts = box[0]
                 box.clear()
-                self.out_depth[n].clear()
                 self.out_len[n] = 0
-                continue
-            ch = self._chains(n, out) if chains else None
-            if len(box) == 1:  # one change: every block listed once, each count changed
-                hashes, _, counts = out[0]
+                deps = self.out_depth[n]
+                ch = None
+                if chains:
+                    d = deps.get(id(hashes))
+                    if d is not None and d[0] is hashes:
+                        ch = [(d[1], len(hashes))]
+                if held and step is not None:
+                    k = self._held_cut(n, hashes)
+                    if k < len(hashes):
+                        if not k:  # the node holds none of its blocks
+                            deps.clear()
+                            continue
+                        hashes, counts = hashes[:k], counts[:k]
+                        if ch is not None:
+                            ch = [(ch[0][0], k)]
+                deps.clear()
             else:
+                out = self._held_changes(n, box) if held else box
+                if held and not out:  # the node holds none of their blocks
+                    box.clear()
+                    self.out_depth[n].clear()
+                    self.out_len[n] = 0
+                    continue
+                ch = self._chains(n, out) if chains else None
                 hashes = list(chain.from_iterable([o[0] for o in out]))
                 first = dict.fromkeys(hashes)
                 if len(first) == len(hashes):  # distinct blocks: each changed once
@@ -1258,9 +1278,9 @@ class BranchTable:
                     counts = now
                     if ch is not None:
                         ch = _merged_chains(out, ch, hashes)
-            box.clear()
-            self.out_depth[n].clear()
-            self.out_len[n] = 0
+                box.clear()
+                self.out_depth[n].clear()
+                self.out_len[n] = 0
             if len(hashes) <= cap:  # one message: the lists themselves (new lists the outbox held alone)
                 self.out_seq[n] = seq = self.out_seq[n] + 1
                 msgs.append((n, seq, hashes, counts, ch) if chains else (n, seq, hashes, counts))
