@@ -70,6 +70,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shared import messages as m
 from shared import tracing
+from shared import natsping
 from shared.bus import RESEND_MAX_MSGS, RESEND_WINDOW_S, STREAM_LOOKUP_TIMEOUT_S, Bus, BusError
 from shared.clock import SimClock
 from shared.config import env_name, flag_name
@@ -2305,7 +2306,9 @@ class RouterService(WatchedService):
         to reconnect now (:meth:`Bus.reconnect_deaf`, counted ``bus.deaf_reconnects``). Before, the probe saw no
         answer, the router heard no node state and fenced them all after ``fence_after_s``, and nothing reconnected
         it until nats-py's own PINGs (every 2 min, two unanswered) called the connection stale
-        (``tests/integration/test_router_bus_stall_live.py``)."""
+        (``tests/integration/test_router_bus_stall_live.py``). So is one whose read loop ended while the probe's PING
+        was in flight (its PONG can never be read): before, the probe waited for that PONG for good, the bus "stalled"
+        and fencing suspended for the router's lifetime, nothing heard."""
         interval = self._bus_stall_s / 2
         while True:
             if not self.bus.nc.is_connected:
@@ -2321,11 +2324,18 @@ class RouterService(WatchedService):
             if got is None:  # a PONG already read but not processed yet (a busy loop ran this timer first) is no stall
                 got = await probe.wait(0.01)
             while got is None:  # no PONG yet, and nats-py still holds the PING (no reconnect since)
+                if natsping.deaf(self.bus.nc):  # its read loop ended with the PING in flight: its PONG is never read
+                    break
                 if self._bus_stalled_at is None and self.bus.nc.is_connected:
                     self._bus_stalled_at = sent
                     self.counters["bus.stalls"] += 1
                     self.log.warning("NATS does not answer a PING; fencing suspended until it does", waited_s=round(time.monotonic() - sent, 3))
                 got = await probe.wait(interval)
+            if got is None and await self.bus.reconnect_deaf():  # deaf with the PING in flight: reconnected now
+                self.counters["bus.deaf_reconnects"] += 1
+                probe.drop()  # forgotten by the reconnect: cancelled at the bus's next PING
+                await asyncio.sleep(interval)
+                continue
             if got and self._bus_stalled_at is not None:
                 self.log.warning("NATS answers again; fencing resumes once node states have had time to come back",
                                  stalled_s=round(time.monotonic() - self._bus_stalled_at, 3), settle_s=self.cfg.fence_after_s + 1.0)  # fmt: skip

@@ -91,3 +91,38 @@ async def test_a_deaf_router_bus_reconnects_at_its_next_probe_and_fences_nothing
     assert took <= FENCE_S / 2, f"the deaf client was made to reconnect {took:.2f} s after it went deaf"
     assert c.get("fenced", 0) == 0, c
     assert r.status_code == 200, r.text
+
+
+async def test_a_router_bus_deaf_with_its_probe_s_ping_in_flight_reconnects_and_fences_nothing(nats_server, tmp_path):
+    """nats-server stopped a moment (SIGSTOP: the probe's PING waits for its PONG), the router's read loop ends
+    meanwhile, then the server goes on: that PONG reaches a socket nobody reads. The probe sees the client deaf and
+    makes it reconnect (``Bus.reconnect_deaf``). Before, it waited for that PONG for good: the bus "stalled", fencing
+    suspended and no node state heard for the router's lifetime (reconnected only once nats-py's own PINGs, every 2
+    min, two unanswered, called the connection stale)."""
+    async with router_env(nats_server.url, tmp_path, {"p0": "prefill", "d0": "decode"}) as env:
+        svc, loop = env.service, asyncio.get_running_loop()
+        assert (await env.http.get("/healthz")).status_code == 200
+        os.kill(nats_server.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(FENCE_S / 3)  # the probe PINGs every FENCE_S / 6: one is in flight now
+            assert any(not p.future.done() for p in svc.bus._pings), "no PING in flight"
+            reading = svc.bus.nc._reading_task
+            reading.cancel()
+            await asyncio.wait({reading}, timeout=5)
+            assert svc.bus.nc.is_connected and reading.done()
+        finally:
+            os.kill(nats_server.pid, signal.SIGCONT)
+        t0 = loop.time()
+        while svc.counters["bus.deaf_reconnects"] == 0 and loop.time() - t0 < 2 * FENCE_S:
+            await asyncio.sleep(0.05)
+        took = loop.time() - t0
+        await asyncio.sleep(3 * FENCE_S)  # the bus settles, node states heard again: none is due for fencing
+        nc = svc.bus.nc
+        assert nc.is_connected and not nc._reading_task.done(), "the router's client is still deaf"
+        r = await env.http.post("/v1/completions", json={"model": "test-model", "prompt": list(range(100)), "max_tokens": 3})
+        st = await env.stats()
+    c = st.counters
+    assert c["bus.deaf_reconnects"] == 1, c
+    assert took <= FENCE_S, f"the deaf client was made to reconnect {took:.2f} s after the server went on"
+    assert c.get("fenced", 0) == 0, c
+    assert r.status_code == 200, r.text
