@@ -255,7 +255,7 @@ async def test_a_router_stalled_past_settle_s_is_waited_for_and_an_end_elsewhere
         assert d2.sync.done.get("router-a") == 1 and d2.sync.done.get("router-b") == 0, d2.sync.done
         assert not d2.sync.timed_out and d2.counters["branch_sync.markers"] == 2
         assert ra.counters["branch_sync.requests"] == 2  # the first directory's, then the repeated one answered once
-        assert ra.counters["branch_sync.repeated"] >= 1 and d2.counters["branch_sync.resent"] >= 10
+        assert ra.counters["branch_sync.repeated"] >= 1 and d2.counters["branch_sync.resent"] >= 3  # about one a second while A stalls
 
 
 async def test_a_restarted_router_remembers_the_directorys_ended_answer(nats_url, tmp_path: Path):
