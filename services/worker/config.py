@@ -192,15 +192,17 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
                     "(work.<node>.decode): then it is dropped (counted) and its late work refused, the request failed")
     ] = 60.0
     handoff_piece_idle_s: Annotated[
-        float, Meta(gt=0, description="wall seconds a decode node keeps a hand-off's incomplete K/V without a new piece "
-                    "(a live prefill node sends its next piece, or the same one again, within its "
-                    "--handoff-chunk-timeout-s): then it is dropped (counted) and a late piece or work of it refused, "
+        float, Meta(gt=0, description="wall seconds a decode node keeps a hand-off's incomplete K/V without a newly "
+                    "stored piece (a live prefill node sends its next piece within its --handoff-chunk-timeout-s; one "
+                    "sent again, held already, does not count; one refused 'full' keeps it at most 2.5 s more): then it "
+                    "is dropped (counted) and a late piece or work of it refused, "
                     "the request failed; a prefill node that gives a hand-off up frees it at once (work.<node>.kvcancel)")
     ] = 15.0
     handoff_buffer_bytes: Annotated[
         int, Meta(ge=1, description="bytes of hand-off K/V a decode node stores at once (every transfer not yet taken "
                   "by its work, counted as its pieces land, not as announced); a new transfer whose announced total "
-                  "does not fit beside what is stored, or a piece past it, is refused 'full' and its prefill node sends "
+                  "does not fit beside what is stored and what the transfers being sent (a piece stored in the last "
+                  "second) still have to send, or a piece past it, is refused 'full' and its prefill node sends "
                   "it again after a short backoff (6 sends over 2.5 s), then fails the hand-off saying the buffer was "
                   "full (the request errors); a total past it is refused at once")
     ] = 8 * 1024**3

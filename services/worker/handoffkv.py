@@ -76,12 +76,23 @@ before the hand-off fails, saying so; between them the sender waits :func:`full_
 1 s: 2.5 s in all), time for transfers held there to be taken by their work or cancelled."""
 FULL_BACKOFF_S = 0.1
 FULL_BACKOFF_MAX_S = 1.0
+ACTIVE_S = 1.0
+"""A transfer that stored a new piece within this many seconds is being sent: a new transfer is admitted only if
+its total fits beside the bytes stored and the bytes such transfers still have to send (:meth:`KvAssembler.add`).
+A live sender keeps ``WINDOW`` pieces in flight, each answered in milliseconds; a quiet one (a forged or abandoned
+announcement) reserves nothing."""
 FULL_PREFIX = "hand-off buffer full"
 """How :meth:`KvAssembler.add`'s refusal for want of room starts (the shell answers it ``full``: transient)."""
 OPEN_MAX = 1024
 """Transfers the decode node receives at once: past it, a piece of a new one is refused ``full``. Stored bytes bound
 the memory; this bounds the address space that announced totals reserve (one anonymous mapping each) and the
 bookkeeping, so that pieces announcing huge K/Vs cannot exhaust either."""
+OPEN_PER_SENDER = 128
+"""Transfers one sender (``KvChunk.src``, its bus instance: ``worker-<prefill node>``) has open at once: past it, a
+piece of a new one of it is refused ``full``. A prefill node sends at most 16 hand-offs at once
+(``HANDOFF_SENDS_MAX``) and each one's work follows its last piece within milliseconds; this keeps one leaking or
+forging sender from taking all :data:`OPEN_MAX` (it takes 8 senders). ``src`` is what the sender stamps: a sender
+that forges a new one for each transfer is bounded only by :data:`OPEN_MAX` and the idle timeouts."""
 CANCEL_TIMEOUT_S = 1.0
 """The most a sender waits to hand its ``KvCancel`` to the bus (core NATS: it waits for no answer)."""
 ENDED_KEPT = 4096
@@ -109,6 +120,12 @@ def full_backoff_s(tries: int) -> float:
     """Seconds to wait before sending again a piece refused ``full`` ``tries`` (>= 1) times: doubling from
     :data:`FULL_BACKOFF_S`, at most :data:`FULL_BACKOFF_MAX_S`."""
     return min(FULL_BACKOFF_MAX_S, FULL_BACKOFF_S * 2 ** (max(1, tries) - 1))
+
+
+FULL_WAIT_S = sum(full_backoff_s(t) for t in range(1, FULL_TRIES))
+"""Seconds the sender's retries of one piece refused ``full`` span (2.5: :func:`full_backoff_s` between its
+:data:`FULL_TRIES` sends): a transfer refused ``full`` waits for room, so a refusal keeps it, but at most this long
+past ``piece_idle_s`` after its last newly stored piece (:meth:`KvAssembler.expire`)."""
 
 
 def chunk_bytes(max_payload: int, cap: int = CHUNK_CAP_BYTES) -> int:
@@ -180,8 +197,11 @@ class Assembly:
     """Instance that sent the first piece (``Msg.src``: ``worker-<prefill node>``), for the log."""
     started: float
     last: float
-    """``now`` of the last piece stored, sent again or refused ``full`` (monotonic s: its sender is alive):
-    :meth:`KvAssembler.expire` counts from it."""
+    """``now`` of the last newly stored piece (monotonic s): :meth:`KvAssembler.expire` counts from it. A piece sent
+    again (held already) does not move it: a sender that re-sends one piece keeps nothing open."""
+    full_at: float = float("-inf")
+    """``now`` of the last piece of it refused ``full`` (its sender waits for room): keeps it at most
+    :data:`FULL_WAIT_S` past its idle time from :attr:`last`."""
     attempt: int = 0
     """The hand-off's attempt (``KvChunk.attempt``, the first piece's)."""
     router: str = ""
@@ -190,6 +210,8 @@ class Assembly:
     """Pieces stored."""
     stored: int = 0
     """Bytes stored (what this transfer counts in :attr:`KvAssembler.held_bytes`)."""
+    refused_full: int = 0
+    """Pieces of it refused ``full`` (each sent again by a live sender)."""
     dup: int = field(default=0)
     """Pieces sent again (answered, not stored)."""
 
@@ -211,29 +233,38 @@ class KvAssembler:
     unread reservation is freed after a timeout); here the sender names the size, so what it costs is what it has
     delivered, and the rest is bounded apart:
 
-    * a new transfer is admitted only when its announced total fits beside the bytes stored now (a total past
-      ``max_bytes`` is refused at once, ``refused.too_large``: it could never fit, so the sender does not retry it),
-      and at most :data:`OPEN_MAX` are open (the address space their mappings reserve);
-    * a piece that would take the bytes stored past ``max_bytes`` (several transfers admitted at once, each fitting
-      alone) is refused ``full`` (``refused.full``), its transfer kept: a transient state, so the sender sends it again
-      after a backoff (:data:`FULL_TRIES`), while transfers held are taken by their work, cancelled, or expire;
-    * an incomplete transfer without a new piece for ``piece_idle_s`` is dropped (a live sender's next piece, or the
-      same one sent again, comes within its ``--handoff-chunk-timeout-s``, 5 s), a complete one without its
-      ``DecodeWork`` for ``idle_s`` (the work waits its turn in the decode node's JetStream consumer);
+    * a new transfer is admitted only when its announced total fits beside the bytes stored now and the bytes still
+      to come of the transfers being sent (a new piece stored within :data:`ACTIVE_S`: :meth:`reserved`); a quiet
+      transfer reserves nothing, so a forged announcement still costs only what it stored. Before, two transfers
+      admitted at once, each fitting alone, each stored part and then refused the other's pieces ``full`` until both
+      senders gave up. A total past ``max_bytes`` is refused at once (``refused.too_large``: it could never fit, so
+      the sender does not retry it); at most :data:`OPEN_MAX` are open (the address space their mappings reserve),
+      at most :data:`OPEN_PER_SENDER` of one sender;
+    * a piece that would take the bytes stored past ``max_bytes`` (a transfer that was quiet when another was
+      admitted) is refused ``full``, its transfer kept: a transient state, so the sender sends it again after a
+      backoff (:data:`FULL_TRIES`), while transfers held are taken by their work, cancelled, or expire. A ``full``
+      refusal is no drop (counted ``full_refusals``, not ``refused.*``);
+    * an incomplete transfer without a newly stored piece for ``piece_idle_s`` is dropped (a live sender's next piece
+      comes within its ``--handoff-chunk-timeout-s``, 5 s; one sent again, held already, does not keep it: a sender
+      that re-sends one piece cannot keep a transfer open), extended by a ``full`` refusal (its sender waits for room)
+      to at most :data:`FULL_WAIT_S` more; a complete one without its ``DecodeWork`` for ``idle_s`` (the work waits
+      its turn in the decode node's JetStream consumer);
     * a sender that gives up says so (``KvCancel``, :meth:`cancel`), and the shell drops what an abort or a switch to
-      prefill leaves unserved (:meth:`discard`).
+      prefill leaves unserved (:meth:`discard`); a cancel that overtook its transfer's first piece (they come on
+      separate subscriptions) is remembered, so that the piece does not open the transfer again.
 
     Args:
         max_bytes: bytes every transfer held may store together (``--handoff-buffer-bytes``).
         idle_s: seconds a complete transfer is kept without its ``DecodeWork`` (:meth:`expire`).
-        piece_idle_s: seconds an incomplete transfer is kept without a new piece; None: ``idle_s``.
+        piece_idle_s: seconds an incomplete transfer is kept without a newly stored piece; None: ``idle_s``.
 
     Counters (``counters``): ``chunks`` / ``bytes`` stored, ``duplicate_chunks`` (sent again, not stored),
-    ``refused.<why>`` (``full``, ``too_large``, ``mismatch``, ``crc``, ``ended``, ``nomem``: the kernel refused its
-    buffer), ``taken`` / ``taken_bytes`` (handed to a ``DecodeWork``), ``missing`` (a work whose K/V was not all
-    here), ``duplicate_work`` (a work of a transfer taken already), ``expired`` / ``expired_bytes`` (dropped by
-    :meth:`expire`), ``discarded`` (dropped by :meth:`discard`: its work is not served here), ``cancelled`` /
-    ``cancelled_bytes`` (dropped by :meth:`cancel`: its sender gave it up).
+    ``full_refusals`` (a piece refused ``full``: sent again, no drop), ``refused.<why>`` (``too_large``,
+    ``mismatch``, ``crc``, ``ended``, ``nomem``: the kernel refused its buffer), ``taken`` / ``taken_bytes`` (handed
+    to a ``DecodeWork``), ``missing`` (a work whose K/V was not all here), ``duplicate_work`` (a work of a transfer
+    taken already), ``expired`` / ``expired_bytes`` (dropped by :meth:`expire`), ``discarded`` (dropped by
+    :meth:`discard`: its work is not served here), ``cancelled`` / ``cancelled_bytes`` (dropped by :meth:`cancel`: its
+    sender gave it up), ``cancelled_unheld`` (a cancel of a transfer not held: remembered as ended).
 
     Raises:
         ValueError: ``max_bytes`` < 1, or ``idle_s`` or ``piece_idle_s`` <= 0.
@@ -253,6 +284,8 @@ class KvAssembler:
         """Bytes stored over :attr:`open` (``Assembly.stored``): what their buffers take."""
         self.ended: OrderedDict[str, str] = OrderedDict()
         """Transfer id → what became of it (the newest :data:`ENDED_KEPT`)."""
+        self.by_src: Counter[str] = Counter()
+        """Sender (``Assembly.src``) → its transfers in :attr:`open` (:data:`OPEN_PER_SENDER`)."""
         self.counters: Counter[str] = Counter()
 
     def add(self, c: m.KvChunk, now: float) -> str:
@@ -274,34 +307,38 @@ class KvAssembler:
                 self.counters["refused.too_large"] += 1
                 return (f"a K/V of {c.total} B can never fit this node's {self.max_bytes} B hand-off buffer "
                         f"(--handoff-buffer-bytes)")  # fmt: skip
-            if self.held_bytes + c.total > self.max_bytes or len(self.open) >= OPEN_MAX:
-                self.counters["refused.full"] += 1
-                return self._full(c.total, "a new transfer of")
+            reserved = self.reserved(now)
+            if (self.held_bytes + reserved + c.total > self.max_bytes or len(self.open) >= OPEN_MAX
+                    or self.by_src[c.src] >= OPEN_PER_SENDER):  # fmt: skip
+                self.counters["full_refusals"] += 1
+                return self._full(c.total, "a new transfer of", reserved, c.src)
             size = len(c.data) if c.index < c.count - 1 else (c.offset // c.index if c.index else c.total)
             try:
                 buf = mmap.mmap(-1, c.total)
             except (OSError, OverflowError) as e:  # the kernel refuses the mapping (ENOMEM): an answer, not a lost request
                 self.counters["refused.nomem"] += 1
                 return f"cannot allocate {c.total} B for transfer {c.transfer} of {c.rid}: {e}"
-            a = Assembly(c.transfer, c.rid, c.count, c.total, size, buf, bytearray(c.count), c.src, now, now, c.attempt, c.router)
+            a = Assembly(c.transfer, c.rid, c.count, c.total, size, buf, bytearray(c.count), c.src, now, now, attempt=c.attempt,
+                         router=c.router)  # fmt: skip
             self.open[c.transfer] = a
+            self.by_src[a.src] += 1
         why = _fits(a, c)
         if why:
             self.counters["refused.mismatch"] += 1
             self._end(a, f"refused a piece: {why}")
             return why
-        if a.have[c.index]:
+        if a.have[c.index]:  # not a sign of progress: a.last stays (a re-sender keeps nothing open)
             a.dup += 1
-            a.last = now
             self.counters["duplicate_chunks"] += 1
             return ""
         if zlib.crc32(c.data) != c.crc32:
             self.counters["refused.crc"] += 1
             self._end(a, f"piece {c.index} failed its CRC-32 check")
             return f"piece {c.index} of transfer {c.transfer} ({len(c.data)} B) failed its CRC-32 check"
-        if self.held_bytes + len(c.data) > self.max_bytes:  # admitted beside others that filled the buffer since
-            a.last = now  # its sender is alive: it sends this piece again after a backoff
-            self.counters["refused.full"] += 1
+        if self.held_bytes + len(c.data) > self.max_bytes:  # admitted while another one was quiet, which went on since
+            a.full_at = now  # its sender waits for room: kept, at most FULL_WAIT_S past its idle time (_deadline)
+            a.refused_full += 1
+            self.counters["full_refusals"] += 1
             return self._full(len(c.data), f"piece {c.index} of")
         a.buf[c.offset : c.offset + len(c.data)] = c.data
         a.have[c.index] = 1
@@ -362,15 +399,22 @@ class KvAssembler:
         """Remember that the shell refused ``transfer``'s pieces before they reached :meth:`add` (``why``: a node that
         serves prefill now): its work, when it comes, is told why (not "no piece of it came"). Counted by the shell."""
         if transfer not in self.open:
-            self.ended[transfer] = f"refused: {why}"
-            while len(self.ended) > ENDED_KEPT:
-                self.ended.popitem(last=False)
+            self._remember(transfer, f"refused: {why}")
 
     def cancel(self, transfer: str, rid: str, why: str) -> Assembly | None:
         """Drop ``transfer`` of ``rid``: its sender gave the hand-off up (``KvCancel``: ``why``); returns it if it
-        was held (a cancel of a transfer ended already, or naming another rid, changes nothing)."""
+        was held (a cancel naming another rid than the held transfer's changes nothing). A cancel of a transfer not
+        held and not ended is remembered as ended (counted ``cancelled_unheld``): it overtook the transfer's piece
+        (``work.<n>.kvcancel`` and ``work.<n>.kv`` are separate subscriptions), which is then refused, not opened
+        again to wait ``piece_idle_s`` for pieces that never come. The memory of ended transfers is bounded
+        (:data:`ENDED_KEPT`, oldest forgotten first)."""
         a = self.open.get(transfer)
-        if a is None or a.rid != rid:
+        if a is None:
+            if transfer not in self.ended:
+                self.counters["cancelled_unheld"] += 1
+                self._remember(transfer, f"cancelled by its sender: {why}" if why else "cancelled by its sender")
+            return None
+        if a.rid != rid:
             return None
         self.counters["cancelled"] += 1
         self.counters["cancelled_bytes"] += a.stored
@@ -378,35 +422,57 @@ class KvAssembler:
         return a
 
     def expire(self, now: float) -> list[Assembly]:
-        """Drop every incomplete transfer without a new piece for ``piece_idle_s``, and every complete one without its
-        work for ``idle_s``, at ``now`` (monotonic s); returns them (the shell logs each). A late piece or work of one
-        is refused naming this."""
-        out = [a for a in self.open.values() if now >= a.last + self._idle(a)]  # next_deadline's sum: no rounding gap
+        """Drop every incomplete transfer without a newly stored piece for ``piece_idle_s`` (a piece refused ``full``
+        keeps it up to ``piece_idle_s`` after the refusal, but never past ``piece_idle_s`` + :data:`FULL_WAIT_S`
+        after its last stored piece), and every complete one without its work for ``idle_s``, at ``now``
+        (monotonic s); returns them (the shell logs each). A late piece or work of one is refused naming this."""
+        out = [a for a in self.open.values() if now >= self._deadline(a)]  # next_deadline's value: no rounding gap
         for a in out:
             self.counters["expired"] += 1
             self.counters["expired_bytes"] += a.stored
             if a.complete:
                 self._end(a, f"dropped after {self.idle_s:g} s complete without its work")
             else:
-                self._end(a, f"dropped after {self.piece_idle_s:g} s without a piece ({a.got} of {a.count} pieces came)")
+                waited = f", {a.refused_full} refused full" if a.refused_full else ""
+                self._end(a, f"dropped after {self.piece_idle_s:g} s without a new piece ({a.got} of {a.count} pieces "
+                             f"came{waited})")  # fmt: skip
         return out
 
     def next_deadline(self) -> float | None:
         """When :meth:`expire` next drops a transfer (monotonic s), or None when none is held."""
-        return min(a.last + self._idle(a) for a in self.open.values()) if self.open else None
+        return min(self._deadline(a) for a in self.open.values()) if self.open else None
 
-    def _idle(self, a: Assembly) -> float:
-        return self.idle_s if a.complete else self.piece_idle_s
+    def reserved(self, now: float) -> int:
+        """Bytes still to come (announced total less stored) of the incomplete transfers that stored a new piece
+        within :data:`ACTIVE_S` of ``now`` (monotonic s): what a new transfer's admission keeps room for. O(open)."""
+        return sum(a.total - a.stored for a in self.open.values() if not a.complete and now - a.last < ACTIVE_S)
 
-    def _full(self, nbytes: int, what: str) -> str:
-        return (f"{FULL_PREFIX}: {self.held_bytes} B stored for {len(self.open)} transfers, {what} {nbytes} B would "
-                f"pass its {self.max_bytes} B (--handoff-buffer-bytes)"
-                + (f" or its {OPEN_MAX} transfers at once" if len(self.open) >= OPEN_MAX else ""))  # fmt: skip
+    def _deadline(self, a: Assembly) -> float:
+        """When :meth:`expire` drops ``a`` (monotonic s)."""
+        if a.complete:
+            return a.last + self.idle_s
+        return min(max(a.last, a.full_at) + self.piece_idle_s, a.last + self.piece_idle_s + FULL_WAIT_S)
+
+    def _full(self, nbytes: int, what: str, reserved: int = 0, src: str | None = None) -> str:
+        many = len(self.open) >= OPEN_MAX
+        mine = src is not None and self.by_src[src] >= OPEN_PER_SENDER
+        return (f"{FULL_PREFIX}: {self.held_bytes} B stored for {len(self.open)} transfers"
+                + (f" ({reserved} B more to come of those being sent)" if reserved else "")
+                + f", {what} {nbytes} B would pass its {self.max_bytes} B (--handoff-buffer-bytes)"
+                + (f" or its {OPEN_MAX} transfers at once" if many else "")
+                + (f" or its {OPEN_PER_SENDER} transfers of one sender ({src or 'no src'}) at once" if mine else ""))  # fmt: skip
 
     def _end(self, a: Assembly, what: str) -> None:
         del self.open[a.transfer]
         self.held_bytes -= a.stored
-        self.ended[a.transfer] = what
+        self.by_src[a.src] -= 1
+        if self.by_src[a.src] <= 0:
+            del self.by_src[a.src]
+        self._remember(a.transfer, what)
+
+    def _remember(self, transfer: str, what: str) -> None:
+        self.ended[transfer] = what
+        self.ended.move_to_end(transfer)
         while len(self.ended) > ENDED_KEPT:
             self.ended.popitem(last=False)
 

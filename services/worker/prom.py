@@ -47,13 +47,17 @@ name                                       type     meaning
 ``ei_node_handoff_received_bytes_total{node}`` counter bytes of K/V those brought
 ``ei_node_handoff_received_chunks_total{node}`` counter pieces that K/V came in
 ``ei_node_handoff_kv_dropped_total{node,reason}`` counter hand-off K/V the decode node let go unused: ``expired`` (no
-                                                    piece for ``--handoff-piece-idle-s``, or, complete, no work for
-                                                    ``--handoff-kv-timeout-s``), ``refused`` (a piece refused: buffer
-                                                    full (sent again), too large, a bad piece, a CRC-32 mismatch,
-                                                    stopping, serving prefill), ``lost`` (a work whose K/V was not all
+                                                    new piece for ``--handoff-piece-idle-s``, or, complete, no work
+                                                    for ``--handoff-kv-timeout-s``), ``refused`` (a piece refused for
+                                                    good: too large, a bad piece, a CRC-32 mismatch, stopping, serving
+                                                    prefill; not a ``full`` one), ``lost`` (a work whose K/V was not all
                                                     here: the request failed), ``discarded`` (its work is not served
                                                     here: an old attempt, its rid aborted, a switch to prefill),
                                                     ``cancelled`` (its prefill node gave the hand-off up)
+``ei_node_handoff_full_refusals_total{node}`` counter pieces the decode node refused ``full`` (its hand-off buffer had
+                                                    no room then): no drop, the prefill node sends each again after a
+                                                    backoff (before, counted in ``..._kv_dropped_total{reason="refused"}``
+                                                    even when the piece was stored at its next send)
 ``ei_node_handoff_kv_held_bytes{node}``    gauge    bytes of hand-off K/V stored for transfers not yet taken by their work
 =========================================  =======  ===============================================================
 
@@ -175,13 +179,16 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
     drops = {"expired": kc["expired"], "refused": refused, "lost": kc["missing"], "discarded": kc["discarded"], "cancelled": kc["cancelled"]}
     yield counter_family(
         "ei_node_handoff_kv_dropped",
-        "Hand-off K/V this decode node let go unused: expired (no piece for --handoff-piece-idle-s, or complete, no work "
-        "for --handoff-kv-timeout-s), refused (a piece refused: buffer full (sent again), too large, a bad piece, a CRC-32 "
-        "mismatch, stopping, serving prefill), lost (a work whose K/V was not all here: the request failed), discarded "
+        "Hand-off K/V this decode node let go unused: expired (no new piece for --handoff-piece-idle-s, or complete, no "
+        "work for --handoff-kv-timeout-s), refused (a piece refused for good: too large, a bad piece, a CRC-32 mismatch, "
+        "stopping, serving prefill; not a full one, see ei_node_handoff_full_refusals_total), lost (a work whose K/V was not all here: the request failed), discarded "
         "(its work is not served here: an old attempt, its rid aborted, a switch to prefill), cancelled (its prefill node "
         "gave the hand-off up)",
         {(n, k): float(drops[k]) for k in HANDOFF_KV_DROPS}, ["node", "reason"],
     )
+    yield counter_family("ei_node_handoff_full_refusals", "Hand-off K/V pieces this decode node refused full (its buffer had "
+                         "no room then): no drop, the prefill node sends each again after a backoff", {(n,): float(kc["full_refusals"])},
+                         ["node"])  # fmt: skip
     yield gauge_family("ei_node_handoff_kv_held_bytes", "Bytes of hand-off K/V stored for transfers not yet taken by their work",
                        {(n,): float(svc._kv_in.held_bytes)}, ["node"])
     yield gauge_family("ei_node_count_syncing", "1 while the node's counts await a kv.countsync snapshot", {(n,): float(svc.counts.syncing)}, ["node"])

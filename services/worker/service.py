@@ -942,12 +942,15 @@ class WorkerService:
         self._arm_kv_timer()
 
     def _expire_kv(self, now: float) -> None:
-        """Drop the hand-off K/V held past ``--handoff-kv-timeout-s`` without a piece or its work (``now``: monotonic
-        s); each one counted (``handoff.kv.expired``) and logged. Its work, if it comes later, fails the request."""
+        """Drop the hand-off K/V held past ``--handoff-piece-idle-s`` without a newly stored piece (incomplete) or
+        ``--handoff-kv-timeout-s`` without its work (complete) (``now``: monotonic s); each one counted
+        (``handoff.kv.expired``) and logged with the bytes it had stored (``kv_bytes``) of its total (``kv_total``).
+        Its work, if it comes later, fails the request."""
         for a in self._kv_in.expire(now):
             self._kv_log.event(
                 "handoff_kv_expired", "hand-off K/V dropped: no piece or work came in time", rid=a.rid, transfer=a.transfer,
-                prefill=a.src, pieces_in=a.got, pieces=a.count, kv_bytes=a.total, timeout_s=self.cfg.handoff_kv_timeout_s,
+                prefill=a.src, pieces_in=a.got, pieces=a.count, kv_bytes=a.stored, kv_total=a.total, refused_full=a.refused_full,
+                timeout_s=self.cfg.handoff_kv_timeout_s if a.complete else self.cfg.handoff_piece_idle_s,
             )  # fmt: skip
 
     def _accept(self, hook: Any, work: m.PrefillWork | m.DecodeWork) -> None:

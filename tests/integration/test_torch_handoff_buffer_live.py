@@ -75,7 +75,7 @@ async def test_a_forged_announcement_does_not_starve_a_hand_off_and_a_full_buffe
 
             async def free_soon() -> None:
                 for _ in range(200):  # until the prefill node's first piece was refused full
-                    if (await _stats(bus, "w1")).counters.get("handoff.kv.refused.full", 0) >= 1:
+                    if (await _stats(bus, "w1")).counters.get("handoff.kv.full_refusals", 0) >= 1:
                         break
                     await asyncio.sleep(0.05)
                 await w0.publish(WORK_KV_CANCEL, m.KvCancel(transfer="stuff-1", rid="stuff", reason="test: gave up"), node="w1")
@@ -98,5 +98,5 @@ async def test_a_forged_announcement_does_not_starve_a_hand_off_and_a_full_buffe
     sent, got = s0.counters, s1.counters
     assert sent["requests.handed_off"] == 2 and sent.get("requests.handoff_failed", 0) == 0, sent
     assert sent["handoff.chunk_full_retries"] >= 1, sent
-    assert got["handoff.kv.refused.full"] >= 1 and got["handoff.kv.cancelled"] == 2, got
+    assert got["handoff.kv.full_refusals"] >= 1 and got["handoff.kv.cancelled"] == 2, got
     assert got["handoff.received"] == 2 and s1.gauges["handoff.kv_held_bytes"] == 0 and s1.gauges["handoff.kv_transfers"] == 0

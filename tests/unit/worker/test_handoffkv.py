@@ -152,12 +152,15 @@ def test_the_buffer_bound_refuses_a_new_transfer_that_does_not_fit_beside_what_i
     a = hk.KvAssembler(10_000, 10.0)
     one, two = _pieces(os.urandom(6000), 2048, transfer="t1"), _pieces(os.urandom(6000), 2048, transfer="t2")
     assert a.add(one[0], 0.0) == "" and a.add(one[1], 0.0) == ""
-    why = a.add(two[0], 0.0)
+    why = a.add(two[0], 0.0)  # t1 being sent: its 1904 B to come are kept room for
+    assert why.startswith(hk.FULL_PREFIX) and "4096 B stored for 1 transfers (1904 B more to come of those being sent)" in why, why
+    why = a.add(two[0], 2.0)  # t1 quiet since 0.0: it reserves nothing, what it stored still counts
     assert why.startswith(hk.FULL_PREFIX) and "4096 B stored for 1 transfers, a new transfer of 6000 B" in why, why
-    assert a.counters["refused.full"] == 1 and list(a.open) == ["t1"] and a.held_bytes == 4096
-    assert a.add(one[2], 0.0) == ""  # its own pieces go on
+    assert a.counters["full_refusals"] == 2 and list(a.open) == ["t1"] and a.held_bytes == 4096
+    assert not any(k.startswith("refused.") for k in a.counters)  # a full refusal is sent again: no drop
+    assert a.add(one[2], 2.0) == ""  # its own pieces go on
     a.take("t1", "r1", 3, 6000)
-    assert a.add(two[0], 1.0) == ""  # room again
+    assert a.add(two[0], 3.0) == ""  # room again
     # a piece announcing a huge K/V takes no memory beyond what came (anonymous pages, untouched until written)
     big = hk.KvAssembler(1 << 40, 10.0)
     huge = m.KvChunk(transfer="t3", rid="r1", index=0, count=2**20, offset=0, total=2**30, crc32=zlib.crc32(b"\0" * 1024), data=b"\0" * 1024)
@@ -185,7 +188,7 @@ def test_a_forged_announcement_costs_what_it_stored_not_what_it_announced():
     assert a.next_deadline() == 5.0 and a.expire(4.9) == []
     (gone,) = a.expire(5.0)
     assert gone.transfer == "f1" and a.held_bytes == 0 and a.counters["expired_bytes"] == 1024
-    assert "dropped after 5 s without a piece (1 of 1024 pieces came)" in a.add(msgspec.structs.replace(forged, index=1, offset=1024), 6.0)
+    assert "dropped after 5 s without a new piece (1 of 1024 pieces came)" in a.add(msgspec.structs.replace(forged, index=1, offset=1024), 6.0)
     # a complete transfer waits idle_s for its work
     done = _pieces(kv, 100_000, transfer="t2")
     assert all(a.add(c, 10.0) == "" for c in done)
@@ -193,20 +196,125 @@ def test_a_forged_announcement_costs_what_it_stored_not_what_it_announced():
 
 
 def test_a_piece_past_the_buffer_is_refused_full_and_its_transfer_kept_until_room_comes():
-    """Two transfers admitted at once, each fitting alone: the piece that would pass the bound is refused ``full``
-    (transient: the transfer stays, its sender sends it again) and stored once the other one's work took its K/V."""
+    """A transfer quiet for more than ``ACTIVE_S`` reserves nothing, so another one is admitted beside what it
+    stored; when it goes on, the piece that would pass the bound is refused ``full`` (transient: the transfer stays,
+    its sender sends it again, for at most ``FULL_WAIT_S`` past its idle time) and stored once the other one's work
+    took its K/V."""
     a = hk.KvAssembler(10_000, 60.0, 5.0)
     kv1, kv2 = os.urandom(6000), os.urandom(6000)
     one, two = _pieces(kv1, 2048, transfer="t1"), _pieces(kv2, 2048, transfer="t2", rid="r2")
-    assert a.add(one[0], 0.0) == "" and a.add(two[0], 0.0) == ""  # 2048 + 6000 fits; 4096 + 6000 would not
-    assert a.add(one[1], 0.0) == "" and a.add(one[2], 0.0) == ""  # 8048 stored
+    assert a.add(one[0], 0.0) == ""
+    assert a.add(two[0], 2.0) == ""  # t1 quiet since 0.0: 2048 + 6000 fits
+    assert a.add(one[1], 2.0) == "" and a.add(one[2], 2.0) == ""  # t1 goes on: 8048 stored
     why = a.add(two[1], 3.0)
     assert why.startswith(hk.FULL_PREFIX) and "piece 1 of 2048 B" in why, why
-    assert "t2" in a.open and a.open["t2"].last == 3.0 and a.held_bytes == 8048  # kept: its sender is alive
-    assert a.expire(7.9) == []  # the refused piece counted as a sign of life
+    t2 = a.open["t2"]
+    assert (t2.last, t2.full_at, t2.refused_full, a.held_bytes) == (2.0, 3.0, 1, 8048)  # kept: its sender waits for room
+    assert a.next_deadline() == 8.0 and a.expire(7.9) == []  # the refusal keeps it piece_idle_s (5 s) from then
     a.take("t1", "r1", 3, 6000)
     assert a.add(two[1], 4.0) == "" and a.add(two[2], 4.0) == ""
     assert bytes(a.take("t2", "r2", 3, 6000)) == kv2 and a.held_bytes == 0
+    assert a.counters["full_refusals"] == 1 and not any(k.startswith("refused.") for k in a.counters)
+
+
+def test_two_transfers_admitted_at_once_each_fitting_alone_both_complete():
+    """Review 54, item 1: a new transfer was admitted when its total fitted beside the bytes STORED: two hand-offs
+    whose pieces came interleaved were both admitted, each stored part, then each one's next piece was refused
+    ``full`` by the other's bytes until both senders gave up (2P1D, 300,000-B buffer: 16 of 36 requests failed).
+    Now the bytes still to come of a transfer being sent are kept room for: the second waits (refused ``full``, sent
+    again), the first completes, and the second goes in once the first's work took its K/V."""
+    a = hk.KvAssembler(600_000, 60.0, 15.0)
+    size = hk.chunk_bytes(64 * 1024)
+    ka, kb = os.urandom(360_448), os.urandom(360_448)  # each fits alone; both do not
+    pa, pb = _pieces(ka, size, transfer="ta", rid="ra"), _pieces(kb, size, transfer="tb", rid="rb")
+    refused: list[m.KvChunk] = []
+    now = 0.0
+    for x, y in zip(pa, pb, strict=True):  # as two senders' windows arrive: one piece of each in turn
+        now += 0.001
+        assert a.add(x, now) == "", a.counters
+        why = a.add(y, now)
+        assert why.startswith(hk.FULL_PREFIX), why
+        refused.append(y)
+    assert a.open["ta"].complete and "tb" not in a.open and a.held_bytes == len(ka)
+    assert bytes(a.take("ta", "ra", len(pa), len(ka))) == ka
+    for y in refused:  # its sender sends each again after its backoff
+        assert a.add(y, now + 0.1) == ""
+    assert bytes(a.take("tb", "rb", len(pb), len(kb))) == kb and a.held_bytes == 0
+    # a transfer quiet for ACTIVE_S reserves nothing: a forged announcement still costs only what it stored
+    forged = _pieces(os.urandom(500_000), 100_000, transfer="tf", rid="rf")[0]
+    assert a.add(forged, 10.0) == "" and a.reserved(10.0) == 400_000 and a.reserved(10.0 + hk.ACTIVE_S) == 0
+    late = msgspec.structs.replace(pb[0], transfer="tc")
+    assert a.add(late, 10.5).startswith(hk.FULL_PREFIX)  # 400,000 B to come of it, 100,000 stored: 360,448 does not fit
+    assert a.add(late, 10.0 + hk.ACTIVE_S) == ""
+
+
+def test_a_transfer_kept_open_only_by_pieces_sent_again_expires():
+    """Review 54, item 2: a piece sent again (held already) or refused ``full`` reset its transfer's idle time: a
+    forger re-sending one piece of each of 1,024 transfers kept ``OPEN_MAX`` full and every real hand-off was
+    refused ``full``. Now only a newly stored piece keeps a transfer (a ``full`` refusal: at most ``FULL_WAIT_S``
+    past its idle time, the sender's retries of one piece)."""
+    a = hk.KvAssembler(hk.OPEN_MAX * 4096, 60.0, 15.0)
+    forged = [msgspec.structs.replace(c, src=f"worker-f{i % 8}") for i in range(hk.OPEN_MAX)
+              for c in _pieces(os.urandom(2048), 1024, transfer=f"f{i}", rid=f"rf{i}")[:1]]  # fmt: skip
+    assert all(a.add(c, 0.0) == "" for c in forged) and len(a.open) == hk.OPEN_MAX
+    real = _pieces(os.urandom(4096), 2048, transfer="real", rid="r")
+    why = a.add(real[0], 0.0)
+    assert why.startswith(hk.FULL_PREFIX) and f"or its {hk.OPEN_MAX} transfers at once" in why, why
+    for t in (10.0, 14.9):  # the forger re-sends its piece 0 of each: answered, not a sign of life
+        assert all(a.add(c, t) == "" for c in forged)
+    assert a.counters["duplicate_chunks"] == 2 * hk.OPEN_MAX and a.next_deadline() == 15.0
+    assert len(a.expire(15.0)) == hk.OPEN_MAX and not a.open
+    assert a.add(real[0], 15.0) == "" and a.add(real[1], 15.0) == ""
+    # a piece refused full keeps its transfer past piece_idle_s, at most FULL_WAIT_S more
+    assert hk.FULL_WAIT_S == sum(hk.full_backoff_s(t) for t in range(1, hk.FULL_TRIES)) == 2.5
+    b = hk.KvAssembler(6144, 60.0, 5.0)
+    one, two = _pieces(os.urandom(4096), 2048, transfer="t1"), _pieces(os.urandom(4096), 2048, transfer="t2", rid="r2")
+    assert b.add(one[0], 0.0) == "" and b.add(two[0], 2.0) == "" and b.add(one[1], 2.0) == ""
+    for t in (3.0, 5.0, 7.0, 9.0):
+        assert b.add(two[1], t).startswith(hk.FULL_PREFIX)
+    assert b.next_deadline() == 2.0 + 5.0 + hk.FULL_WAIT_S and b.open["t2"].refused_full == 4
+    (gone,) = b.expire(9.5)
+    assert gone.transfer == "t2" and "without a new piece (1 of 2 pieces came, 4 refused full)" in b.ended["t2"]
+
+
+def test_one_sender_opens_at_most_open_per_sender_transfers():
+    """Review 54, item 2: one sender (``KvChunk.src``) could take all ``OPEN_MAX``; now at most
+    ``OPEN_PER_SENDER`` of its transfers are open at once (a piece of a new one is refused ``full``), others' go on."""
+    a = hk.KvAssembler(MIB, 60.0, 15.0)
+    mine = [msgspec.structs.replace(_pieces(os.urandom(2048), 1024, transfer=f"m{i}", rid=f"r{i}")[0], src="worker-x")
+            for i in range(hk.OPEN_PER_SENDER + 1)]  # fmt: skip
+    assert all(a.add(c, 0.0) == "" for c in mine[:-1])
+    why = a.add(mine[-1], 0.0)
+    assert why.startswith(hk.FULL_PREFIX) and f"or its {hk.OPEN_PER_SENDER} transfers of one sender (worker-x) at once" in why, why
+    other = msgspec.structs.replace(mine[-1], transfer="o1", src="worker-y")
+    assert a.add(other, 0.0) == "" and a.by_src == {"worker-x": hk.OPEN_PER_SENDER, "worker-y": 1}
+    assert a.cancel("m0", "r0", "gave up") is not None and a.add(mine[-1], 0.0) == ""  # room for it again
+    a.expire(100.0)
+    assert not a.open and not a.by_src
+
+
+def test_a_cancel_that_overtook_its_first_piece_keeps_the_transfer_from_opening():
+    """Review 54, item 4: a ``KvCancel`` comes on another subscription than the pieces, and can overtake a piece
+    queued behind others: it changed nothing, and the piece then opened the transfer, held ``piece_idle_s`` for
+    pieces that never come. Now the cancel is remembered (bounded: ``ENDED_KEPT``)."""
+    a = hk.KvAssembler(MIB, 60.0, 15.0)
+    pieces = _pieces(os.urandom(5000), 2000)
+    assert a.cancel("t1", "r1", "piece 1 of 3 unanswered") is None
+    assert a.counters["cancelled_unheld"] == 1 and a.counters["cancelled"] == 0
+    why = a.add(pieces[0], 1.0)
+    assert "ended here already: cancelled by its sender: piece 1 of 3 unanswered" in why, why
+    assert not a.open and a.held_bytes == 0 and a.counters["refused.ended"] == 1
+    with pytest.raises(hk.KvMissing, match="cancelled by its sender") as e:
+        a.take("t1", "r1", 3, 5000)
+    assert not e.value.unknown
+    # a cancel of a transfer taken already does not rewrite what became of it
+    assert all(a.add(c, 2.0) == "" for c in _pieces(os.urandom(5000), 2000, transfer="t2"))
+    a.take("t2", "r1", 3, 5000)
+    assert a.cancel("t2", "r1", "late") is None and a.ended["t2"] == "taken" and a.counters["cancelled_unheld"] == 1
+    # the memory of ended transfers is bounded
+    for i in range(hk.ENDED_KEPT + 10):
+        a.cancel(f"x{i}", "r", "flood")
+    assert len(a.ended) == hk.ENDED_KEPT and "t1" not in a.ended and f"x{hk.ENDED_KEPT + 9}" in a.ended
 
 
 def test_a_cancel_frees_its_transfer_at_once():
@@ -574,3 +682,75 @@ async def test_the_kv_of_an_older_attempts_work_is_discarded_at_once():
         assert d._kv_in.add(c, 0.0) == ""
     await d._on_decode(_work("r 6", kv_bytes=len(kv), kv_transfer="p-bb-2", kv_chunks=len(bad)), "")
     assert d.counters["requests.bad_rid"] == 1 and d._kv_in.held_bytes == 0 and d._kv_in.counters["discarded"] == 2
+
+
+async def test_a_decode_work_the_bus_refused_cancels_its_kv_on_the_decode_node():
+    """Review 54, item 3: the pieces all answered, the ``DecodeWork`` that names them refused by the bus (NATS
+    gone past its buffer): the request fails and the prefill node tells the decode node (``KvCancel``), which frees
+    the K/V at once, not after ``--handoff-kv-timeout-s`` (60 s)."""
+    from services.worker.plan import HandOff
+    from shared.bus import BusUnavailable
+
+    class _Refusing(_Bus):
+        async def publish(self, subject, msg, **kw) -> None:  # type: ignore[no-untyped-def]
+            if subject.template == "work.{node}.decode":
+                raise BusUnavailable("nats: outbound buffer limit exceeded")
+            await super().publish(subject, msg, **kw)
+
+    pbus, dbus = _Refusing(), _Bus()
+    p, d = _worker("p", "prefill", pbus), _worker("d", "decode", dbus)
+    pbus.answer = lambda c: d._on_kv_chunk(c, "")
+    kv = os.urandom(50_000)
+    p.engine.handoff = lambda w: msgspec.structs.replace(w, kv=kv)  # type: ignore[method-assign]
+    await p._handoff(HandOff("r1", "d", _work(), 0.0))
+    (err,) = _errors(pbus)
+    assert "hand-off to d failed (50000 B of K/V)" in err and "outbound buffer limit exceeded" in err, err
+    assert p.counters["requests.handoff_failed"] == 1 and p.counters["handoff.cancels_sent"] == 1
+    ((cancel, kw),) = [(msg, kw) for t, msg, kw in pbus.published if t == "work.{node}.kvcancel"]
+    (held,) = d._kv_in.open.values()
+    assert kw["node"] == "d" and (cancel.transfer, cancel.rid) == (held.transfer, "r1") and held.complete
+    assert "its work was not sent" in cancel.reason
+    await d._on_kv_cancel(cancel, "")
+    assert not d._kv_in.open and d._kv_in.held_bytes == 0 and d._kv_in.counters["cancelled_bytes"] == 50_000
+    await asyncio.gather(p.stop(), d.stop())
+
+
+async def test_a_superseded_process_leaves_a_cancel_to_the_process_that_replaced_it():
+    """Review 54, item 3: a process superseded by a later one of its node id (both receive the node's
+    ``work.<n>.kvcancel``) changes nothing on a cancel: what it holds is no longer the node's to count or log."""
+    from services.worker.service import Superseded
+
+    bus = _Bus()
+    d = _worker("d", "decode", bus)
+    for c in _pieces(os.urandom(5000), 2000, transfer="p-aa-1"):
+        assert (await d._on_kv_chunk(c, "")).error == ""
+    d._fail(Superseded("another process announces node d and started later"), "node.state")
+    await d._on_kv_cancel(m.KvCancel(transfer="p-aa-1", rid="r1", reason="gave up"), "")
+    assert "p-aa-1" in d._kv_in.open and d._kv_in.counters["cancelled"] == 0 and d.counters["work.superseded"] == 1
+    await d.stop()
+
+
+async def test_a_full_refusal_is_counted_apart_not_as_a_dropped_kv():
+    """Review 54, item 5: ``ei_node_handoff_kv_dropped_total{reason="refused"}`` counted every ``full`` refusal,
+    even of a piece stored at its next send; now those are ``ei_node_handoff_full_refusals_total``, and an expired
+    transfer's log names the bytes it stored, not its announced total."""
+    from services.worker.prom import worker_families
+
+    bus = _Bus()
+    d = _worker("d", "decode", bus, handoff_buffer_bytes=10_000)
+    one, two = _pieces(os.urandom(6000), 2048, transfer="p-aa-1"), _pieces(os.urandom(6000), 2048, transfer="p-aa-2", rid="r2")
+    assert (await d._on_kv_chunk(one[0], "")).error == ""
+    ack = await d._on_kv_chunk(two[0], "")
+    assert ack.full and ack.error.startswith(hk.FULL_PREFIX)
+    d._kv_in.discard("p-aa-1")
+    assert (await d._on_kv_chunk(two[0], "")).error == ""  # sent again: stored
+    fams = {f.name: f for f in worker_families(d)}
+    assert fams["ei_node_handoff_full_refusals"].samples[0].value == 1.0
+    assert {s.labels["reason"]: s.value for s in fams["ei_node_handoff_kv_dropped"].samples}["refused"] == 0.0
+    assert d.stats()[0]["handoff.kv.full_refusals"] == 1
+    logged: list[dict] = []
+    d._kv_log.event = lambda kind, text, **kw: logged.append(kw)  # type: ignore[method-assign]
+    d._expire_kv(d._kv_in.next_deadline())
+    (e,) = logged
+    assert (e["kv_bytes"], e["kv_total"], e["timeout_s"]) == (2048, 6000, d.cfg.handoff_piece_idle_s), e
+    await d.stop()
