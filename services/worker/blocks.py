@@ -715,26 +715,34 @@ class GpuBlockPool:
         self.reserved -= hi - lo
         if hi <= lo:
             return []
-        runs, m = self.match_runs(path, hi)  # one walk: the runs holding the resident prefix path[:m] of path[:hi]
-        if m < lo:
-            raise KvInvariantError(f"fill from {lo} but only {m} pages of the path are resident")
-        if runs:
-            last = runs[-1]
-            if last.depth + len(last.keys) > m:  # the last run goes on past m: cut it there
-                runs[-1] = self._split(last, m - last.depth)
-        if m > lo:  # pages computed meanwhile by another request: referenced, not stored
-            i = len(runs) - 1
-            while runs[i].depth > lo:
-                i -= 1
-            r0 = runs[i]
-            if r0.depth < lo:
-                self._split(r0, lo - r0.depth)  # r0 keeps [lo, ...)
-            q = self.queue
-            for r in runs[i:]:
-                if r.ref == 0:
-                    q.unlink(r)
-                    q.blocks -= len(r.keys)
-                r.ref += 1
+        p = self.ends.get(path[lo - 1]) if lo else None
+        if p is not None and (p.children is None or path[lo] not in p.children):
+            # the usual case (a prefill chunk's pages after the prefix its request holds): a run ends
+            # at path[lo - 1] (chained hashes: the held prefix's last run) and path[lo] is not resident
+            # below it, so the resident prefix of path[:hi] is path[:lo], that run its last: no walk
+            m = lo
+        else:
+            runs, m = self.match_runs(path, hi)  # one walk: the runs holding the resident prefix path[:m] of path[:hi]
+            if m < lo:
+                raise KvInvariantError(f"fill from {lo} but only {m} pages of the path are resident")
+            if runs:
+                last = runs[-1]
+                if last.depth + len(last.keys) > m:  # the last run goes on past m: cut it there
+                    runs[-1] = self._split(last, m - last.depth)
+                p = runs[-1]
+            if m > lo:  # pages computed meanwhile by another request: referenced, not stored
+                i = len(runs) - 1
+                while runs[i].depth > lo:
+                    i -= 1
+                r0 = runs[i]
+                if r0.depth < lo:
+                    self._split(r0, lo - r0.depth)  # r0 keeps [lo, ...)
+                q = self.queue
+                for r in runs[i:]:
+                    if r.ref == 0:
+                        q.unlink(r)
+                        q.blocks -= len(r.keys)
+                    r.ref += 1
         if m == hi:
             return []
         new = path[m:hi]
@@ -747,7 +755,7 @@ class GpuBlockPool:
             self.roots[new[0]] = run
             ends[new[-1]] = run
         else:
-            p = runs[-1]
+            assert p is not None  # the run holding path[m - 1]
             parent = path[m - 1]
             if not p.children and p.ref == 1:
                 del ends[p.keys[-1]]
@@ -776,8 +784,13 @@ class GpuBlockPool:
         if n <= 0:
             return
         q = self.queue
-        runs = self._cover_range(path, 0, n)
-        for r in reversed(runs):
+        r = self.ends.get(path[n - 1])
+        if r is None:  # path[n - 1] inside a run: cut it there (a request's held prefix ends a run, usually)
+            r = self._cover_range(path, 0, n)[-1]
+        # path[:n] is the run ending at path[n - 1] and its ancestors (chained hashes): walked up by
+        # parent links, deepest first, not down from the root (a merge folds a run's child into
+        # it, its parent stays)
+        while r is not None:
             ref = r.ref - 1
             if ref < 0:
                 raise KvInvariantError(f"block {r.keys[-1]} released below zero")
@@ -790,6 +803,7 @@ class GpuBlockPool:
             if ref == 0:
                 q.append(r)
                 q.blocks += len(r.keys)
+            r = r.parent
 
     def snapshot(self) -> list[int]:
         """Hashes of every hashed block, parents first. O(n)."""

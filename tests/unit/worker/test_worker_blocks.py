@@ -185,6 +185,42 @@ def test_fill_dedupes_a_page_computed_meanwhile():
     kv.check([(a, 2, 0), (a, 2, 0)])
 
 
+def test_fill_and_release_after_a_held_prefix_start_at_its_last_run():
+    """``fill`` from a held prefix and ``release`` start at the run that ends the prefix
+    (``GpuBlockPool.ends``) instead of walking from L1's root; the cases they hand to the walk
+    (pages computed meanwhile below the prefix; a prefix ending inside a run, which a request's
+    held prefix never does) come out the same."""
+    kv = KvBlockManager(16, 64, 4)
+    a = P(1, 2, 3, 4, 5, 6)
+    # A and B share the prompt; both hold the first two pages (computed by an earlier request)
+    compute(kv, P(1, 2))
+    for _ in range(2):
+        n_gpu, _ = kv.match(a, 6)
+        assert n_gpu == 2 and kv.admit(a, 2, 4)
+    kv.take_events()
+    kv.fill(a, 2, 4)  # B's chunk: new pages below the held run [1, 2]
+    assert [e.block_hashes for e in stored(kv.take_events(), "gpu")] == [[3, 4]]
+    kv.fill(a, 2, 4)  # A's chunk: pages 3, 4 were computed meanwhile: referenced, nothing stored
+    assert kv.take_events() == []
+    assert kv.gpu.blocks[3].ref == 2 and kv.gpu.blocks[4].ref == 2
+    kv.fill(a, 4, 6)  # B goes on alone: its held prefix [1..4] ends a run
+    assert [e.block_hashes for e in stored(kv.take_events(), "gpu")] == [[5, 6]]
+    kv.check([(a, 6, 0), (a, 4, 2)])
+    kv.release(a, 6, 0)  # B leaves: walked up from the run ending at page 6
+    kv.check([(a, 4, 2)])
+    assert kv.gpu.blocks[6].ref == 0 and kv.gpu.blocks[4].ref == 1
+    # a prefix that ends inside a run (page 2 is inside A's run [1..4], merged at B's release): cut there
+    kv.gpu.release(a, 2)
+    assert kv.gpu.blocks[2].ref == 0 and kv.gpu.blocks[3].ref == 1
+    kv.gpu.acquire(a, 2)
+    kv.check([(a, 4, 2)])
+    kv.fill(a, 4, 6)  # A: pages 5, 6 still resident (unreferenced): referenced again, not stored
+    assert kv.take_events() == []
+    kv.release(a, 6, 0)
+    kv.check([])
+    assert all(b.ref == 0 for b in kv.gpu.blocks.values())
+
+
 def test_snapshot_lists_both_tiers():
     kv = KvBlockManager(2, 8, 4)
     compute(kv, P(1, 2))
