@@ -54,8 +54,8 @@ async def test_renders_as_in_process_and_errors_are_reasons():
         await pool.close()
 
 
-async def test_a_render_past_the_deadline_or_the_memory_cap_kills_the_child_and_the_next_render_works():
-    pool = RequestTemplatePool(1, deadline_s=1.0, queue_s=30.0, memory_bytes=512 * 1024 * 1024)
+async def test_a_render_past_the_deadline_kills_the_child_and_the_next_render_works():
+    pool = RequestTemplatePool(1, deadline_s=1.0, queue_s=30.0)
     await pool.start()
     try:
         first = next(iter(pool._all)).proc.pid
@@ -68,11 +68,25 @@ async def test_a_render_past_the_deadline_or_the_memory_cap_kills_the_child_and_
                 break
             await asyncio.sleep(0.01)
         assert _gone(first)
+        assert await _render(pool, TPL) == "<s>[system] Be brief.[user] hi!"  # waited for its replacement
+        assert pool.killed == 1
+    finally:
+        await pool.close()
+    assert not pool._all
+
+
+async def test_a_render_past_the_memory_cap_kills_the_child_and_the_next_render_works():
+    """A pool of its own with a deadline far past the hog's time: on a loaded box (the CI's other lane) the doubling
+    to 512 MiB took over the 1-s deadline of the test above, which then answered 'took longer' (fresh-clone suite,
+    session 54), so the memory cap was not what ended it."""
+    pool = RequestTemplatePool(1, deadline_s=60.0, queue_s=60.0, memory_bytes=512 * 1024 * 1024)
+    await pool.start()
+    try:
         hog = "{% set ns = namespace(s='x' * 1000) %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}"
         with pytest.raises(TemplateRenderError, match="ran out of memory"):
             await _render(pool, hog)
-        assert await _render(pool, TPL) == "<s>[system] Be brief.[user] hi!"  # each waited for its replacement
-        assert pool.killed == 2
+        assert await _render(pool, TPL) == "<s>[system] Be brief.[user] hi!"  # waited for its replacement
+        assert pool.killed == 1
     finally:
         await pool.close()
     assert not pool._all
