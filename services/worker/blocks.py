@@ -80,7 +80,7 @@ from __future__ import annotations
 from collections import _count_elements, deque  # type: ignore[attr-defined]
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain, compress, count, islice
-from operator import ne
+from operator import itemgetter, ne
 from typing import Any
 
 from shared.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Tier
@@ -262,6 +262,9 @@ class _BlockView:
 
 _NONE: tuple[tuple[int, int], ...] = ()
 """No counted interval (:attr:`_GpuRun.counted`): one shared empty tuple, replaced, never changed."""
+
+_SECOND = itemgetter(1)
+"""A chain's length (``(position, length)``), C-level."""
 
 
 def _ivl_cut(iv: Sequence[tuple[int, int]], k: int) -> tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]]:
@@ -1900,10 +1903,13 @@ class BranchRunHostPool(RunHostPool):
         if r is not None:
             return r if g is None or r.group == g else None
         for q in self.queues if g is None else (self.queues[g],):
-            for r in q:
+            end = q.head  # the queue's links walked here, not by its generator (a resume per run)
+            r = end.next
+            while r is not end:
                 o = d - r.depth
                 if 0 <= o < len(r.keys) and r.keys[o] == h:
                     return r
+                r = r.next
         if g is None:
             raise KvInvariantError(f"L2 page {h} (depth {d}) is queued in no run")
         return None
@@ -2136,8 +2142,8 @@ class BranchRunHostPool(RunHostPool):
         n = len(hashes)
         if n != len(counts):
             raise ValueError(f"{n} hashes but {len(counts)} counts")
-        if chains is not None and sum(k for _, k in chains) != n:
-            raise ValueError(f"chains cover {sum(k for _, k in chains)} entries of {n}")
+        if chains is not None and (chains[0][1] if len(chains) == 1 else sum(map(_SECOND, chains))) != n:  # (one chain: the usual)
+            raise ValueError(f"chains cover {sum(map(_SECOND, chains))} entries of {n}")
         if not n:
             return 0
         if chains is not None and self._counted is not None:

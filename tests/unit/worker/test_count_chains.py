@@ -126,6 +126,11 @@ def test_chains_must_cover_the_message():
     kv = KvBlockManager(4, 32, 4, "branch-count")
     with pytest.raises(ValueError, match="chains cover 1 entries of 2"):
         kv.update_counts([1, 2], [1, 1], [(0, 1)])
+    with pytest.raises(ValueError, match="chains cover 2 entries of 3"):  # several chains: their lengths summed
+        kv.update_counts([1, 2, 3], [1, 1, 1], [(0, 1), (1, 1)])
+    with pytest.raises(ValueError, match="chains cover 0 entries of 2"):
+        kv.update_counts([1, 2], [1, 1], [])
+    assert kv.update_counts([1, 2], [1, 1], [(0, 1), (None, 1)]) == 0  # covered: nothing held, nothing moves
 
 
 def test_a_stores_resent_counts_take_the_stores_position(fallbacks: list[int]):
