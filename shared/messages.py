@@ -480,6 +480,10 @@ class NodeState(Msg, frozen=True, kw_only=True):
     processes that announce one node id (a worker restarted while the old process was frozen, then
     resumed) are told apart: the older one stops (``services/worker``) and the router skips its states.
     Empty: not known (an older publisher)."""
+    pid: NonNeg = 0
+    """The publishing process's id (``os.getpid()``): a router fences a node on a :class:`NodeDown` only when the
+    notice names this pid (the process it trusts for the node), and skips only this process's late states after.
+    0: not known (an older publisher; the router then goes by :attr:`NodeDown.exited_ns` against ``boot``)."""
 
 
 def new_boot(now_ns: int, rand: bytes) -> str:
@@ -1084,10 +1088,14 @@ class NodeDown(Msg, frozen=True, kw_only=True):
 
     node: str
     pid: NonNeg = 0
-    """The process that exited (for the log)."""
+    """The process that exited: a router fences the node only when it is the pid of the process it trusts for the
+    node (:attr:`NodeState.pid`), and skips only that process's states after; a notice naming another pid (a wrong
+    pid, another ``up`` on the same NATS, a notice that came after the restart) fences nothing. 0: not known."""
     exited_ns: NonNeg = 0
-    """Wall-clock ns (``time.time_ns()``) at which the supervisor saw the exit: a node state whose ``boot`` started
-    before it is of that process (or an older one), one that started after it of its restart."""
+    """Wall-clock ns (``time.time_ns()``) at which the supervisor saw the exit. Used only when a pid is not known
+    (this notice's or the node's state's: an older sender): a node state whose ``boot`` started before it is then
+    taken for that process's (or an older one's), one that started after it for its restart. A router drops a
+    notice whose ``exited_ns`` is more than a few seconds past its own wall clock (``node_down.future``)."""
     code: int = 0
     """Its exit status as ``Popen.returncode`` gives it (negative: killed by that signal)."""
 

@@ -329,6 +329,7 @@ def _node_state(s: m.NodeState, p: dict[str, str], nodes: Collection[str] | None
             _int(f, "queue[] tokens", MAX_TOKENS)
     _text(s.engine, "engine", 64)
     _text(s.boot, "boot", 64)
+    _int(s.pid, "pid", 2**32)
 
 
 def _iters(r: m.IterationRecords, p: dict[str, str], nodes: Collection[str] | None) -> None:
@@ -673,7 +674,9 @@ def _node_down(d: m.NodeDown, p: dict[str, str], nodes: Collection[str] | None) 
     _same(d.node, p, "node", "node")
     _known(d.node, nodes, "node")
     _int(d.pid, "pid", 2**32)
-    _int(d.exited_ns, "exited_ns", 10**20 - 1)  # 20 digits, as NodeState.boot's start
+    # msgpack's uint64 (a larger value fails decoding): this bounds the type only; the router bounds it by its wall
+    # clock (NodeLoadView.fence_exited's wall_ns). Before, 10**20-1 here, which no decoded value reaches
+    _int(d.exited_ns, "exited_ns", 2**64 - 1)
     _int(d.code, "code", 255, lo=-128)
 
 

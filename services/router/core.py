@@ -500,9 +500,11 @@ class RouterCore:
         """Fence silent nodes; see :meth:`NodeLoadView.check_fences`."""
         return self.view.check_fences(now)
 
-    def fence_exited(self, node: str, exited_ns: int, now: float) -> tuple[FencedNode | None, str]:
-        """Fence ``node`` now, its process seen to exit (``node.down``); see :meth:`NodeLoadView.fence_exited`."""
-        return self.view.fence_exited(node, exited_ns, now)
+    def fence_exited(
+        self, node: str, exited_ns: int, now: float, *, pid: int = 0, wall_ns: int | None = None
+    ) -> tuple[FencedNode | None, str]:
+        """Fence ``node`` now, its process ``pid`` seen to exit (``node.down``); see :meth:`NodeLoadView.fence_exited`."""
+        return self.view.fence_exited(node, exited_ns, now, pid=pid, wall_ns=wall_ns)
 
     def forget_left(self, now: float, forget_after: float) -> list[str]:
         """Forget nodes that have left for good and hold no request (:meth:`NodeLoadView.forget_left`), in the

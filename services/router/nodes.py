@@ -70,6 +70,48 @@ NO_SUCH_NODE = "no such node known"
 PREFILL_PHASES: frozenset[str] = frozenset(("prefill", "both"))
 DECODE_PHASES: frozenset[str] = frozenset(("decode",))
 
+NODE_DOWN_FUTURE_SLACK_NS = 5 * 10**9
+"""How far past the router's wall clock (ns) a ``NodeDown.exited_ns`` may be (the launcher's and the router's
+clocks, one host's as a rule, read a moment apart): one later is dropped (:meth:`NodeLoadView.fence_exited`,
+``future``); its time floor would skip every state of the node's processes that start before it."""
+
+
+class ExitNotice(Value):
+    """What a ``node.down`` notice that fenced a node said about the process that exited
+    (:meth:`NodeLoadView.fence_exited`), kept on its :class:`NodeRecord` to tell that process's late states
+    (skipped) from its restart's (let in), and to let the node back in if the "dead" process keeps reporting."""
+
+    pid: int
+    """The dead process's pid (``NodeDown.pid`` = the trusted state's ``NodeState.pid``); 0: a pid was not known
+    (an older sender), and :attr:`floor` tells the processes apart."""
+    boot: str
+    """The dead process's ``NodeState.boot`` (that of the state trusted when the notice came; ``""``: not known):
+    a state with its pid but another boot is of a process that reused the pid, not of the dead one."""
+    floor: str
+    """With no pid: a ``NodeState.boot`` floor (``f"{exited_ns:020d}-"``): a state whose process started before it is
+    taken for the dead process's. ``""`` with a pid."""
+    heard_from: float | None
+    """``now`` of the first of the dead process's states skipped in the current run of them (none more than the
+    fence time apart), None: none skipped yet (:meth:`NodeLoadView.apply_state`'s safety net)."""
+    heard_at: float | None
+    """``now`` of the latest of them."""
+
+    __slots__ = __match_args__ = ("pid", "boot", "floor", "heard_from", "heard_at")
+
+    def __init__(self, pid: int, boot: str, floor: str = "", heard_from: float | None = None, heard_at: float | None = None) -> None:
+        self.pid = pid
+        self.boot = boot
+        self.floor = floor
+        self.heard_from = heard_from
+        self.heard_at = heard_at
+
+    def names(self, state: NodeState) -> bool:
+        """Whether ``state`` is of the process this notice said exited: its pid and (both known) its boot, or with no
+        pid known, a boot that started before :attr:`floor`. O(1)."""
+        if self.pid:
+            return state.pid == self.pid and (not self.boot or not state.boot or state.boot == self.boot)
+        return boot_older(state.boot, self.floor)
+
 
 class NodeRecord(Value):
     """Everything the router knows about one node (mutable, owned by :class:`NodeLoadView`)."""
@@ -96,14 +138,13 @@ class NodeRecord(Value):
     """Requests bound here for decode and not finished."""
     load: NodeLoad | None
     """This record as a :class:`NodeLoad` (built on demand; None after any change)."""
-    exited_before: str
-    """A ``NodeState.boot`` floor (``""``: none): the node's process was seen to exit (``node.down``,
-    :meth:`NodeLoadView.fence_exited`), and a state whose process started before this is of a process that has
-    exited: skipped (a late one would let the dead node back in)."""
+    down: ExitNotice | None
+    """The process its supervisor saw exit (``node.down``, :meth:`NodeLoadView.fence_exited`): its late states are
+    skipped (one would let the dead node back in); None: no notice fenced it."""
 
     __slots__ = __match_args__ = (
         "node", "state", "last_seen", "split_phase", "fenced", "restarted", "fence_events", "inflight",
-        "inflight_prefill", "inflight_decode", "load", "exited_before",
+        "inflight_prefill", "inflight_decode", "load", "down",
     )
     _repr_skip = _compare_skip = ("load",)  # a cache of the other fields (field(repr=False, compare=False))
 
@@ -111,7 +152,7 @@ class NodeRecord(Value):
         self, node: str, state: NodeState | None = None, last_seen: float | None = None,
         split_phase: Phase | None = None, fenced: bool = False, restarted: bool = False, fence_events: int = 0,
         inflight: int = 0, inflight_prefill: int = 0, inflight_decode: int = 0, load: NodeLoad | None = None,
-        exited_before: str = "",
+        down: ExitNotice | None = None,
     ) -> None:
         self.node = node
         self.state = state
@@ -124,7 +165,7 @@ class NodeRecord(Value):
         self.inflight_prefill = inflight_prefill
         self.inflight_decode = inflight_decode
         self.load = load
-        self.exited_before = exited_before
+        self.down = down
 
     @property
     def phase(self) -> Phase | None:
@@ -194,9 +235,11 @@ class FencedNode(FrozenValue):
 
 
 def _exited(rec: NodeRecord) -> bool:
-    """Whether ``rec``'s latest state is of a process its supervisor saw exit (:attr:`NodeRecord.exited_before`)."""
-    st = rec.state
-    return bool(rec.exited_before) and st is not None and (not st.boot or st.boot < rec.exited_before)
+    """Whether ``rec``'s latest state is of a process its supervisor saw exit (:attr:`NodeRecord.down`)."""
+    st, down = rec.state, rec.down
+    if down is None or st is None:
+        return False
+    return down.names(st) or (not down.pid and not st.boot)
 
 
 class _Flight(StructValue):
@@ -271,11 +314,16 @@ class NodeLoadView(Value):
     """Wall s per second of ``clock`` for the reasons' ages (see Args), or None."""
     superseded_states: int
     """States skipped because a process that started later (``NodeState.boot``) reports under the same node id and
-    is not fenced: the older process (frozen, replaced, resumed) until it stops itself."""
+    is not fenced: the older process (frozen, replaced, resumed) until it stops itself; or because they are of a
+    process its supervisor saw exit (``node.down``, :attr:`NodeRecord.down`)."""
+    reported_alive: int
+    """Nodes let back in although a ``node.down`` said their process exited: that process went on reporting for
+    twice the fence time (:meth:`apply_state`; the notice was wrong)."""
 
     __slots__ = __match_args__ = (
         "fence_after", "nodes", "epoch", "split_reason", "kv_stale", "_flights", "_gen", "_by_id", "_lists", "_tokens",
         "_usable_gen", "_kv_bounds", "_split_phases", "_forgotten", "clock", "wall_per_s", "superseded_states",
+        "reported_alive",
     )
 
     def __init__(
@@ -284,6 +332,7 @@ class NodeLoadView(Value):
         _by_id: list[NodeRecord] | None = None, _lists: Any = FACTORY, _tokens: Any = FACTORY,
         _usable_gen: int = -1, _kv_bounds: tuple[int, int] | None = None, _split_phases: Any = FACTORY, _forgotten: Any = FACTORY,
         clock: Callable[[], float] | None = None, wall_per_s: float | None = None, superseded_states: int = 0,
+        reported_alive: int = 0,
     ) -> None:
         self.fence_after = fence_after
         self.nodes = {} if nodes is FACTORY else nodes
@@ -302,6 +351,7 @@ class NodeLoadView(Value):
         self.clock = clock
         self.wall_per_s = wall_per_s
         self.superseded_states = superseded_states
+        self.reported_alive = reported_alive
         self.__post_init__()
 
     def __post_init__(self) -> None:
@@ -330,6 +380,11 @@ class NodeLoadView(Value):
     def apply_state(self, state: NodeState, now: float) -> bool:
         """Record a node's state received at ``now``.
 
+        A state of the process a ``node.down`` said exited (:attr:`NodeRecord.down`) is skipped
+        (:attr:`superseded_states`), unless that process has gone on reporting while fenced for twice the fence time,
+        no two of its states more than the fence time apart: the notice was wrong (a wrong pid, a clock step), and the
+        node is let back in (:attr:`reported_alive`) rather than fenced for the router's life.
+
         Returns:
             True when the node was fenced and is let back in by this state.
 
@@ -344,11 +399,15 @@ class NodeLoadView(Value):
             self._tokens.add(state.node)
         rec = self.nodes.get(state.node) or self._record(state.node)
         old, seen = rec.state, rec.last_seen
-        if rec.exited_before and boot_older(state.boot, rec.exited_before):
+        down = rec.down
+        if down is not None and down.names(state):
             # a state of the process its supervisor saw exit (sent before it died, read late): it would let the dead
-            # node back in until fence_after
-            self.superseded_states += 1
-            return False
+            # node back in until fence_after. Unless it keeps coming while the node is fenced (safety net)
+            if not rec.fenced or not self._reported_alive(down, now):
+                self.superseded_states += 1
+                return False
+            rec.down = None
+            self.reported_alive += 1
         if old is not None and not rec.fenced and boot_older(state.boot, old.boot):
             # a process superseded under this node id (frozen, restarted, then resumed) until it stops itself:
             # its states would read as a restart of the node at each alternation (fence, re-dispatch). Once the
@@ -378,6 +437,14 @@ class NodeLoadView(Value):
             rec.fenced = False
             return True
         return False
+
+    def _reported_alive(self, down: ExitNotice, now: float) -> bool:
+        """Note a state of ``down``'s process skipped at ``now``; True once they have come for twice the fence time
+        with no gap longer than the fence time (a process that reports is not dead). O(1)."""
+        if down.heard_at is None or down.heard_from is None or now - down.heard_at > self.fence_after:
+            down.heard_from = now  # the first of a run
+        down.heard_at = now
+        return now - down.heard_from >= 2 * self.fence_after
 
     def apply_split(self, cmd: SplitCommand) -> bool:
         """Adopt a split command unless it is older than the current one.
@@ -644,8 +711,9 @@ class NodeLoadView(Value):
                 parts.append(f"{rec.node}: no state reported")
             elif self.is_stale(rec, now):
                 age = now - (rec.last_seen if rec.last_seen is not None else now)
-                if age <= self.fence_after and _exited(rec):  # fenced at its supervisor's word (node.down)
-                    parts.append(f"{rec.node}: fenced (its process exited; let back in at its restarted process's first state)")
+                if rec.fenced and _exited(rec):  # fenced at its supervisor's word (node.down), its late states skipped
+                    parts.append(f"{rec.node}: fenced (its process exited, said its supervisor's node.down; let back in at "
+                                 f"another process's first state, or if this one reports for {2 * self.fence_after * w:.1f} {unit})")
                 elif age <= self.fence_after:  # fenced although it reported within the fence time: a new process
                     parts.append(f"{rec.node}: fenced (restarted: its state sequence went back; let back in at its next state)")
                 elif self.wall_per_s is not None:  # the live router: wall s, as /v1/cluster's fence_after_s
@@ -833,26 +901,54 @@ class NodeLoadView(Value):
                                       cause="silent" if age > self.fence_after else "restarted"))
         return out
 
-    def fence_exited(self, node: str, exited_ns: int, now: float) -> tuple[FencedNode | None, str]:
-        """Fence ``node`` now: its supervisor saw its process exit at wall ns ``exited_ns`` (``node.down``). Its states
-        from a process that started before then are skipped from now on (:attr:`NodeRecord.exited_before`); the
-        first from one that started after (the restart) lets it back in.
+    def fence_exited(
+        self, node: str, exited_ns: int, now: float, *, pid: int = 0, wall_ns: int | None = None
+    ) -> tuple[FencedNode | None, str]:
+        """Fence ``node`` now: its supervisor saw its process ``pid`` exit at wall ns ``exited_ns`` (``node.down``).
+
+        Which process died is told by its pid: the notice fences the node only when ``pid`` is the pid of the process
+        whose state the view trusts for the node (``NodeState.pid``); that process's later states are skipped
+        (:attr:`NodeRecord.down`), and the first state of any other process (its restart) lets the node back in. A
+        notice naming another pid fences nothing (a wrong pid; another ``up`` on the same NATS; a notice that came
+        after the restart reported). Only when either pid is not known (0: an older sender) is the exit told by wall
+        time: the states of a process whose ``boot`` started before ``exited_ns`` are skipped. Before, always by wall
+        time: a notice naming a live process (a wrong pid, a backward clock step of more than a second between the
+        exit and the restart's start, two launchers (``up``) on one NATS) fenced the node for the router's life. If the process
+        named keeps reporting anyway, :meth:`apply_state` lets the node back in after twice the fence time.
+
+        Args:
+            exited_ns: wall ns (``time.time_ns()``) of the exit, as the supervisor saw it.
+            now: as for every call (the view's ``clock`` when it has one).
+            pid: the exited process's id; 0: not known.
+            wall_ns: the caller's wall clock (ns); a notice whose ``exited_ns`` is more than
+                :data:`NODE_DOWN_FUTURE_SLACK_NS` past it is dropped (``future``). None: not checked.
 
         Returns:
             ``(fenced, why)``: the :class:`FencedNode` (cause ``exited``, with the requests in flight on it; the
             caller re-dispatches them as for any fence) and ``""``; or None and why nothing was fenced:
-            ``unknown`` (no state heard from it), ``later_process`` (its latest state is of a process that started
-            after the exit: the notice came late), ``already_fenced``.
+            ``future`` (``exited_ns`` past ``wall_ns`` + the slack: nothing noted), ``unknown`` (no state heard from
+            it), ``other_pid`` (the process it trusts has another pid), ``later_process`` (no pid known: its latest
+            state is of a process that started after the exit, the notice came late), ``already_fenced`` (the dead
+            process's late states are skipped from now on all the same).
         """
+        if wall_ns is not None and exited_ns > wall_ns + NODE_DOWN_FUTURE_SLACK_NS:
+            return None, "future"
         if self.clock is not None:
             now = self.clock()
         rec = self.nodes.get(node)
         if rec is None or rec.state is None or rec.last_seen is None:
             return None, "unknown"
-        floor = f"{exited_ns:020d}-"  # sorts after every boot that started before exited_ns, before every later one
-        if rec.state.boot and not boot_older(rec.state.boot, floor):
-            return None, "later_process"
-        rec.exited_before = max(rec.exited_before, floor)
+        st = rec.state
+        if pid and st.pid:
+            if pid != st.pid:
+                return None, "other_pid"
+            rec.down = ExitNotice(pid, st.boot)
+        else:
+            floor = f"{exited_ns:020d}-"  # sorts after every boot that started before exited_ns, before every later one
+            if st.boot and not boot_older(st.boot, floor):
+                return None, "later_process"
+            prev = rec.down
+            rec.down = ExitNotice(0, "", max(prev.floor, floor) if prev is not None and not prev.pid else floor)
         if rec.fenced:
             return None, "already_fenced"
         rec.restarted = False

@@ -1458,13 +1458,18 @@ class RouterService(WatchedService):
     async def _on_state(self, st: m.NodeState, _subject: str) -> None:
         rec = self.core.view.nodes.get(st.node)
         known = rec.state.gpu_total_blocks if rec is not None and rec.state is not None else None
-        skipped = self.core.view.superseded_states
+        skipped, alive = self.core.view.superseded_states, self.core.view.reported_alive
         try:
             back = self.core.apply_state(st, self.clock.now())
         except ValueError as e:
             self.counters["states_bad_node_id"] += 1
             self.log.warning("node state with an unusable node id dropped", error=str(e))
             return
+        if self.core.view.reported_alive != alive:
+            self.counters["node_down.reported_alive"] += 1
+            self.log.error("a node.down said this node's process exited, but that process has gone on reporting for "
+                           "twice --fence-after-s: the notice was wrong; the node is let back in", node=st.node,
+                           pid=st.pid, boot=st.boot)  # fmt: skip
         if self.core.view.superseded_states != skipped:
             self.counters["states_superseded"] += 1
             self.bus.droplog.event("states_superseded", "node state of a superseded process skipped (a process that started "
@@ -1493,12 +1498,21 @@ class RouterService(WatchedService):
         """The launcher (``evolving-infra up``) saw ``msg.node``'s process exit: fence the node now and re-dispatch its
         requests (:meth:`_fence`), whether or not the bus is settling (this is no silence to doubt). Before, they waited
         for ``--fence-after-s`` of state silence after a ``kill -9`` the launcher had seen within 0.2 s. Only the
-        launcher may publish ``node.down.<node>`` and ``msg.node`` is the subject's node (``shared.validate``). Counted
-        ``node_down.fenced``, or ``node_down.<why>`` when nothing was fenced (``unknown``, ``later_process``: a
-        process that started after the exit already reports, ``already_fenced``)."""
-        f, why = self.core.fence_exited(msg.node, msg.exited_ns, self.clock.now())
+        launcher may publish ``node.down.<node>`` and ``msg.node`` is the subject's node (``shared.validate``); it fences
+        the node only when ``msg.pid`` is the pid of the process the router trusts for it (``NodeState.pid``;
+        :meth:`~services.router.nodes.NodeLoadView.fence_exited`). Counted ``node_down.fenced``, or
+        ``node_down.<why>`` when nothing was fenced (``unknown``; ``other_pid``: the node's process has another pid;
+        ``later_process``: no pid known and a process that started after the exit already reports;
+        ``already_fenced``; ``future``: an ``exited_ns`` past this host's wall clock by more than
+        :data:`~services.router.nodes.NODE_DOWN_FUTURE_SLACK_NS`, dropped as invalid, with a warning)."""
+        f, why = self.core.fence_exited(msg.node, msg.exited_ns, self.clock.now(), pid=msg.pid, wall_ns=time.time_ns())
         if f is None:
             self.counters[f"node_down.{why}"] += 1
+            if why == "future":
+                self.bus.droplog.event("node_down.future", "node.down notice dropped: its exit time is later than this "
+                                       "host's wall clock", node=msg.node, pid=msg.pid, exited_ns=msg.exited_ns,
+                                       wall_ns=time.time_ns())  # fmt: skip
+                return
             self.log.info("node down notice: nothing fenced", node=msg.node, pid=msg.pid, why=why)
             return
         self.counters["node_down.fenced"] += 1

@@ -444,6 +444,8 @@ class WorkerService:
         self.state_seq = 0
         self.boot = m.new_boot(time.time_ns(), os.urandom(4))
         """This process's incarnation (``NodeState.boot``): a later process under the same node id supersedes it."""
+        self.pid = os.getpid()
+        """This process's id (``NodeState.pid``): the pid ``up``'s ``node.down`` names when it exits."""
         self.accepting = False
         self._streams: dict[str, _Stream] = {}
         self._records: list[m.IterationRecord] = []
@@ -2732,6 +2734,7 @@ class WorkerService:
             accepting=self.accepting and self._switch is None,
             engine=self.engine.name,
             boot=self.boot,
+            pid=self.pid,
         )
         self._last_state_mono = time.monotonic()
         self._last_state_counts = (st.running, st.waiting, st.decoding)

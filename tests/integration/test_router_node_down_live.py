@@ -93,3 +93,44 @@ async def test_a_node_down_on_another_node_s_subject_or_from_a_later_process_fen
     assert c.get("node_down.fenced", 0) == 0 and c.get("fenced", 0) == 0, c
     assert c["invalid.node.down.{node}"] == 1, c
 
+
+
+async def test_a_node_down_naming_another_pid_fences_nothing_and_one_naming_the_node_s_pid_does(nats_server, tmp_path):
+    """``c0`` reports as process pid 4242; a notice for ``c0`` names pid 4343 with an exit time after c0's start (a
+    wrong pid, another ``up`` on one NATS): nothing is fenced (``node_down.other_pid``), c0 stays eligible and a request
+    still lands there. Before, the exit time alone decided: c0 was fenced and its states skipped for the router's
+    life. A notice naming 4242 fences it; a process with another pid whose boot says it started BEFORE that exit (the
+    wall clock stepped back) is let in at its first state."""
+    async with router_env(nats_server.url, tmp_path, {"c0": "both", "c1": "both"}, fence_after_s=FENCE_AFTER_S) as env:
+        svc = env.service
+        view = svc.core.view
+        await _wait_for(lambda: "c0" in view.nodes and "c1" in view.nodes, what="both nodes' states")
+        env.cluster.alive.discard("c0")  # c0's states from here on are this test's (a process with a pid and a boot)
+        env.cluster.alive.discard("c1")  # the request can only go to c0
+        started = time.time_ns()
+
+        async def report(pid: int, boot: str, seq: int) -> None:
+            st = m.NodeState(node="c0", phase="both", epoch=1, block_size=BS, gpu_free_blocks=100, gpu_total_blocks=100,
+                             seq=seq, boot=boot, pid=pid)  # fmt: skip
+            await env.bus.publish(NODE_STATE, st, node="c0")
+            await _wait_for(lambda: (s := view.nodes["c0"].state) is not None and (s.pid, s.seq) == (pid, seq), what=f"c0's state {seq}")
+
+        live = m.new_boot(started, b"\x01")
+        await report(4242, live, 10**6)
+        await env.bus.publish(NODE_DOWN, m.NodeDown(node="c0", pid=4343, exited_ns=time.time_ns()), node="c0")
+        await _wait_for(lambda: svc.counters["node_down.other_pid"] == 1, what="the other pid's notice")
+        await report(4242, live, 10**6 + 1)
+        assert view.eligible(view.nodes["c0"], 0.0), view.snapshot(0.0)
+        env.cluster.answering.add("c0")
+        r = await env.http.post("/v1/completions", json={"prompt": [5] * 70, "max_tokens": 4})
+        assert r.status_code == 200 and r.headers["x-ei-prefill-node"] == "c0", (r.status_code, r.text)
+        await env.bus.publish(NODE_DOWN, m.NodeDown(node="c0", pid=4242, exited_ns=time.time_ns()), node="c0")
+        await _wait_for(lambda: svc.counters["node_down.fenced"] == 1, what="the notice naming c0's pid")
+        assert view.nodes["c0"].fenced
+        await report(4444, m.new_boot(started - 10**9, b"\x02"), 1)  # the restart; by the clock before c0's start
+        await _wait_for(lambda: not view.nodes["c0"].fenced, what="c0's restart let in")
+        stats = await env.stats()
+    c = stats.counters
+    assert c["node_down.other_pid"] == 1 and c["node_down.fenced"] == 1 and c["fenced"] == 1 and c["unfenced"] == 1, c
+    assert c.get("states_superseded", 0) == 0, c
+

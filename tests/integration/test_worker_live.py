@@ -5,6 +5,7 @@ and malformed payloads on every subscribed subject."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -172,6 +173,7 @@ async def test_token_stream_kv_events_state_iters_and_resync(nats_url):
 
         st = c.states["w0"][-1]
         assert (st.node, st.engine, st.gpu_total_blocks, st.host_total_blocks, st.block_size) == ("w0", "sim", 64, 256, 4)
+        assert st.pid == os.getpid() and st.boot  # its process (in-process here): the pid up's node.down names
         assert [s.seq for s in c.states["w0"]] == sorted(s.seq for s in c.states["w0"])
         recs = [r for batch in c.iters["w0"] for r in batch.records]
         assert {"prefill", "decode"} <= {r.phase for r in recs}
