@@ -1091,16 +1091,48 @@ class LocalCluster:
         ``kill -9`` of a worker stalled its requests until the router's ``--fence-after-s`` of state silence (or the
         restarted process's first state) although ``up`` saw the exit within a pass (0.2 s). One that cannot be
         published (the bus down, refused) is logged and dropped: the routers fence the node after its silence then.
-        Never raises."""
+
+        A core publish the server refuses raises nothing here (NATS answers it with an asynchronous "Permissions
+        Violation"): after the publishes, one :meth:`~shared.bus.Bus.flush` (at most
+        :data:`NODE_DOWN_PUBLISH_TIMEOUT_S`) lets that answer come, and a refusal of ``node.down`` (credentials made
+        by an ``evolving-infra auth gen`` from before ``node.down`` existed) is a warning saying to make them again.
+        Before, "told the routers" was logged at info for a notice the server had refused. Never raises."""
         downs, self._downs = self._downs, []
+        bus = self._bus
+        if bus is None or not downs:
+            return
+        refusals = bus.counters["nats.permission_violations"]
+        sent: list[m.NodeDown] = []
         for d in downs:
-            if self._bus is None:
-                return
             try:
-                await asyncio.wait_for(self._bus.publish(NODE_DOWN, d, node=d.node), NODE_DOWN_PUBLISH_TIMEOUT_S)
+                await asyncio.wait_for(bus.publish(NODE_DOWN, d, node=d.node), NODE_DOWN_PUBLISH_TIMEOUT_S)
             except (BusError, asyncio.TimeoutError) as e:
                 log.warning("could not tell the routers that a worker exited (node.down); they fence it after "
                             "--fence-after-s of silence", node=d.node, pid=d.pid, error=repr(e)[:300])  # fmt: skip
+            else:
+                sent.append(d)
+        if not sent:
+            return
+        try:
+            await bus.flush(NODE_DOWN_PUBLISH_TIMEOUT_S)
+        except BusError as e:
+            for d in sent:
+                log.warning("published that a worker exited (node.down), but NATS did not confirm it in time; the routers "
+                            "fence it after --fence-after-s of silence if it did not reach them", node=d.node, pid=d.pid,
+                            error=repr(e)[:300])  # fmt: skip
+            return
+        # the launcher may publish node.down.* or none of it (shared.auth): the latest refusal naming a node.down subject
+        # says this identity lacks it (nats-py lowercases the subject in the server's text)
+        denied = bus.last_denied
+        prefix = bus.subjects.format(NODE_DOWN, node=sent[0].node).lower().removesuffix(sent[0].node.lower())
+        refused = (bus.counters["nats.permission_violations"] != refusals and denied is not None and denied[0] == "publish"
+                   and denied[1].lower().startswith(prefix))  # fmt: skip
+        for d in sent:
+            if refused:
+                log.warning("NATS refused the launcher's node.down (Permissions Violation): the routers fence the "
+                            "worker only after --fence-after-s of silence; its credentials lack node.down.*, made by an "
+                            "older 'evolving-infra auth gen': make them again with 'evolving-infra auth gen'",
+                            node=d.node, pid=d.pid, identity=bus.identity)  # fmt: skip
             else:
                 log.info("told the routers that a worker exited (node.down)", node=d.node, pid=d.pid, code=d.code)
 

@@ -11,9 +11,13 @@ import time
 
 import pytest
 
+import structlog
+
 from evolving_infra.cluster import ClusterSpec, LocalCluster, _Child
 from shared import messages as m
+from shared.auth import generate
 from shared.bus import Bus
+from shared.natsserver import EmbeddedNatsServer
 from shared.subjects import NODE_DOWN, NODE_STATE, Subjects
 from tests.integration.test_router_live import BS, _wait_for, router_env
 
@@ -134,3 +138,43 @@ async def test_a_node_down_naming_another_pid_fences_nothing_and_one_naming_the_
     assert c["node_down.other_pid"] == 1 and c["node_down.fenced"] == 1 and c["fenced"] == 1 and c["unfenced"] == 1, c
     assert c.get("states_superseded", 0) == 0, c
 
+
+async def test_nats_refuses_node_down_from_a_non_launcher_identity_and_up_says_so(tmp_path):
+    """Per-identity permissions (``auth gen``'s table): a worker's identity may not publish ``node.down.<node>``; the
+    router never sees it. ``up``'s announce through a bus whose credentials lack it (as those of an ``auth gen`` from
+    before node.down) logs a warning naming the refusal and ``evolving-infra auth gen``, not "told the routers";
+    with the launcher's identity the router gets it and ``up`` says it told them. Before, "told the routers" at info
+    either way (the refusal is an asynchronous -ERR, no publish error)."""
+    creds = generate(tmp_path / "creds", ["worker-w0", "router"])
+    with EmbeddedNatsServer(auth_block=creds.server_block) as srv:
+        subs = Subjects("p0")
+        router = await Bus.connect(srv.url, subs, service="router", instance="router", auth=creds.auth_for("router"))
+        got: list[m.NodeDown] = []
+
+        async def heard(msg: m.NodeDown, _s: str) -> None:
+            got.append(msg)
+
+        await router.subscribe(NODE_DOWN, heard)
+        await router.flush()
+        buses = {name: await Bus.connect(srv.url, subs, service=name.split("-")[0], instance=name, auth=creds.auth_for(name))
+                 for name in ("worker-w0", "launcher")}  # fmt: skip
+        up = LocalCluster(ClusterSpec())
+        try:
+            logs = {}
+            for name, bus in buses.items():
+                up._bus = bus
+                up._downs.append(m.NodeDown(node="w0", pid=77, exited_ns=time.time_ns(), code=-9))
+                with structlog.testing.capture_logs() as logs[name]:
+                    await up._announce_downs()
+            await router.flush()
+            await _wait_for(lambda: len(got) == 1, what="the launcher's notice")
+            await asyncio.sleep(0.3)  # a refused one would have come by now
+        finally:
+            for bus in buses.values():
+                await bus.close()
+            await router.close()
+    assert [d.pid for d in got] == [77] and got[0].src == "launcher", got
+    refused = [e for e in logs["worker-w0"] if e["event"].startswith("NATS refused")]
+    assert len(refused) == 1 and refused[0]["log_level"] == "warning" and "evolving-infra auth gen" in refused[0]["event"], logs
+    assert not any(e["event"].startswith("told the routers") for e in logs["worker-w0"]), logs
+    assert [e["event"] for e in logs["launcher"]] == ["told the routers that a worker exited (node.down)"], logs
