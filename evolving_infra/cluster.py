@@ -432,9 +432,10 @@ def worker_placement(
 def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     """The flags of ``service`` that say which serving system and engine the cluster runs: its policy set's part
     (router ``--routing``/``--decode-binding``/routing options, planner ``--planner``/``--planner-args``/``--split``,
-    workers ``--host-eviction``), the profile (and the workers' KV sizes over it; for the torch engine the router's
-    and planner's ``--profile-clock wall``, as the workers read it from ``--engine``), block size, tokenizer, served
-    model name, the tool-call flags (``--enable-auto-tool-choice``, ``--tool-call-parser``), ``--trust-request-chat-template``, for the torch engine
+    workers ``--host-eviction``), the KV directory's ``--routers`` (the routers it waits for after a restart), the
+    profile (and the workers' KV sizes over it; for the torch engine the router's and planner's ``--profile-clock
+    wall``, as the workers read it from ``--engine``), block size, tokenizer, served model name,
+    the tool-call flags (``--enable-auto-tool-choice``, ``--tool-call-parser``), ``--trust-request-chat-template``, for the torch engine
     the model folder, dtype, context limit and vocabulary size, the liveness
     time (the router's ``--fence-after-s`` and the planner's ``--silent-after-s``, one value), and the
     observability flags (every service's ``--otlp-traces-endpoint``, the router's and workers' ``--log-requests``).
@@ -458,7 +459,9 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     traces = ["--otlp-traces-endpoint", s.otlp_traces_endpoint] if s.otlp_traces_endpoint else []
     requests = ["--log-requests"] if s.log_requests else []
     if service == "kvdirectory":
-        return ["--block-size", str(s.block_size)] + traces
+        # --routers: the routers whose republish a (re)started directory waits for (services/kvdirectory/settle.py);
+        # compose and Slurm run one, `router` (deploy-args refuses another --routers), up and demo N
+        return ["--block-size", str(s.block_size), "--routers", ",".join(s.router_names())] + traces
     # a real engine's profile holds wall seconds measured at speed-up 1: the router and planner put it on the cluster
     # clock (x --speedup) as each torch worker does (shared.profile.on_cluster_clock); a sim profile is simulated time
     clock = ["--profile-clock", "wall"] if s.engine == "torch" else []
@@ -680,7 +683,7 @@ class LocalCluster:
             _Child(
                 "kvdirectory",
                 py + ["services.kvdirectory"] + self._common("kvdirectory") + service_flags(s, "kvdirectory")
-                + ["--nodes", ",".join(nodes), "--routers", ",".join(s.router_names())],  # waited for after its branch.sync
+                + ["--nodes", ",".join(nodes)],
                 self.log_dir / "kvdirectory.log",
             ),
             _Child("planner", py + ["services.planner"] + self._common("planner") + service_flags(s, "planner"), self.log_dir / "planner.log"),

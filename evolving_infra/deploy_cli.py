@@ -84,7 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="one service's flags for --policy/--engine as `up` sets them (compose's entrypoint, the Slurm script)",
         description="Print, one a line, the flags that `evolving-infra up` would give SERVICE for the same flags: the "
         "policy set's part (--policy SET and its overrides: router --routing and --decode-binding, planner --planner, "
-        "--planner-args and the split, workers --host-eviction), the profile, block size, tokenizer, served name, the "
+        "--planner-args and the split, workers --host-eviction), the KV directory's --routers (the one router, router, "
+        "whose republish it waits for after a restart), the profile, block size, tokenizer, served name, the "
         "workers' KV sizes, request logging, trace export, the liveness time (--fence-after-s: router --fence-after-s, "
         "planner --silent-after-s) and, with --engine torch --model DIR, the model folder, "
         "dtype, context limit and vocabulary size. `env` prints EI_DEPLOY_SPLIT, "

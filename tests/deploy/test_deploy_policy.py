@@ -51,12 +51,16 @@ def test_compose_services_run_up_s_default_system_evolving(tmp_path):
     planner = _argv(tmp_path, "planner")
     router = _argv(tmp_path, "router", "--port", "8000")
     worker = _argv(tmp_path, "worker", EI_REPLICA="2")
+    directory = _argv(tmp_path, "kvdirectory")
+    # the one router compose runs (--instance router), whose republish a restarted directory waits for (it got only
+    # --block-size: a router stalled across a directory restart was not waited for, its branches' ends lost)
+    assert (_flag(directory, "--routers"), _flag(directory, "--instance")) == ("router", "kvdirectory"), directory
     assert (_flag(planner, "--planner"), _flag(planner, "--split"), _flag(planner, "--nodes")) == ("evolving", "1P1D", "w0,w1")
     assert (_flag(router, "--routing"), _flag(router, "--decode-binding")) == ("ttft", "prefill-start")
     assert (_flag(worker, "--host-eviction"), _flag(worker, "--phase")) == ("branch-count", "decode")
     assert _flag(router, "--port") == "8000" and _flag(router, "--host") == "0.0.0.0"
     # the very flags up gives each service for the same cluster (2 nodes)
-    for role, argv in (("planner", planner), ("router", router), ("worker", worker)):
+    for role, argv in (("planner", planner), ("router", router), ("worker", worker), ("kvdirectory", directory)):
         want = _up_flags(role, "--nodes", "2")
         assert any(argv[i : i + len(want)] == want for i in range(len(argv))), (role, argv, want)
 

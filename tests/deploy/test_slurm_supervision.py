@@ -309,6 +309,9 @@ def test_the_job_runs_up_s_policy_set_and_each_service_has_its_own_metrics_port(
         assert "--host-eviction branch-count" in worker and "--phase prefill" in worker, worker
         router = job_pids(job.run)[service_pid(job.run, "services.router")]
         assert "--decode-binding prefill-start" in router, router
+        # the one router, whose republish a restarted directory waits for (from deploy-args, as compose's)
+        directory = job_pids(job.run)[service_pid(job.run, "services.kvdirectory")]
+        assert "--routers router" in directory, directory
         # nats-server's soft heap cap, as under up and compose (shared.natsserver.server_env); before, none
         (nats,) = [pid for pid, cmd in job_pids(job.run).items() if "nats-server" in cmd and "nats.conf" in cmd and not cmd.startswith("env ")]
         assert b"GOMEMLIMIT=512MiB" in Path(f"/proc/{nats}/environ").read_bytes().split(b"\0")

@@ -204,6 +204,10 @@ def test_up_gives_each_service_the_flags_it_gave_before_service_flags_and_deploy
         printed, _ = deploy_args(argv_up, service)
         argv = kids[child]
         assert any(argv[i : i + len(printed)] == printed for i in range(len(argv))), (service, printed, argv)
+    # deploy-args (compose's entrypoint, the Slurm job: one router, `router`) gives the directory its --routers too:
+    # compose's gave only --block-size, so a router stalled across a directory restart there was not waited for
+    printed, _ = deploy_args(argv_up, "kvdirectory")
+    assert printed == ["--block-size", "64", "--routers", "router"], printed
 
 
 def test_the_round_robin_decode_note_says_what_the_live_router_does_instead(tmp_path):
