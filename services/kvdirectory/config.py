@@ -30,22 +30,24 @@ class DirectoryConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_fi
         float,
         Meta(gt=0, description="without --routers: least wall seconds after this directory's branch.sync before it "
              "answers branch.query as settled (time to hear every live router's heartbeat, one a second). Settled = "
-             "every router it knows of (named in --routers, heard beating, or heard republishing) has sent its "
-             "BranchSyncDone marker after republishing its branches (branch.sync is sent again each second until "
+             "every router it waits for (those named in --routers; without it, every router heard beating or "
+             "republishing) has sent its BranchSyncDone marker after republishing its branches (branch.sync is sent again each second until "
              "then, for a router that missed it); until then an 'unknown' is answered synced=false and the router "
              "answers 503 Retry-After: 1, not 404"),
     ] = 10.0
     branch_sync_max_s: Annotated[
         float,
         Meta(gt=0, description="wall seconds after branch.sync at which the directory settles even though a router it "
-             "knows of has not sent its marker (dead, or stalled longer; logged with the routers missing): a branch only "
+             "waits for has not sent its marker (dead, or stalled longer; logged with the routers missing): a branch only "
              "such a router holds is then unknown here, and its end through another router a 404; >= "
              "--branch-sync-settle-s"),
     ] = 60.0
     routers: Annotated[
         list[str], Meta(description="router instance ids of the cluster, comma-separated (evolving-infra up names its "
-                        "routers): after a start the directory waits for each one's republish (up to "
-                        "--branch-sync-max-s), even one it has not heard yet (stalled); empty = the routers it hears")
+                        "routers, deploy-args gives compose's and Slurm's directory their one, router): after a start the "
+                        "directory waits for each one's republish (up to --branch-sync-max-s), even one it has not "
+                        "heard yet (stalled), and for no other (one heard but not named is logged, "
+                        "branch_sync.routers_unnamed); empty = the routers it hears")
     ] = []
     resync_buffer_batches: Annotated[
         int, Meta(gt=0, description="KV batches buffered per node while it awaits a resync snapshot")

@@ -9,9 +9,10 @@ Subjects in: ``kv.events.*``, ``branch.events``, ``route.placed``,
 router that never saw it), ``kv.countsync.*``
 (a worker's counts after it lost a ``kv.counts`` message: ``CountSnapshot`` pieces); out:
 ``kv.counts.<node>`` (count changes; every ``count_seq_beacon_s`` a seq beacon with the node's last
-``seq``), ``kv.liveness``, ``branch.sync`` (at start, and again each second until every router it knows of has
-answered with its republish of its active branches and latest placements, ended by a ``BranchSyncDone`` on
-``branch.events``; it reads ``svc.heartbeat.router`` to know the routers: ``settle.py``); requests: ``kv.resync.<node>``. A malformed payload is counted by the bus
+``seq``), ``kv.liveness``, ``branch.sync`` (at start, and again each second until every router it waits for, the
+ones ``--routers`` names or else those it hears of, has answered with its republish of its active branches and latest
+placements, ended by a ``BranchSyncDone`` on ``branch.events``; it reads ``svc.heartbeat.router`` to know the routers:
+``settle.py``); requests: ``kv.resync.<node>``. A malformed payload is counted by the bus
 (``dropped.<template>``) and dropped; nothing here stops on bad input.
 """
 
@@ -259,8 +260,10 @@ class DirectoryService(WatchedService):
             self._on_sync_done(ev)
             return
         elif isinstance(ev, m.BranchStart):
+            unnamed = len(self.sync.unnamed)
             if self.sync.start(ev.ts, self.clock.monotonic(), ev.src):  # a router's republish (started before our branch.sync)
                 self.counters["branch_sync.republished"] += 1
+                self._note_unnamed(unnamed, ev.src, "republished start")
             parent = self._parent_missing(ev.parent_branch_id)
             pre = self.core.branches.branches.get(ev.branch_id)
             # a placement that came first made it implicitly: a new branch (no parent yet), or a resume re-created with
@@ -284,9 +287,11 @@ class DirectoryService(WatchedService):
     def _on_sync_done(self, ev: m.BranchSyncDone) -> None:
         """A router's marker: it has republished its branches for ``ev.sync_id`` (counted ``branch_sync.markers``; one
         for another sync, an older directory's, ``branch_sync.stale_markers``). Logs the settling it completes."""
+        unnamed = len(self.sync.unnamed)
         if not self.sync.marker(ev.src, ev.sync_id, ev.branches):
             self.counters["branch_sync.stale_markers"] += 1
             return
+        self._note_unnamed(unnamed, ev.src, "marker")
         self.counters["branch_sync.markers"] += 1
         self.log.info("router republished its branches", router=ev.src, branches=ev.branches, placements=ev.placements,
                       missing=self.sync.missing())  # fmt: skip
@@ -306,14 +311,30 @@ class DirectoryService(WatchedService):
                                  "(dead, or stalled): a branch only they hold is unknown here until its next request",
                                  missing=self.sync.missing(), after_s=after, max_s=self.sync.max_s)  # fmt: skip
             else:
-                self.log.info("branch table settled: every known router republished", routers=sorted(self.sync.done),
+                self.log.info("branch table settled: every router waited for republished", routers=sorted(self.sync.done),
                               branches=sum(self.sync.done.values()), after_s=after)  # fmt: skip
         return True
 
     async def _on_router_beat(self, hb: m.Heartbeat, subject: str) -> None:
-        """A router's heartbeat: a router to wait for while not settled (:meth:`BranchSyncSettle.heard`)."""
+        """A router's heartbeat: a router to wait for while not settled (:meth:`BranchSyncSettle.heard`), unless
+        ``--routers`` names others only."""
+        unnamed = len(self.sync.unnamed)
         if self.sync.heard(hb.instance):
             self.counters["branch_sync.routers_heard"] += 1
+        else:
+            self._note_unnamed(unnamed, hb.instance, "heartbeat")
+
+    def _note_unnamed(self, before: int, router: str, how: str) -> None:
+        """``router`` was newly heard (``how``: ``heartbeat``, ``republished start``, ``marker``) while not settled
+        though ``--routers`` does not name it (:attr:`BranchSyncSettle.unnamed` grew past ``before`` entries): it is
+        not waited for. Counted ``branch_sync.routers_unnamed``, logged once per router (at most
+        :data:`~services.kvdirectory.settle.UNNAMED_MAX`): a router missing from ``--routers`` (its republish is read
+        but not waited for), or a forged name. O(1)."""
+        if len(self.sync.unnamed) <= before:
+            return
+        self.counters["branch_sync.routers_unnamed"] += 1
+        self.log.warning("router not named in --routers heard: its republish is not waited for", router=router,
+                         heard_by=how, routers=sorted(self.sync.configured))  # fmt: skip
 
     async def _sync_loop(self) -> None:
         """Until settled: every :data:`~services.kvdirectory.settle.SYNC_RESEND_S`, and within 50 ms of a router
@@ -515,7 +536,7 @@ class DirectoryService(WatchedService):
         """``branch.query``: a router that never saw the branch (another router served it, or it restarted) asks its
         state before it relays the harness's end or tool call; counted ``branch_queries.<state>``. Answered from
         the branch table as it stands: a ``BranchStart`` still in ``branch.events``' stream reads ``unknown``.
-        ``synced`` is False until every known router's republish after this process's ``branch.sync`` has been read
+        ``synced`` is False until every waited-for router's republish after this process's ``branch.sync`` has been read
         (:class:`~services.kvdirectory.settle.BranchSyncSettle`; counted ``branch_queries.unsynced``): an
         ``unknown`` then may be a branch not republished yet, which the router answers 503, not 404."""
         state = self.core.branch_state(q.branch_id, self.clock.local_now())

@@ -10,14 +10,17 @@ would answer the harness's end 404, losing it (its counts held until the TTL, 1,
 the directory has settled (``BranchQueryReply.synced``), and a router turns an ``unknown`` while not settled into a
 503 with ``Retry-After: 1`` (retried), not a 404.
 
-Settled means: every router the directory knows of has sent its marker for the current ``sync_id``. A router is
-known when it is named in ``--routers`` (``evolving-infra up`` names its routers), when its heartbeat
-(``svc.heartbeat.router``, each second) is heard, or when one of its republished starts is read. ``branch.sync`` is a
+Settled means: every router the directory waits for has sent its marker for the current ``sync_id``. With
+``--routers`` (``evolving-infra up``, ``deploy-args`` for compose and Slurm, faultkit name theirs) those are exactly the
+routers it names: another heard (its heartbeat, a republished start, any ``src``) is listed
+(:attr:`BranchSyncSettle.unnamed`, logged) but not waited for, so a forged heartbeat (``instance="router-ghost"``)
+cannot hold the directory unsettled until ``max_s``. Without ``--routers`` it waits for every router it hears of: its heartbeat
+(``svc.heartbeat.router``, each second) heard, or one of its republished starts read. ``branch.sync`` is a
 core NATS message a router may miss (disconnected, not yet subscribed, restarted meanwhile): while not settled the
 directory sends it again every ``resend_s`` (same ``sync_id``; a router answers one ``sync_id`` once), so a router
 that comes up or reconnects meanwhile republishes too. Without ``--routers`` the directory settles no sooner than
 ``settle_s`` after the ``branch.sync`` (time to hear every live router's heartbeat); with it, as soon as every
-known router has answered.
+router it names has answered.
 
 Why not the quiet period it used before (settled once ``settle_s``, 10 s, passed with no republished start read): a
 router stalled longer than that (SIGSTOP, swap, a loaded host) was taken as having nothing to republish, and its
@@ -40,6 +43,9 @@ SETTLE_MAX_S = 60.0
 """Default longest wall seconds after ``branch.sync`` a directory stays unsettled (``--branch-sync-max-s``)."""
 SYNC_RESEND_S = 1.0
 """Wall seconds between two sends of ``branch.sync`` while the directory is not settled."""
+UNNAMED_MAX = 64
+"""Routers heard that ``--routers`` does not name kept in :attr:`BranchSyncSettle.unnamed` at most (each heartbeat
+may carry a new forged name)."""
 
 
 class BranchSyncSettle:
@@ -56,7 +62,8 @@ class BranchSyncSettle:
             ``--branch-sync-settle-s``).
         max_s: it is settled this long after the ``branch.sync`` whatever it read (>= ``settle_s``;
             ``--branch-sync-max-s``).
-        routers: router instance ids known to run (``--routers``); each is waited for.
+        routers: router instance ids known to run (``--routers``); each is waited for, and no other (empty: every
+            router heard beating or republishing is).
         resend_s: wall seconds between sends of ``branch.sync`` while not settled (> 0).
 
     Raises:
@@ -76,7 +83,10 @@ class BranchSyncSettle:
         self.configured = frozenset(routers)
         """Routers named by configuration (``--routers``)."""
         self.known: set[str] = set(self.configured)
-        """Routers waited for: configured, heard beating, or heard republishing."""
+        """Routers waited for: the configured ones; without any, those heard beating or republishing."""
+        self.unnamed: set[str] = set()
+        """With configured routers: others heard (beating, republishing, a marker) before it settled; not waited for
+        (a forged heartbeat, or a router missing from ``--routers``). At most :data:`UNNAMED_MAX` kept."""
         self.done: dict[str, int] = {}
         """Router → branches its marker said it republished, for the current ``sync_id``."""
         self.sync_id = ""
@@ -115,10 +125,19 @@ class BranchSyncSettle:
         self._newly_heard = False
         return True
 
+    def _unnamed(self, router: str) -> bool:
+        """Whether ``router`` is one the configured routers do not name (recorded in :attr:`unnamed` while not
+        settled, room left). O(1)."""
+        if not self.configured or router in self.configured:
+            return False
+        if len(self.unnamed) < UNNAMED_MAX and self.settled_at is None:
+            self.unnamed.add(router)
+        return True
+
     def heard(self, router: str) -> bool:
-        """A router's heartbeat was heard. Returns whether it is newly known (waited for; a send of ``branch.sync``
-        is then due at once, :meth:`resend_due`). O(1)."""
-        if router in self.known or self.settled_at is not None or not router:
+        """A router's heartbeat was heard. Returns whether it is newly waited for (a send of ``branch.sync`` is then
+        due at once, :meth:`resend_due`); False for one the configured routers do not name (:attr:`unnamed`). O(1)."""
+        if router in self.known or self.settled_at is not None or not router or self._unnamed(router):
             return False
         self.known.add(router)
         self._newly_heard = self.sync_at is not None
@@ -126,30 +145,35 @@ class BranchSyncSettle:
 
     def start(self, ts: float, now: float, router: str = "") -> bool:
         """A ``BranchStart`` stamped ``ts`` from ``router`` was read at ``now``. Returns whether it was a republished
-        one (started before the ``branch.sync``); its router is then known. O(1)."""
+        one (started before the ``branch.sync``); its router is then waited for, unless the configured routers do not
+        name it (:attr:`unnamed`). O(1)."""
         if self.sync_at is None or not ts < self.sync_ts:
             return False
         self.republished += 1
-        if router and self.settled_at is None:
+        if router and self.settled_at is None and not self._unnamed(router):
             self.known.add(router)
         return True
 
     def marker(self, router: str, sync_id: str, branches: int) -> bool:
-        """``router``'s ``BranchSyncDone`` for ``sync_id`` (it republished ``branches`` starts) was read. Returns
-        False, changing nothing, for another ``sync_id`` (an older directory's, or before the ``branch.sync``). O(1)."""
+        """``router``'s ``BranchSyncDone`` for ``sync_id`` (it republished ``branches`` starts) was read (recorded in
+        :attr:`done`; one the configured routers do not name is not waited for by it, :attr:`unnamed`). Returns False,
+        changing nothing, for another ``sync_id`` (an older directory's, or before the ``branch.sync``). O(1)."""
         if not sync_id or sync_id != self.sync_id or not router:
             return False
-        self.known.add(router)
+        if not self._unnamed(router):
+            self.known.add(router)
+        elif router not in self.unnamed:
+            return True  # not kept (UNNAMED_MAX): done holds no more names than unnamed does
         self.done[router] = branches
         return True
 
     def missing(self) -> list[str]:
-        """Known routers that have not sent their marker for the current ``sync_id``, sorted."""
+        """Routers waited for that have not sent their marker for the current ``sync_id``, sorted."""
         return sorted(self.known.difference(self.done))
 
     def synced(self, now: float) -> bool:
-        """True once every known router has sent its marker (without configured routers, no sooner than ``settle_s``
-        after the ``branch.sync``), or ``max_s`` after the ``branch.sync`` whatever it read; False before the
+        """True once every router waited for has sent its marker (without configured routers, no sooner than
+        ``settle_s`` after the ``branch.sync``), or ``max_s`` after the ``branch.sync`` whatever it read; False before the
         ``branch.sync`` went out. Latched: once True, True for good. O(routers)."""
         if self.settled_at is not None:
             return True

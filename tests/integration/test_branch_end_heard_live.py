@@ -34,7 +34,7 @@ from services.router.service import RouterService
 from services.worker.config import WorkerConfig
 from services.worker.service import WorkerService
 from shared import messages as m
-from shared.subjects import BRANCH_SYNC
+from shared.subjects import BRANCH_SYNC, SVC_HEARTBEAT
 from tests.integration.live import Services, open_bus, router_factory
 from tests.integration.polling import answering, until
 from tests.integration.test_branch_end_elsewhere_live import _keep
@@ -256,6 +256,46 @@ async def test_a_router_stalled_past_settle_s_is_waited_for_and_an_end_elsewhere
         assert not d2.sync.timed_out and d2.counters["branch_sync.markers"] == 2
         assert ra.counters["branch_sync.requests"] == 2  # the first directory's, then the repeated one answered once
         assert ra.counters["branch_sync.repeated"] >= 1 and d2.counters["branch_sync.resent"] >= 3  # about one a second while A stalls
+
+
+async def test_a_forged_router_heartbeat_does_not_hold_a_directory_given_routers_unsettled(nats_url, tmp_path: Path, monkeypatch):
+    """A directory given ``--routers router-a,router-b`` (as up, compose and Slurm give theirs) hears heartbeats of
+    ``router-ghost``, a router that does not exist (one router's credentials may beat under any instance), while A's
+    answer is 3 s late: it settles on A's and B's markers, logging the ghost (``branch_sync.routers_unnamed``).
+    Before, the ghost was waited for: unsettled until ``--branch-sync-max-s``, every end of a branch it lacked a 503
+    all that while."""
+    real = RouterService._on_branch_sync
+    stall_until = [0.0]
+
+    async def stalled(self: RouterService, msg: m.BranchSync, subject: str) -> None:
+        while self.bus.instance == "router-a" and time.monotonic() < stall_until[0]:
+            await asyncio.sleep(0.05)
+        await real(self, msg, subject)
+
+    monkeypatch.setattr(RouterService, "_on_branch_sync", stalled)
+    async with AsyncExitStack() as stack:
+        c = await _cluster(stack, nats_url, tmp_path, routers=["router-a", "router-b"], branch_sync_max_s=40.0)  # type: ignore[arg-type]
+        forger = await open_bus(stack, nats_url, "router-ghost")
+        beating = True
+
+        async def beat() -> None:
+            while beating:
+                await forger.publish(SVC_HEARTBEAT, m.Heartbeat(service="router", instance="router-ghost"), service="router")
+                await asyncio.sleep(0.2)
+
+        task = asyncio.create_task(beat())
+        try:
+            await asyncio.sleep(0.5)
+            stall_until[0] = time.monotonic() + 3.0
+            d2 = await c.restart_directory()
+            await until(lambda: d2.sync.settled_at is not None, 20.0, "the new directory settles")  # before: 40 s
+            assert not d2.sync.timed_out and set(d2.sync.done) == {"router-a", "router-b"}, d2.sync.done
+            assert d2.sync.settled_at - (d2.sync.sync_at or 0.0) >= 2.5  # on A's late marker
+            assert d2.counters["branch_sync.routers_unnamed"] == 1 and d2.sync.unnamed == {"router-ghost"}
+            assert d2.counters["branch_sync.routers_heard"] == 0
+        finally:
+            beating = False
+            await task
 
 
 async def test_a_restarted_router_remembers_the_directorys_ended_answer(nats_url, tmp_path: Path):

@@ -1,14 +1,14 @@
 """``BranchSyncSettle``: when a (re)started directory answers ``branch.query`` as settled (``BranchQueryReply.synced``):
-once every router it knows of (``--routers``, heard beating, heard republishing) has sent its ``BranchSyncDone`` for
-the current ``sync_id``; without ``--routers`` no sooner than ``settle_s`` after the ``branch.sync``; ``max_s`` after the
-``branch.sync`` at the latest; never before the ``branch.sync`` went out. Before: settled after ``settle_s`` with no
+once every router it waits for (those ``--routers`` names; without it, those heard beating or republishing) has sent
+its ``BranchSyncDone`` for the current ``sync_id``; without ``--routers`` no sooner than ``settle_s`` after the
+``branch.sync``; ``max_s`` after the ``branch.sync`` at the latest; never before the ``branch.sync`` went out. Before: settled after ``settle_s`` with no
 republished start read, so a router stalled that long was taken as having nothing to republish."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.kvdirectory.settle import SETTLE_MAX_S, SYNC_RESEND_S, BranchSyncSettle
+from services.kvdirectory.settle import SETTLE_MAX_S, SYNC_RESEND_S, UNNAMED_MAX, BranchSyncSettle
 
 
 def test_a_stalled_router_holds_it_unsettled_past_settle_s_until_its_marker():
@@ -55,15 +55,43 @@ def test_configured_routers_are_waited_for_unheard_and_settle_it_once_all_answer
     assert s2.synced(0.2)
 
 
-def test_a_router_heard_republishing_is_waited_for():
-    s = BranchSyncSettle(1.0, routers=["router"])
+def test_without_configured_routers_a_router_heard_republishing_is_waited_for():
+    s = BranchSyncSettle(1.0)
     s.sent(0.0, ts=5000.0, sync_id="s1")
-    assert s.start(4000.0, 0.1, "router-x")  # not configured, not heard beating: its republish makes it known
+    assert s.start(4000.0, 0.1, "router-x")  # not heard beating: its republish makes it known
     assert not s.start(5000.5, 0.2, "router-y")  # a new branch (stamped after the sync): not republish, not known
-    s.marker("router", "s1", 0)
     assert not s.synced(5.0) and s.missing() == ["router-x"]
     s.marker("router-x", "s1", 1)
-    assert s.synced(5.0) and s.republished == 1
+    assert s.synced(5.0) and s.republished == 1 and s.unnamed == set()
+
+
+def test_with_configured_routers_only_those_are_waited_for_a_forged_heartbeat_holds_nothing_up():
+    """A heartbeat with ``instance="router-ghost"`` (no such router) held a directory given ``--routers router``
+    unsettled until ``--branch-sync-max-s`` (60 s of 503s for every end of a branch it does not hold): a router
+    heard that ``--routers`` does not name is listed (``unnamed``), not waited for."""
+    s = BranchSyncSettle(10.0, max_s=60.0, routers=["router"])
+    assert not s.heard("router-ghost")  # before the sync too
+    s.sent(0.0, ts=5000.0, sync_id="s1")
+    assert not s.heard("router-ghost") and not s.resend_due(0.1)  # not waited for: no resend at once for it
+    assert s.start(4000.0, 0.2, "router-x")  # a republished start with another src: counted, not waited for
+    assert s.missing() == ["router"] and s.unnamed == {"router-ghost", "router-x"}
+    assert s.marker("router", "s1", 3)
+    assert s.synced(0.3) and not s.timed_out and s.missing() == []  # before: not until 60.0, router-ghost missing
+    assert s.done == {"router": 3}
+
+
+def test_an_unnamed_router_s_marker_is_recorded_not_waited_for_and_the_names_kept_are_bounded():
+    s = BranchSyncSettle(10.0, routers=["router", "router-1"])
+    s.sent(0.0, ts=5000.0, sync_id="s1")
+    assert s.marker("router-9", "s1", 2)  # a router missing from --routers: its republish read, it is not waited for
+    assert s.missing() == ["router", "router-1"] and s.done == {"router-9": 2} and s.unnamed == {"router-9"}
+    for i in range(3 * UNNAMED_MAX):  # a flood of forged names keeps at most UNNAMED_MAX of them
+        s.heard(f"ghost-{i}")
+        s.marker(f"ghost-marker-{i}", "s1", 0)
+    assert len(s.unnamed) == UNNAMED_MAX and len(s.done) <= UNNAMED_MAX and s.known == {"router", "router-1"}
+    s.marker("router", "s1", 0)
+    s.marker("router-1", "s1", 0)
+    assert s.synced(1.0) and not s.timed_out
 
 
 def test_a_marker_of_another_sync_changes_nothing():
