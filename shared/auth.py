@@ -36,7 +36,13 @@ other routers' relayed ends and tool calls of the branches it served). A request
 (``req.<rid>.out.<node>``) and a chunk whose ``node`` is not the subject's is dropped
 (``shared.validate``), so a worker cannot end or write into a stream another node serves: with one
 ``req.*.out`` every worker might publish, one node's identity ended another's streams early with a
-forged ``TokenChunk(node=<the other>, finished=True)``. Every identity publishes its own
+forged ``TokenChunk(node=<the other>, finished=True)``. The routers, by contrast, are trusted alike on the
+subjects they share: a message's ``src`` is set by its sender (``shared.bus`` stamps its own instance; no permission
+checks it), and every router may publish ``branch.events`` and ``svc.heartbeat.router``, so one router can send a
+``BranchEnd`` for another's branch, or a ``BranchSyncDone`` with another router's ``src`` (a restarted directory
+then settles without that router's republish: ``services/kvdirectory/settle.py``), or a heartbeat under any
+``instance`` (a directory given ``--routers`` waits for none it does not name). A forged marker needs no more
+trust than a forged ``BranchEnd`` already does. Every identity publishes its own
 heartbeat and answers ``svc.stats.<its name>``; replies go back through
 ``allow_responses`` and each identity reads only its own inbox prefix
 ``_INBOX.<name>.`` (:attr:`NatsAuth.inbox_prefix`), so no one reads another's
