@@ -943,11 +943,11 @@ class RouterService(WatchedService):
         policy = cfg.routing_policy(ttft_breakdown=self.log.is_enabled_for(logging.DEBUG))
         self.tokenizer: Tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.tokenizer)
         self._tag_tokenizer: Tokenizer | None = toolcalls.keep_tags(self.tokenizer) if cfg.enable_auto_tool_choice else None
+        """The output decoder of a request whose tool calls are parsed when the tokenizer marks the tags special
+        (``toolcalls.keep_tags``); None: such a request decodes as any other."""
         self._templates: RequestTemplatePool | None = RequestTemplatePool() if cfg.trust_request_chat_template else None
         """Where a request's own chat template is rendered (``--trust-request-chat-template``): child processes with
         a deadline and a memory cap (``services.router.template_pool``); None: such a request gets vLLM's 400."""
-        """The output decoder of a request whose tool calls are parsed when the tokenizer marks the tags special
-        (``toolcalls.keep_tags``); None: such a request decodes as any other."""
         self.core = RouterCore(
             policy, block_size=cfg.block_size, fence_after=cfg.fence_after_s * cfg.speedup, decode_binding=cfg.decode_binding,
             state_clock=clock.local_now,  # node-state ages on the monotonic clock: a wall-clock step fences no node
@@ -999,9 +999,9 @@ class RouterService(WatchedService):
         self._retried = _RetriedRids()
         """Last attempts of ended requests with a client ``X-Request-ID`` (a retry starts past them)."""
         self._kv_liveness: dict[str, m.NodeKvLiveness] = {}
+        """Latest ``kv.liveness`` per node (the directory's view of each node's KV freshness)."""
         self._syncs_answered: deque[str] = deque(maxlen=8)
         """``BranchSync.sync_id`` of the directory syncs answered (the directory repeats one until it settles)."""
-        """Latest ``kv.liveness`` per node (the directory's view of each node's KV freshness)."""
         self._remote = RemoteSends()
         """Requests other routers placed (counted in ``core.view``, never aborted here)."""
         self._parked: dict[str, m.WorkRequeue] = {}

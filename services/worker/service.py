@@ -491,9 +491,9 @@ class WorkerService:
         self._kv_log = RateLimitedLog(self.log, first=5, interval_s=10.0)
         """Bounds the warnings of refused and dropped hand-off K/V (a flood of bad pieces writes a few lines)."""
         self._transfer_tag = f"{cfg.node[:64]}-{os.urandom(6).hex()}"
+        """Prefix of this process's transfer ids (``KvChunk.transfer``: ``<tag>-<n>``), new at each start."""
         self._started_mono = time.monotonic()
         """When this process's service was made (monotonic s): a work whose K/V it never saw names it."""
-        """Prefix of this process's transfer ids (``KvChunk.transfer``: ``<tag>-<n>``), new at each start."""
         self._transfers = 0
         self._kv_due = 0.0
         """Monotonic s :attr:`_kv_timer` fires at."""
