@@ -186,3 +186,36 @@ def test_a_store_chains_cut_tail_is_placed_by_l1(monkeypatch: pytest.MonkeyPatch
         assert [list(r.counted) for r in b.gpu.ends.values()] == [want]
         a.check([])
     assert len(walks) == 3  # only the messages without chains
+
+
+def test_interval_set_matches_offsets_set_by_set():
+    """``_ivl_set`` (a run's counted intervals with ``[s, e)`` counted or not) gives the offsets a
+    set would, sorted, disjoint and touching ones joined, whatever the shape: no interval, one
+    (its fast path: one overlapping or touching ``[s, e)`` counted, or all of it uncounted: no
+    lists, no sort), several, apart, touching, inside, around."""
+    from services.worker.blocks import _ivl_set
+
+    def norm(offsets: set[int]) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        for x in sorted(offsets):
+            if out and out[-1][1] == x:
+                out[-1] = (out[-1][0], x + 1)
+            else:
+                out.append((x, x + 1))
+        return out
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        offs = {x for x in range(12) if rng.random() < rng.choice((0.2, 0.5, 0.9))}
+        iv = norm(offs)
+        s = rng.randrange(12)
+        e = rng.randrange(s + 1, 13)
+        on = rng.random() < 0.5
+        want = norm(offs | set(range(s, e)) if on else offs - set(range(s, e)))
+        got = _ivl_set(tuple(iv) if rng.random() < 0.5 else iv, s, e, on)
+        assert list(got) == want, (iv, s, e, on)
+    assert list(_ivl_set([(2, 5)], 5, 7, True)) == [(2, 7)]  # touching below
+    assert list(_ivl_set([(2, 5)], 0, 2, True)) == [(0, 5)]  # touching above
+    assert list(_ivl_set([(2, 5)], 6, 7, True)) == [(2, 5), (6, 7)]  # apart: the general path
+    assert list(_ivl_set([(2, 5)], 1, 6, False)) == []
+    assert list(_ivl_set([(2, 5)], 3, 4, False)) == [(2, 3), (4, 5)]
