@@ -69,7 +69,7 @@ from collections import _count_elements  # type: ignore[attr-defined]  # Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain, compress, count, repeat
 from operator import add as _add
-from operator import attrgetter, contains, itemgetter
+from operator import attrgetter, contains, getitem, itemgetter
 from operator import ge as _ge
 from operator import ne as _ne
 from operator import not_ as _not
@@ -671,7 +671,7 @@ class BranchTable:
         if not newly:
             return
         R = self.R[n]
-        if R:
+        if self.runs.total[n] if self.chained else R:  # (not ``R``: a _NodeCounts' __len__ is a Python call)
             if tier == HOST:  # re-sent, in the store's order: the worker keeps counts only for blocks it holds
                 self._resend(n, R, newly, 1)
             elif self.keep_counted_copies:
@@ -689,7 +689,7 @@ class BranchTable:
         if not newly:
             return
         R = self.R[n]
-        if R:
+        if self.runs.total[n] if self.chained else R:
             self._resend(n, R, newly, 2)
         if self.watch[n]:
             self._moves_came(n, tier_bit(n, GPU), newly)
@@ -705,23 +705,23 @@ class BranchTable:
         probes, plus a copy of the head when some are not counted."""
         if self.chained and len(newly) >= _CHAIN_MIN:  # the counted blocks are a head, their counts stretches
             hit = newly if type(newly) is list else list(newly)
-            j = _counted_head(R, hit, 0, len(hit))
+            j = R.head(hit, 0, len(hit)) if type(R) is _NodeCounts else _counted_head(R, hit, 0, len(hit))
             if not j:
                 return
             if j < len(hit):
                 hit = hit[:j]
-            counts = _chain_values(R, hit)
+            counts = R.chain_values(hit) if type(R) is _NodeCounts else _chain_values(R, hit)
             if self.chain_depths:  # the store's chain, or its head: at the store's position, which the worker knows
                 self.out_depth[n][id(hit)] = (hit, None)
         else:
             try:
-                counts = _values(R, newly)
+                counts = R.counts_of(newly) if type(R) is _NodeCounts else _values(R, newly)
                 hit = newly if type(newly) is list else list(newly)
             except KeyError:  # some are not counted
                 hit = list(filter(R.__contains__, newly))
                 if not hit:
                     return
-                counts = _values(R, hit)
+                counts = R.counts_of(hit) if type(R) is _NodeCounts else _values(R, hit)
         if self.keep_counted_copies:
             cc = self._cc[n]
             cc[HOST] += len(hit)
@@ -745,8 +745,15 @@ class BranchTable:
         order), as before."""
         w = self.watch[n]
         where = self.index.where
-        came = [h for h in w if (r := where.get(h)) is not None and r.pc & bit and h in newly]
-        if not came:
+        came: list[int] | None = None  # a loop, not a list comprehension (its own frame, 6,209 per 600 s at 512)
+        for h in w:
+            r = where.get(h)
+            if r is not None and r.pc & bit and h in newly:
+                if came is None:
+                    came = [h]
+                else:
+                    came.append(h)
+        if came is None:
             return
         if len(came) > 1:
             came = set(sorted(came, key=newly.index))  # type: ignore[assignment]
@@ -775,7 +782,7 @@ class BranchTable:
         into a new set.
         """
         R = self.R[n]
-        if not R or not removed:
+        if not (self.runs.total[n] if self.chained else R) or not removed:
             return 0
         if spans is not None and self.chained:
             pos = 0
@@ -783,9 +790,9 @@ class BranchTable:
                 if b - a < _CHAIN_MIN:
                     pos += R.how_many(removed[a:b]) if type(R) is _NodeCounts else sum(map(R.__contains__, removed[a:b]))
                 elif down:
-                    pos += b - _counted_tail(R, removed, a, b)
+                    pos += b - (R.tail(removed, a, b) if type(R) is _NodeCounts else _counted_tail(R, removed, a, b))
                 else:
-                    pos += _counted_head(R, removed, a, b) - a
+                    pos += (R.head(removed, a, b) if type(R) is _NodeCounts else _counted_head(R, removed, a, b)) - a
             if self.keep_counted_copies:
                 self._cc[n][tier] -= pos
             return pos
@@ -1506,7 +1513,7 @@ def _counted_tail(R: dict[int, int], seq: Sequence[int], lo: int, hi: int) -> in
     return lo
 
 
-def _chain_values(R: dict[int, int], seq: list[int]) -> list[int]:
+def _chain_values(R: Mapping[int, int], seq: list[int]) -> list[int]:
     """``[R[k] for k in seq]`` for a chain ``seq`` (not empty) of counted blocks whose counts
     never grow along it: built stretch by stretch of equal counts, each stretch's end found by
     bisection, O(distinct counts · log L) probes and a C-level list repeat per stretch (the
@@ -1686,6 +1693,7 @@ class _CountRuns:
                 of the slice has changed.
         """
         where = self.where
+        get = where.get
         total = self.total
         if step > 0:
             self.ensure(path, a, k)
@@ -1693,18 +1701,20 @@ class _CountRuns:
         crossed: list[int] = []
         refused: list[int] = []
         prev: _CRun | None = None  # the run just before, on the path, if this walk left it counted
+        pc: dict[int, int] | None = None  # prev's counts (None with prev: never equal to a run's)
         i = a
         while i < k:
             h = path[i]
-            r = where.get(h)
+            r = get(h)
             if r is None:  # a -1 on a block counted nowhere (an inconsistent caller): refused
                 refused += (i, i + 1)
-                prev = None
+                prev = pc = None
                 i += 1
                 continue
             keys = r.keys
             L = len(keys)
-            if r.depth != i or L > k - i or keys[0] != h or keys[-1] != path[i + L - 1]:
+            e = i + L
+            if r.depth != i or e > k or keys[-1] != path[e - 1] or keys[0] != h:
                 # not the usual step (the whole run, starting at i, the path going through it): find
                 # where the slice and the path keep to it, and cut it there
                 o = i - r.depth
@@ -1727,41 +1737,44 @@ class _CountRuns:
                     r = self.split(r, o)[1]
                 if len(r.keys) > L:
                     r = self.split(r, L)[0]
+                e = i + L
             cnt = r.cnt
             old = cnt.get(n, 0)
             new = old + step
-            if new < 0:
-                refused += (i, i + L)
-                prev = None
-                i += L
-                continue
-            if new:
+            if new > 0:
                 cnt[n] = new
                 if not old:
                     total[n] += L
-                    crossed += (i, i + L)
-                if prev is not None and prev.cnt == cnt:  # equal counts on every node: one run
-                    prev = self.join(prev, r)
+                    crossed += (i, e)
+                if pc == cnt:  # equal counts on every node: one run
+                    prev = self.join(prev, r)  # type: ignore[arg-type]  # pc is prev's counts
                 else:
                     prev = r
+                    pc = cnt
+            elif new:  # a -1 on a block n does not count: refused
+                refused += (i, e)
+                prev = pc = None
+                i = e
+                continue
             else:
                 del cnt[n]
                 total[n] -= L
-                crossed += (i, i + L)
+                crossed += (i, e)
                 if cnt:
-                    if prev is not None and prev.cnt == cnt:
-                        prev = self.join(prev, r)
+                    if pc == cnt:
+                        prev = self.join(prev, r)  # type: ignore[arg-type]  # pc is prev's counts
                     else:
                         prev = r
+                        pc = cnt
                 else:  # counted nowhere now: out of the forest
                     _drain(map(where.pop, r.keys))
                     del self.runs[r]
-                    prev = None
+                    prev = pc = None
             if after:
                 after += [new] * L
             else:  # the first piece (the usual move: the only one)
                 after = [new] * L
-            i += L
+            i = e
         return after, crossed, refused
 
     def _take_back(self, n: int, path: list[int], a: int, i: int, k: int, step: int, refused: list[int]) -> None:
@@ -1865,3 +1878,70 @@ class _NodeCounts(Mapping[int, int]):
     def __iter__(self) -> Iterator[int]:
         n = self._n
         return chain.from_iterable([r.keys for r in self._runs if n in r.cnt])
+
+    # The hot paths of :class:`BranchTable` (a store's or an eviction's chain) call these rather
+    # than the module's functions over the mapping: those index or probe it per block, each a
+    # ``__getitem__`` / ``__contains__`` call in Python (a frame per probe: ~37,000 per 600 s
+    # at 512-token blocks); here a probe is a ``where`` lookup and a test on the run's counts.
+
+    def counts_of(self, keys: Sequence[int]) -> list[int]:
+        """:func:`_values` over this mapping: ``[self[k] for k in keys]`` in C (a ``where``
+        lookup and the run's count of the node per key). Raises KeyError when a key is not
+        counted on the node."""
+        return list(map(getitem, map(_CNT, map(self._where.__getitem__, keys)), repeat(self._n)))
+
+    def head(self, seq: Sequence[int], lo: int, hi: int) -> int:
+        """:func:`_counted_head` over this mapping (``seq[lo:hi]`` not empty, its counted blocks
+        a head): where that head ends, ``lo`` … ``hi``; two probes, else a bisection."""
+        get = self._where.get
+        n = self._n
+        r = get(seq[hi - 1])
+        if r is not None and n in r.cnt:
+            return hi
+        r = get(seq[lo])
+        if r is None or n not in r.cnt:
+            return lo
+        lo += 1  # seq[lo - 1] counted, seq[hi - 1] not
+        hi -= 1
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            r = get(seq[mid])
+            if r is not None and n in r.cnt:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def tail(self, seq: Sequence[int], lo: int, hi: int) -> int:
+        """:func:`_counted_tail` over this mapping (``seq[lo:hi]`` not empty, deepest first, its
+        counted blocks a tail): where that tail starts, ``lo`` … ``hi``."""
+        get = self._where.get
+        n = self._n
+        r = get(seq[lo])
+        if r is not None and n in r.cnt:
+            return lo
+        r = get(seq[hi - 1])
+        if r is None or n not in r.cnt:
+            return hi
+        lo += 1  # seq[lo - 1] not counted, seq[hi - 1] counted
+        hi -= 1
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            r = get(seq[mid])
+            if r is not None and n in r.cnt:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def chain_values(self, seq: list[int]) -> list[int]:
+        """:func:`_chain_values` over this mapping (``seq`` a chain of blocks counted on the node,
+        not empty): the usual one stretch of equal counts is two lookups and a list repeat.
+        Raises KeyError when a block read is not counted on the node."""
+        where = self._where
+        n = self._n
+        last = where[seq[-1]].cnt[n]
+        v = where[seq[0]].cnt[n]
+        if v == last:
+            return [v] * len(seq)
+        return _chain_values(self, seq)

@@ -212,3 +212,54 @@ def test_runs_give_the_per_block_counts_messages_and_counters(seed: int) -> None
     assert drained(worlds[0]) == drained(worlds[1])
     c = worlds[0].counters
     assert c["branch.version_bumps"] and c["moves.released_sources"] and c["branch.expired"]  # the test's reach
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_node_counts_probes_match_the_mapping_functions(seed: int) -> None:
+    """``_NodeCounts``' own probes (``counts_of``, ``head``, ``tail``, ``chain_values``: a ``where``
+    lookup and a test on the run's counts, no ``__getitem__`` / ``__contains__`` call per block,
+    as the directory's store and eviction hooks use them) answer what the module's functions
+    over the mapping do, KeyError included, on random chains counted on 3 nodes."""
+    from services.kvdirectory.branches import _chain_values, _counted_head, _counted_tail, _CountRuns, _NodeCounts, _values
+
+    rng = random.Random(seed)
+    runs = _CountRuns()
+    runs.total = [0, 0, 0]
+    fresh = iter(range(10_000, 100_000))
+    chains: list[list[int]] = []
+    for _ in range(60):
+        base = rng.choice(chains) if chains and rng.random() < 0.7 else []
+        path = base[: rng.randrange(len(base) + 1)] + [next(fresh) for _ in range(rng.randrange(1, 12))]
+        chains.append(path)
+        n = rng.randrange(3)
+        a = 0
+        k = rng.randrange(1, len(path) + 1)
+        runs.count(n, path, a, k, 1)
+        if rng.random() < 0.3:
+            runs.count(n, path, rng.randrange(k), k, -1)
+    runs.check()
+    for n in range(3):
+        R = _NodeCounts(runs, n)
+        for path in chains:
+            L = len(path)
+            lo = rng.randrange(L)
+            hi = rng.randrange(lo + 1, L + 1)
+            assert R.head(path, lo, hi) == _counted_head(R, path, lo, hi)
+            down = path[::-1]
+            assert R.tail(down, lo, hi) == _counted_tail(R, down, lo, hi)  # type: ignore[arg-type]
+            for keys in (path, path[lo:hi], path[:1]):
+                try:
+                    want: object = _values(R, keys)  # type: ignore[arg-type]
+                except KeyError:
+                    want = KeyError
+                try:
+                    got: object = R.counts_of(keys)
+                except KeyError:
+                    got = KeyError
+                assert got == want
+            j = R.head(path, 0, L)
+            if j:
+                assert R.chain_values(path[:j]) == _chain_values(R, path[:j]) == [R[h] for h in path[:j]]  # type: ignore[arg-type]
+            if j < L:
+                with pytest.raises(KeyError):
+                    R.chain_values(path)
