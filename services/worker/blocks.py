@@ -2349,8 +2349,14 @@ class BranchRunHostPool(RunHostPool):
         (> 0: counted; ``on``: all of them are). O(intervals + stretches of one sign)."""
         iv = r.counted
         if on:
-            if len(iv) == 1 and iv[0][0] <= o and o + k <= iv[0][1]:
-                return
+            if len(iv) == 1:  # _ivl_set's usual case, inline (~18,000 of 26,514 calls at 512)
+                a, b = iv[0]
+                e = o + k
+                if a <= o and e <= b:
+                    return
+                if o <= b and a <= e:  # overlapping or touching: one interval
+                    r.counted = ((a if a < o else o, b if b > e else e),)
+                    return
             r.counted = _ivl_set(iv, o, o + k, True)
             return
         seg = counts[p : p + k]
