@@ -80,7 +80,18 @@ ACTIVE_S = 1.0
 """A transfer that stored a new piece within this many seconds is being sent: a new transfer is admitted only if
 its total fits beside the bytes stored and the bytes such transfers still have to send (:meth:`KvAssembler.add`).
 A live sender keeps ``WINDOW`` pieces in flight, each answered in milliseconds; a quiet one (a forged or abandoned
-announcement) reserves nothing."""
+announcement) reserves nothing. One whose piece was refused ``full`` within ``ACTIVE_S`` + :data:`FULL_BACKOFF_MAX_S`
+is being sent too (its sender waits at most :data:`FULL_BACKOFF_MAX_S` between tries): before, it counted as quiet
+while it waited, and a newcomer admitted meanwhile took the room its work was freeing (review 54)."""
+RESERVE_HORIZON_S = 5.0
+"""What a transfer being sent keeps room for is at most what it would store in this many seconds at the rate it has
+stored so far (bytes stored ÷ the seconds from its first to its last stored piece, at least
+:data:`RESERVE_MIN_SPAN_S`): a live sender's remainder, usually all of it (pieces come milliseconds apart), but not
+the announced total of a sender that trickles one small piece a second to keep it reserved (before, 1 KiB every
+0.9 s announcing the whole buffer kept every other hand-off refused ``full``: review 54)."""
+RESERVE_MIN_SPAN_S = 0.05
+"""The least span :data:`RESERVE_HORIZON_S`'s rate is measured over: a transfer of one stored piece keeps room for
+at most 100 (= 5 / 0.05) of its pieces."""
 FULL_PREFIX = "hand-off buffer full"
 """How :meth:`KvAssembler.add`'s refusal for want of room starts (the shell answers it ``full``: transient)."""
 OPEN_MAX = 1024
@@ -234,8 +245,10 @@ class KvAssembler:
     delivered, and the rest is bounded apart:
 
     * a new transfer is admitted only when its announced total fits beside the bytes stored now and the bytes still
-      to come of the transfers being sent (a new piece stored within :data:`ACTIVE_S`: :meth:`reserved`); a quiet
-      transfer reserves nothing, so a forged announcement still costs only what it stored. Before, two transfers
+      to come of the transfers being sent (a new piece stored within :data:`ACTIVE_S`, or one refused ``full`` lately:
+      :meth:`reserved`), each at most what its rate so far sends in :data:`RESERVE_HORIZON_S`; a quiet transfer
+      reserves nothing and a trickling one little, so a forged announcement costs what it stored, and a few seconds
+      of its own rate while it keeps sending. Before, two transfers
       admitted at once, each fitting alone, each stored part and then refused the other's pieces ``full`` until both
       senders gave up. A total past ``max_bytes`` is refused at once (``refused.too_large``: it could never fit, so
       the sender does not retry it); at most :data:`OPEN_MAX` are open (the address space their mappings reserve),
@@ -443,9 +456,17 @@ class KvAssembler:
         return min(self._deadline(a) for a in self.open.values()) if self.open else None
 
     def reserved(self, now: float) -> int:
-        """Bytes still to come (announced total less stored) of the incomplete transfers that stored a new piece
-        within :data:`ACTIVE_S` of ``now`` (monotonic s): what a new transfer's admission keeps room for. O(open)."""
-        return sum(a.total - a.stored for a in self.open.values() if not a.complete and now - a.last < ACTIVE_S)
+        """Bytes a new transfer's admission keeps room for at ``now`` (monotonic s): for each incomplete transfer being
+        sent (a new piece stored within :data:`ACTIVE_S`, or a piece refused ``full`` within :data:`ACTIVE_S` +
+        :data:`FULL_BACKOFF_MAX_S`: its sender waits for room), its bytes still to come (announced total less stored),
+        at most what it would store in :data:`RESERVE_HORIZON_S` at its rate so far. O(open)."""
+        out = 0
+        for a in self.open.values():
+            if a.complete or (now - a.last >= ACTIVE_S and now - a.full_at >= ACTIVE_S + FULL_BACKOFF_MAX_S):
+                continue
+            rate = a.stored / max(a.last - a.started, RESERVE_MIN_SPAN_S)  # bytes per s
+            out += min(a.total - a.stored, int(rate * RESERVE_HORIZON_S))
+        return out
 
     def _deadline(self, a: Assembly) -> float:
         """When :meth:`expire` drops ``a`` (monotonic s)."""

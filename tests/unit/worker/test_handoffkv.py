@@ -220,7 +220,7 @@ def test_a_piece_past_the_buffer_is_refused_full_and_its_transfer_kept_until_roo
 def test_two_transfers_admitted_at_once_each_fitting_alone_both_complete():
     """Review 54, item 1: a new transfer was admitted when its total fitted beside the bytes STORED: two hand-offs
     whose pieces came interleaved were both admitted, each stored part, then each one's next piece was refused
-    ``full`` by the other's bytes until both senders gave up (2P1D, 300,000-B buffer: 16 of 36 requests failed).
+    ``full`` by the other's bytes until both senders gave up (2P1D, 300,000-B buffer, 6 at once: 16 of 24 requests failed).
     Now the bytes still to come of a transfer being sent are kept room for: the second waits (refused ``full``, sent
     again), the first completes, and the second goes in once the first's work took its K/V."""
     a = hk.KvAssembler(600_000, 60.0, 15.0)
@@ -240,7 +240,7 @@ def test_two_transfers_admitted_at_once_each_fitting_alone_both_complete():
     for y in refused:  # its sender sends each again after its backoff
         assert a.add(y, now + 0.1) == ""
     assert bytes(a.take("tb", "rb", len(pb), len(kb))) == kb and a.held_bytes == 0
-    # a transfer quiet for ACTIVE_S reserves nothing: a forged announcement still costs only what it stored
+    # a transfer quiet for ACTIVE_S reserves nothing: a forged announcement costs what it stored
     forged = _pieces(os.urandom(500_000), 100_000, transfer="tf", rid="rf")[0]
     assert a.add(forged, 10.0) == "" and a.reserved(10.0) == 400_000 and a.reserved(10.0 + hk.ACTIVE_S) == 0
     late = msgspec.structs.replace(pb[0], transfer="tc")
@@ -754,3 +754,56 @@ async def test_a_full_refusal_is_counted_apart_not_as_a_dropped_kv():
     (e,) = logged
     assert (e["kv_bytes"], e["kv_total"], e["timeout_s"]) == (2048, 6000, d.cfg.handoff_piece_idle_s), e
     await d.stop()
+
+
+def _forged(transfer: str, index: int, total: int, piece: int = 1024) -> m.KvChunk:
+    """Piece ``index`` of a transfer announcing ``total`` bytes in ``piece``-byte pieces (a forger's, or a slow one)."""
+    data = bytes([index % 251]) * piece
+    return m.KvChunk(transfer=transfer, rid="rf", index=index, count=total // piece, offset=index * piece, total=total,
+                     crc32=zlib.crc32(data), data=data)  # fmt: skip
+
+
+def test_a_trickling_sender_keeps_room_for_what_its_rate_stores_not_its_whole_announcement():
+    """Review 54 (M1): a transfer that stored a new piece within ``ACTIVE_S`` kept room for its whole remainder: one
+    announcing the whole buffer and sending 1 KiB every 0.9 s (each piece new, so never idle) kept every other
+    hand-off refused ``full`` (60 of 60 tries over 54 s in the review's probe). Now it keeps at most what its rate so
+    far stores in ``RESERVE_HORIZON_S``."""
+    a = hk.KvAssembler(MIB, 60.0, 15.0)
+    now = 0.0
+    for i in range(30):  # 30 KiB over 26.1 s: ~1.2 KB/s
+        now = 0.9 * i
+        assert a.add(_forged("slow", i, MIB), now) == ""
+    assert a.reserved(now) < 10_000, a.reserved(now)
+    kv = os.urandom(600_000)
+    real = _pieces(kv, 100_000, transfer="t1")
+    assert all(a.add(c, now + 0.1) == "" for c in real), a.counters  # beside its 30 KiB, not its announced 1 MiB
+    assert bytes(a.take("t1", "r1", len(real), len(kv))) == kv
+    # a live sender's pieces come milliseconds apart: it keeps room for all it has still to send
+    fast = [_pieces(os.urandom(400_000), 16_384, transfer="t2", rid="r2")[i] for i in range(2)]
+    assert a.add(fast[0], 30.0) == "" and a.add(fast[1], 30.002) == ""
+    assert a.reserved(30.003) == 400_000 - 2 * 16_384
+
+
+def test_a_transfer_waiting_after_a_full_refusal_keeps_its_room_from_a_newcomer():
+    """Review 54 (M2): a transfer whose piece was refused ``full`` counted as quiet while its sender waited (0.1 ...
+    1 s between tries), so a newcomer admitted when another work freed room took it, and the waiting one was refused
+    until its sender gave up. Now a transfer refused within ``ACTIVE_S`` + ``FULL_BACKOFF_MAX_S`` keeps its room."""
+    a = hk.KvAssembler(10_000, 60.0, 5.0)
+    kv1, kv2, kv3 = os.urandom(6000), os.urandom(6000), os.urandom(6000)
+    one = _pieces(kv1, 2048, transfer="t1")
+    two = _pieces(kv2, 2048, transfer="t2", rid="r2")
+    three = _pieces(kv3, 2048, transfer="t3", rid="r3")
+    assert a.add(one[0], 0.0) == ""
+    assert all(a.add(c, 2.0) == "" for c in two)  # t1 quiet since 0.0: t2 admitted beside its 2048 B, and complete
+    assert a.add(one[1], 2.5).startswith(hk.FULL_PREFIX)  # 8048 + 2048 > 10,000: t1's sender waits for room
+    a.take("t2", "r2", 3, 6000)  # t2's work frees 6000 B at 3.2
+    why = a.add(three[0], 3.3)  # t1 (refused at 2.5) is still being sent: its 3952 B to come are kept for it
+    assert why.startswith(hk.FULL_PREFIX) and "3952 B more to come" in why, why
+    assert a.add(one[1], 3.5) == "" and a.add(one[2], 3.5) == ""  # the waiting sender's retry goes in
+    assert bytes(a.take("t1", "r1", 3, 6000)) == kv1
+    assert a.add(three[0], 3.6) == ""  # and the newcomer after it
+    # a refusal long past no longer keeps room: quiet for ACTIVE_S, refused more than ACTIVE_S + FULL_BACKOFF_MAX_S ago
+    b = hk.KvAssembler(10_000, 60.0, 15.0)
+    assert b.add(one[0], 0.0) == "" and all(b.add(c, 2.0) == "" for c in two) and b.add(one[1], 2.5).startswith(hk.FULL_PREFIX)
+    b.take("t2", "r2", 3, 6000)
+    assert b.reserved(2.5 + hk.ACTIVE_S + hk.FULL_BACKOFF_MAX_S) == 0
