@@ -109,6 +109,11 @@ CANCEL_TIMEOUT_S = 1.0
 ENDED_KEPT = 4096
 """Transfers the decode node remembers after they ended (taken, dropped): a late piece or ``DecodeWork`` of one is
 answered with what became of it instead of starting a new one."""
+CANCELLED_UNHELD_KEPT = 1024
+"""Cancels of transfers not held (one overtook its first piece) the decode node remembers, apart from
+:data:`ENDED_KEPT`'s transfers that ended here: a flood of cancels naming unknown transfers (a worker identity may
+send them) forgets only other such cancels, not what became of transfers really held (review 54: 4,096 of them
+wiped that memory, and a late piece of a cancelled transfer opened it again)."""
 
 
 class KvSendFailed(Exception):
@@ -297,6 +302,8 @@ class KvAssembler:
         """Bytes stored over :attr:`open` (``Assembly.stored``): what their buffers take."""
         self.ended: OrderedDict[str, str] = OrderedDict()
         """Transfer id → what became of it (the newest :data:`ENDED_KEPT`)."""
+        self.cancelled_unheld: OrderedDict[str, str] = OrderedDict()
+        """Transfer id → its cancel, for cancels of transfers not held (the newest :data:`CANCELLED_UNHELD_KEPT`)."""
         self.by_src: Counter[str] = Counter()
         """Sender (``Assembly.src``) → its transfers in :attr:`open` (:data:`OPEN_PER_SENDER`)."""
         self.counters: Counter[str] = Counter()
@@ -308,7 +315,7 @@ class KvAssembler:
         backoff); any other drops the transfer (its sender fails the hand-off with these words)."""
         a = self.open.get(c.transfer)
         if a is None:
-            gone = self.ended.get(c.transfer)
+            gone = self.ended.get(c.transfer) or self.cancelled_unheld.get(c.transfer)
             if gone is not None:
                 self.counters["refused.ended"] += 1
                 return f"transfer {c.transfer} of {c.rid} ended here already: {gone}"
@@ -375,7 +382,7 @@ class KvAssembler:
         """
         a = self.open.get(transfer)
         if a is None:
-            gone = self.ended.get(transfer)
+            gone = self.ended.get(transfer) or self.cancelled_unheld.get(transfer)
             if gone == "taken":
                 self.counters["duplicate_work"] += 1
                 raise KvMissing(f"transfer {transfer} was taken already (its work came twice)", duplicate=True)
@@ -420,12 +427,15 @@ class KvAssembler:
         held and not ended is remembered as ended (counted ``cancelled_unheld``): it overtook the transfer's piece
         (``work.<n>.kvcancel`` and ``work.<n>.kv`` are separate subscriptions), which is then refused, not opened
         again to wait ``piece_idle_s`` for pieces that never come. The memory of ended transfers is bounded
-        (:data:`ENDED_KEPT`, oldest forgotten first)."""
+        (:data:`ENDED_KEPT`, oldest forgotten first), that of such cancels apart (:data:`CANCELLED_UNHELD_KEPT`), so
+        that a flood of them does not forget what became of transfers held here."""
         a = self.open.get(transfer)
         if a is None:
-            if transfer not in self.ended:
+            if transfer not in self.ended and transfer not in self.cancelled_unheld:
                 self.counters["cancelled_unheld"] += 1
-                self._remember(transfer, f"cancelled by its sender: {why}" if why else "cancelled by its sender")
+                self.cancelled_unheld[transfer] = f"cancelled by its sender: {why}" if why else "cancelled by its sender"
+                while len(self.cancelled_unheld) > CANCELLED_UNHELD_KEPT:
+                    self.cancelled_unheld.popitem(last=False)
             return None
         if a.rid != rid:
             return None

@@ -311,10 +311,21 @@ def test_a_cancel_that_overtook_its_first_piece_keeps_the_transfer_from_opening(
     assert all(a.add(c, 2.0) == "" for c in _pieces(os.urandom(5000), 2000, transfer="t2"))
     a.take("t2", "r1", 3, 5000)
     assert a.cancel("t2", "r1", "late") is None and a.ended["t2"] == "taken" and a.counters["cancelled_unheld"] == 1
-    # the memory of ended transfers is bounded
+    # such cancels are remembered apart, bounded: a flood of them (review 54: 4,096 wiped the memory of transfers
+    # held here) forgets only other such cancels; a late piece of a cancelled transfer held here stays refused
+    assert all(a.add(c, 3.0) == "" for c in _pieces(os.urandom(5000), 2000, transfer="t3")[:1])
+    assert a.cancel("t3", "r1", "gave up") is not None and a.ended["t3"].startswith("cancelled by its sender")
     for i in range(hk.ENDED_KEPT + 10):
         a.cancel(f"x{i}", "r", "flood")
-    assert len(a.ended) == hk.ENDED_KEPT and "t1" not in a.ended and f"x{hk.ENDED_KEPT + 9}" in a.ended
+    assert "ended here already" in a.add(_pieces(os.urandom(5000), 2000, transfer="t3")[1], 4.0)
+    with pytest.raises(hk.KvMissing, match="taken already"):
+        a.take("t2", "r1", 3, 5000)
+    assert a.ended["t2"] == "taken" and "t3" in a.ended
+    assert len(a.cancelled_unheld) == hk.CANCELLED_UNHELD_KEPT and f"x{hk.ENDED_KEPT + 9}" in a.cancelled_unheld
+    # and what ended here is bounded too (oldest forgotten first)
+    for i in range(hk.ENDED_KEPT + 10):
+        a._remember(f"e{i}", "taken")
+    assert len(a.ended) == hk.ENDED_KEPT and "t2" not in a.ended and f"e{hk.ENDED_KEPT + 9}" in a.ended
 
 
 def test_a_cancel_frees_its_transfer_at_once():
