@@ -219,3 +219,26 @@ def test_interval_set_matches_offsets_set_by_set():
     assert list(_ivl_set([(2, 5)], 6, 7, True)) == [(2, 5), (6, 7)]  # apart: the general path
     assert list(_ivl_set([(2, 5)], 1, 6, False)) == []
     assert list(_ivl_set([(2, 5)], 3, 4, False)) == [(2, 3), (4, 5)]
+
+
+def test_a_lift_stops_at_an_l1_parent_without_scanning_the_queue():
+    """A count message moves queued pages to the counted group; their run's lift
+    (``_lift_above``) stops at its parent when that is an L1 page (a run of L1 ends with it:
+    pinned, so queued in no group), without a scan of the group's queued runs (``_run_at``: one
+    per such lift before, ~35 runs each at 512-token blocks, that found nothing); the pool ends
+    the same."""
+    kv = _chained_pool()
+    assert kv.reserve(4)  # evicts 8..5: queued uncounted (group 0), their parent 4 ends L1's run
+    kv.gpu.unreserve(4)
+    calls = []
+    run_at = kv.host._run_at
+
+    def counted(*a):
+        calls.append(a)
+        return run_at(*a)
+
+    kv.host._run_at = counted
+    assert kv.update_counts([5, 6, 7, 8], [1, 1, 1, 1], [(4, 4)]) == 4  # moved to the counted group, lifted
+    assert calls == [(5, 4)]  # the move's own: 5 starts a run (a dict probe); before, also (4, 3, 1), the lift's scan
+    assert sorted(x for x in order(kv) if x[0] < 10) == [(5, 1), (6, 1), (7, 1), (8, 1)]
+    kv.check([])
