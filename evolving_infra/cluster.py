@@ -561,6 +561,12 @@ class LocalCluster:
     while one drains (the cluster still stops when any service exits)."""
     made_log_dir: bool = False
     """``log_dir`` is a temporary folder (``ei-logs-*``) this cluster made, ``spec.log_dir`` being unset."""
+    _log_lock: int | None = None
+    """The descriptor holding ``log_dir``'s lock (``out_folder.lock_folder``) from the start to the end of :meth:`stop`;
+    None before, after, and on a file system without ``flock``."""
+    _log_dir_ours: bool = False
+    """This cluster took ``log_dir`` (held it, or its file system gives no lock): :meth:`stop` may write its files.
+    False when another cluster's lock refused it: its ``prometheus-targets.json`` is that cluster's."""
     _supervisor: asyncio.Task[None] | None = None
     _failure: ClusterError | None = None
     _nats_restart_at: float | None = None
@@ -772,12 +778,45 @@ class LocalCluster:
             await self.stop()
             raise
 
+    def _hold_log_dir(self) -> None:
+        """Hold ``log_dir`` for this cluster's life (``out_folder.lock_folder``, released at the end of :meth:`stop`):
+        a second cluster given the same folder (a second ``up --log-dir D``, a ``demo --log-dir D``) overwrote the
+        first's NATS credentials, ``cluster.json``, ``router.port`` and ``prometheus-targets.json``; the first's
+        restarted services and ``split``/``tap`` were then refused by its nats-server. A file system without
+        ``flock`` holds nothing (a warning): the start goes on, as before.
+
+        Raises:
+            ClusterConfigError: another process holds it (its pid and the folder named): ``up`` exits 2.
+            ClusterError: its lock file cannot be made.
+        """
+        from evolving_infra.out_folder import NoFlockError, OutFolderError, lock_folder
+
+        try:
+            self._log_lock = lock_folder(self.log_dir)
+        except NoFlockError as e:
+            log.warning("log folder not locked: a second cluster given it would not be refused", error=str(e))
+        except OutFolderError as e:
+            raise ClusterConfigError(f"--log-dir {self.log_dir} is in use: {e.reason}; a second cluster there would "
+                                     "overwrite its NATS credentials and state files: stop it, or choose another --log-dir") from None
+        except OSError as e:
+            raise ClusterError(f"cannot lock --log-dir {self.log_dir}: {e.strerror or e}") from e
+        self._log_dir_ours = True
+
+    def _release_log_dir(self) -> None:
+        """Release :meth:`_hold_log_dir`'s lock (if held). Raises nothing."""
+        from evolving_infra.out_folder import unlock_folder
+
+        if self._log_lock is not None:
+            unlock_folder(self.log_dir, self._log_lock)
+            self._log_lock = None
+
     async def _start(self) -> None:
         s = self.spec
         parse_split(s.split, s.nodes)  # fail fast on a bad split
         self.made_log_dir = not s.log_dir
         self.log_dir = Path(s.log_dir) if s.log_dir else Path(tempfile.mkdtemp(prefix="ei-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._hold_log_dir()
         self.clock_origin = time.time()
         self.nats_url = s.nats_url or ""
         if s.routers < 1:  # fail fast: no router, nothing serves
@@ -1359,7 +1398,7 @@ class LocalCluster:
         for held in self.metrics_sockets.values():  # every service has exited: nothing serves on them any more
             held.close()
         self.metrics_sockets.clear()
-        if (self.log_dir / TARGETS_FILE).exists():
+        if self._log_dir_ours and (self.log_dir / TARGETS_FILE).exists():  # not another cluster's (refused)
             self.write_targets(empty=True)
         if self._bus is not None:
             await self._bus.close()
@@ -1367,6 +1406,7 @@ class LocalCluster:
         if self.nats:
             self.nats.stop()
             self.nats = None
+        self._release_log_dir()
 
     def router_grace_s(self) -> float:
         """The routers' ``--shutdown-grace-s`` (wall s): the last one in the spec's ``router_args``, else

@@ -256,7 +256,8 @@ def _add_cluster_args(
         default=None,
         help="with --nats-url: folder of per-instance credentials (<instance>.nk|.creds|.pass, see 'evolving-infra auth gen')",
     )
-    g.add_argument("--log-dir", default=None, type=folder, help=f"directory for each service's log (default: {log_dir})")
+    g.add_argument("--log-dir", default=None, type=folder, help=f"directory for each service's log (default: {log_dir}); held by one cluster at a time: "
+                   "a second up or demo given a folder in use exits 2, naming the pid that holds it")
     g.add_argument("--log-level", default="info", help="service log level (default info)")
     g.add_argument(
         "--log-requests",
@@ -1553,7 +1554,7 @@ async def _demo(args: argparse.Namespace) -> int:
 
 async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     from evolving_infra.replay.core import Arrival
-    from evolving_infra.out_folder import (OUTPUTS_ELSEWHERE, OutFolderError, check_previous_run, drop_partial_records,
+    from evolving_infra.out_folder import (LOCK, OUTPUTS_ELSEWHERE, OutFolderError, check_previous_run, drop_partial_records, folder_holder,
                                            hold_out, note_leftover_partial_records, partial_records,
                                            set_aside_or_elsewhere)
     from evolving_infra.replay.live import LiveReplayer, RecordAppender
@@ -1622,6 +1623,14 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
         if made and out.is_dir() and not any(out.iterdir()):  # after the checks of _spec: a refused demo leaves no folder
             out.rmdir()
         print(f"error: --out {out}: {e}", file=sys.stderr)
+        return 2
+    if holder := folder_holder(log_dir):  # an `up --log-dir` there: its logs are not cleared (its cluster refuses ours too)
+        held.close()
+        print(f"error: --log-dir {log_dir} is in use: {holder} is writing to it (it holds {log_dir / LOCK}); a second "
+              "cluster there would overwrite its NATS credentials and state files: stop it, or choose another --log-dir",
+              file=sys.stderr)
+        if made and out.is_dir() and not any(out.iterdir()):  # a refused demo leaves no folder
+            out.rmdir()
         return 2
     note_leftover_partial_records(out, "demo")
     if not args.log_dir:  # OUT/logs belongs to this run, as OUT/report.json does: an earlier demo's lines go

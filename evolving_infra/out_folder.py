@@ -192,6 +192,45 @@ def _unlock_file(path: Path, fd: int) -> None:
     os.close(fd)
 
 
+def lock_folder(folder: Path) -> int:
+    """Hold ``folder`` for as long as the returned descriptor stays open: :func:`hold_out`'s exclusive, non-blocking
+    ``flock`` on ``folder/``:data:`LOCK` (holding this process's id), without its set-aside. ``up`` holds its
+    ``--log-dir`` so for the cluster's life (``LocalCluster``), so that a second cluster on it is refused instead of
+    overwriting the first's credentials and state files. A lock left by a process that is gone blocks nothing (the
+    kernel dropped it with the process). Release it with :func:`unlock_folder`; ``folder`` must exist.
+
+    Returns:
+        The descriptor holding the lock (close-on-exec: children never inherit it).
+
+    Raises:
+        OutFolderError: another process holds it; :attr:`OutFolderError.reason` reads ``"another run (pid N) is
+            writing to it (it holds FOLDER/.evolving-infra.lock)"`` (the pid named when known).
+        NoFlockError: the file system gives no ``flock``.
+        OSError: the lock file cannot be made or opened.
+    """
+    path = folder / LOCK
+    fd = _lock_file(path)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except BaseException:
+        _unlock_file(path, fd)
+        raise
+    return fd
+
+
+def unlock_folder(folder: Path, fd: int) -> None:
+    """Release :func:`lock_folder`'s lock on ``folder`` (its lock file removed if it is still the one locked).
+    Raises nothing."""
+    _unlock_file(folder / LOCK, fd)
+
+
+def folder_holder(folder: Path) -> str | None:
+    """Who holds ``folder`` now (:func:`lock_folder`, :func:`hold_out`): ``'another run (pid N)'``, or None when
+    nobody does. Touches nothing. Raises nothing."""
+    return _lock_holder(folder)
+
+
 def hold_new_out(held: ExitStack, out: Path) -> None:
     """Make ``out`` (and its missing parents) and hold it (:func:`hold_out`) until ``held`` closes; the folders made
     here are removed again after the lock's release when the run left them empty (``traces.io.remove_folders``).
