@@ -1342,7 +1342,7 @@ async def _up(args: argparse.Namespace) -> int:
     state = _write_state({**info, **_state_fields(cluster.spec)})  # the URL whole: split and tap connect with it (0600)
     try:
         listening = (f" (listening on all interfaces, {info['router_listen']})" if cluster.spec.host in WILDCARD_HOSTS else "")
-        print(f"cluster ready: router {cluster.router_url}{listening}  ({split_plan(args.live_policy, cluster.spec.split)}; "
+        print(f"cluster ready: router {cluster.router_url}{listening}  ({split_plan(args.live_policy, cluster.spec.split, cluster.spec.speedup)}; "
               f"{args.nodes} worker{'' if args.nodes == 1 else 's'}, profile {cluster.spec.profile}, speedup {args.speedup:g})")
         print(f"  {args.live_policy.describe()}" + "".join(f"\n  note: {n}" for n in args.live_policy.notes))
         warmup = planner_warmup_line(args.live_policy, cluster.spec.split, cluster.spec.speedup)
@@ -1421,21 +1421,42 @@ def _evolving_params(pol: LivePolicy) -> Any:
     return params_from(EvolvingParams, parse_planner_args(list(pol.planner_args)), "evolving")
 
 
-def split_plan(pol: LivePolicy, split: str) -> str:
-    """What the cluster's split will be, for ``up``'s ready line and the demo's first line: ``split 2P2D`` for
-    the static planner; for the others the split the nodes start in and what the planner does with it
-    (``initial split 2P2D; planner evolving: collocated warm-up for 1800 s, then adapts``), since the
-    evolving planner's first tick (~0.2 s of simulated time after start) switches every node to ``both``.
+def split_plan(pol: LivePolicy, split: str, speedup: float) -> str:
+    """What the cluster's split is and will be, for ``up``'s ready line and the demo's first line: ``split 2P2D`` for
+    the static planner; for the evolving planner with a warm-up, that every node serves collocated until it ends and
+    what comes then (``serving collocated until the planner's 1800-s warm-up ends (~1860 s wall), then split 2P2D;
+    planner evolving adapts it``): its first tick (~0.2 s of simulated time after start) switches every node to
+    ``both``, and the line said ``initial split 1P1D`` for the half hour ``up`` served collocated. The wall time is
+    :func:`warmup_end_s` over ``speedup``, from the cluster's start. For the other planners, the split the nodes
+    start in and that the planner adapts it.
 
     Args:
         pol: the live policy (its ``planner`` and ``planner_args``).
         split: the split the workers are launched in (``--split`` or the policy's).
+        speedup: simulated seconds per wall second (> 0).
     """
     if pol.planner == "static":
         return f"split {split}"
-    if pol.planner == "evolving" and (t_learn := _evolving_params(pol).t_learn_s) > 0:
-        return f"initial split {split}; planner evolving: collocated warm-up for {t_learn:.0f} s, then adapts"
+    if pol.planner == "evolving" and (p := _evolving_params(pol)).t_learn_s > 0:
+        after = f"split {p.initial_split or split}" if p.initial_split or split != "collocated" else \
+            "the split the warm-up predicts best"
+        return (f"serving collocated until the planner's {p.t_learn_s:.0f}-s warm-up ends "
+                f"(~{warmup_end_s(pol) / speedup:.0f} s wall), then {after}; planner evolving adapts it")
     return f"initial split {split}; planner {pol.planner} adapts it"
+
+
+def warmup_end_s(pol: LivePolicy) -> float:
+    """When the evolving planner's warm-up ends, in simulated seconds from the cluster's start, for a first tick just
+    after t=0 (the planner's 0.2 s): the first slice boundary (``window_s / slices``) after ``t_learn_s``, as the
+    planner ends it (1,800 s with 60-s slices: 1,860, ``split get``'s "until t=1860s"). 0 for the other planners or
+    without a warm-up. Raises nothing beyond :func:`_evolving_params`'s."""
+    if pol.planner != "evolving":
+        return 0.0
+    p = _evolving_params(pol)
+    if p.t_learn_s <= 0:
+        return 0.0
+    slice_s = p.window_s / p.slices if p.slices > 0 else 0.0
+    return (math.floor(p.t_learn_s / slice_s) + 1) * slice_s if slice_s > 0 else p.t_learn_s
 
 
 def planner_warmup_line(pol: LivePolicy, split: str, speedup: float) -> str | None:
@@ -1638,7 +1659,7 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
     pol: LivePolicy = args.live_policy
     print(
         f"demo: {len(agents)} Claude Code sessions, {len(requests)} requests from {Path(trace_name).name}; "
-        f"{spec.nodes} workers ({spec.profile}), {split_plan(pol, spec.split)}; speedup {spec.speedup:g}, {args.concurrency} concurrent agents",
+        f"{spec.nodes} workers ({spec.profile}), {split_plan(pol, spec.split, spec.speedup)}; speedup {spec.speedup:g}, {args.concurrency} concurrent agents",
         flush=True,
     )
     print(f"  {pol.describe()}" + "".join(f"\n  note: {n}" for n in pol.notes), flush=True)

@@ -144,18 +144,28 @@ def test_up_and_demo_say_that_the_evolving_planner_warms_up_collocated(argv, exp
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["up"], "initial split 2P2D; planner evolving: collocated warm-up for 1800 s, then adapts"),
-        (["demo"], "initial split 2P2D; planner evolving: collocated warm-up for 900 s, then adapts"),
+        # before: "initial split 2P2D" while every node served collocated for the warm-up (~31 min of wall time)
+        (["up"], "serving collocated until the planner's 1800-s warm-up ends (~1860 s wall), then split 2P2D; "
+                 "planner evolving adapts it"),
+        (["up", "--speedup", "10"], "serving collocated until the planner's 1800-s warm-up ends (~186 s wall), then "
+                                    "split 2P2D; planner evolving adapts it"),
+        (["up", "--planner-opt", "t_learn_s=90"], "serving collocated until the planner's 90-s warm-up ends "
+                                                  "(~120 s wall), then split 2P2D; planner evolving adapts it"),
+        (["up", "--split", "collocated"], "serving collocated until the planner's 1800-s warm-up ends (~1860 s wall), "
+                                          "then the split the warm-up predicts best; planner evolving adapts it"),
+        (["demo"], "serving collocated until the planner's 900-s warm-up ends (~19 s wall), then split 2P2D; "
+                   "planner evolving adapts it"),
         (["up", "--planner-opt", "t_learn_s=0"], "initial split 2P2D; planner evolving adapts it"),
         (["up", "--policy", "dynamo"], "initial split 2P2D; planner dynamo adapts it"),
         (["up", "--policy", "static:3P1D"], "split 3P1D"),
     ],
 )
 def test_the_ready_line_says_what_the_split_will_do(argv, expected, tmp_path):
-    """`up`'s ready line said "split 2P2D" while the evolving planner switched every node to both ~0.2 s later."""
+    """`up`'s ready line said "split 2P2D" while the evolving planner switched every node to both ~0.2 s later, then
+    "initial split 2P2D" while every node served collocated for the whole warm-up: it says when that ends now."""
     args = build_parser().parse_args([*argv, "--log-dir", str(tmp_path)])
     spec = _spec(args)
-    assert split_plan(args.live_policy, spec.split) == expected
+    assert split_plan(args.live_policy, spec.split, spec.speedup) == expected
 
 
 _SIM = "--profile gb300-glm52 --block-size 64 --model evolving-infra-sim --tokenizer sim"
