@@ -26,7 +26,8 @@ name                                                type       meaning
                                                                output chunks that brought it, over that chunk's tokens
 ``ei_router_queue_seconds{node}``                   histogram  time queued on the prefill node (first chunk's queue_s)
 ``ei_router_ttft_prediction_abs_error_seconds``     histogram  abs(predicted − measured TTFT) of the routing policy
-``ei_router_requests_total{code}``                  counter    generation requests (completions, chat) by HTTP status
+``ei_router_requests_total{code}``                  counter    generation requests (``POST`` completions, chat) by HTTP
+                                                               status (a ``GET``'s 405: only in ``..._http_responses_total``)
 ``ei_router_requests_finished_total{reason}``       counter    requests that ended, once each, by the finish reason the
                                                                client saw: stop / length (served), error / abort (failed)
 ``ei_router_prompt_tokens_total``                   counter    prompt tokens of requests that got a first token
@@ -148,7 +149,10 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
         {(): mt.ttft_abs_err},
     )
     yield counter_family(
-        "ei_router_requests", "Generation requests (completions, chat completions) by HTTP status code", by_prefix(c, "requests."), ["code"]
+        "ei_router_requests",
+        "Generation requests (POST /v1/completions, /v1/chat/completions) by HTTP status code; another method on those "
+        "paths (a GET's 405, a CORS preflight) is only in ei_router_http_responses_total",
+        by_prefix(c, "requests."), ["code"],
     )
     finished = by_prefix(c, "finished.")  # served: stop / length
     finished.update(by_prefix(c, "finish."))  # failed: error / abort

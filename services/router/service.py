@@ -765,8 +765,13 @@ _GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 class _StatusCounter:
     """ASGI middleware counting responses by status code (``http_status.<code>``; generation
-    requests also under ``requests.<code>``) and, in ``by_endpoint``, every response by
-    (:func:`endpoint_label`, code): the 401s of ``GET /v1/models``, ``/version`` ... too."""
+    requests, a ``POST`` to :data:`_GENERATE_PATHS`, also under ``requests.<code>``:
+    ``ei_router_requests_total``) and, in ``by_endpoint``, every response by
+    (:func:`endpoint_label`, code): the 401s of ``GET /v1/models``, ``/version`` ... too.
+
+    Another method on a generation path (a ``GET`` answered 405, a CORS preflight ``OPTIONS``) is no
+    generation request: it is in ``by_endpoint`` (``ei_router_http_responses_total``) only, as Dynamo's
+    ``dynamo_frontend_requests_total`` and vLLM's request counters count generation requests only."""
 
     def __init__(self, app: ASGIApp, counters: Counter[str], by_endpoint: Counter[tuple[str, str]] | None = None) -> None:
         self.app = app
@@ -782,7 +787,7 @@ class _StatusCounter:
             if message["type"] == "http.response.start":
                 self.counters[f"http_status.{message['status']}"] += 1
                 self.by_endpoint[(endpoint_label(scope["path"]), str(message["status"]))] += 1
-                if scope["path"] in _GENERATE_PATHS:
+                if scope["path"] in _GENERATE_PATHS and scope["method"] == "POST":
                     self.counters[f"requests.{message['status']}"] += 1
             await send(message)
 

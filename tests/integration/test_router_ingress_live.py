@@ -481,3 +481,20 @@ async def test_a_router_with_a_reload_file_reads_it_when_its_sighup_handler_is_s
     else:
         assert "API keys not read at start; the start keys stay" in out
         assert ("No such file" if reload_file is None else "is not UTF-8 text") in out
+
+
+async def test_other_methods_on_a_generation_path_are_not_counted_as_generation_requests(nats_url, tmp_path):
+    """``GET /v1/chat/completions`` (405) and a CORS preflight ``OPTIONS /v1/completions`` (200) were counted in
+    ``ei_router_requests_total{code}``, whose HELP says "Generation requests": a 405 read as a refused generation,
+    a preflight as a served one. Dynamo's ``dynamo_frontend_requests_total`` and vLLM's request counters count
+    generation requests only; these responses are now in ``ei_router_http_responses_total{endpoint,code}`` only."""
+    async with router_env(nats_url, tmp_path, {"c0": "both"}, allowed_origins=["*"]) as env:
+        assert (await env.http.get("/v1/chat/completions")).status_code == 405
+        preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+        assert (await env.http.options("/v1/completions", headers=preflight)).status_code == 200
+        assert (await env.http.post("/v1/completions", json=BODY)).status_code == 200
+        text = (await env.http.get("/metrics")).text
+    requests = dict(re.findall(r'^ei_router_requests_total\{code="(\d+)"\} (\S+)$', text, re.M))
+    assert requests == {"200": "1.0"}, requests
+    assert 'ei_router_http_responses_total{code="405",endpoint="/v1/chat/completions"} 1.0' in text
+    assert 'ei_router_http_responses_total{code="200",endpoint="/v1/completions"} 2.0' in text
