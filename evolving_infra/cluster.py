@@ -567,6 +567,9 @@ class LocalCluster:
     _log_dir_ours: bool = False
     """This cluster took ``log_dir`` (held it, or its file system gives no lock): :meth:`stop` may write its files.
     False when another cluster's lock refused it: its ``prometheus-targets.json`` is that cluster's."""
+    _wrote_targets: bool = False
+    """:meth:`write_targets` wrote this cluster's list: :meth:`stop` empties it (a refused cluster never wrote one,
+    so it leaves the holder's alone)."""
     _supervisor: asyncio.Task[None] | None = None
     _failure: ClusterError | None = None
     _nats_restart_at: float | None = None
@@ -679,6 +682,7 @@ class LocalCluster:
         except OSError as e:
             log.warning("cannot write the Prometheus targets file", path=str(path), error=str(e))
             return None
+        self._wrote_targets = True
         return path
 
     def _plan_children(self) -> list[_Child]:
@@ -1398,7 +1402,7 @@ class LocalCluster:
         for held in self.metrics_sockets.values():  # every service has exited: nothing serves on them any more
             held.close()
         self.metrics_sockets.clear()
-        if self._log_dir_ours and (self.log_dir / TARGETS_FILE).exists():  # not another cluster's (refused)
+        if (self._log_dir_ours or self._wrote_targets) and (self.log_dir / TARGETS_FILE).exists():  # not another cluster's (refused)
             self.write_targets(empty=True)
         if self._bus is not None:
             await self._bus.close()
