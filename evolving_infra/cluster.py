@@ -349,6 +349,9 @@ class _Child:
     """``time.monotonic()`` of the latest heartbeat from the running process (its pid); None: none since its start."""
     killed: bool = False
     """The supervisor SIGKILLed the running process (silent too long) and waits, pass by pass, for it to exit."""
+    left_down: bool = False
+    """A worker past ``max_restarts`` within ``restart_window_s`` while other workers serve: not restarted until
+    :attr:`restart_at` (``restart_window_s`` after its last exit); the routers fence it (``node.down``)."""
     env: dict[str, str] | None = None
     """Variables set over the launcher's environment for this process (None: the launcher's as is)."""
     pass_fds: tuple[int, ...] = ()
@@ -542,6 +545,9 @@ class LocalCluster:
     on_restart: object = None
     """Optional ``callable(name: str) -> None`` called after the supervisor restarted a service; an exception it
     raises is logged (a warning) and supervision goes on."""
+    on_down: object = None
+    """Optional ``callable(name: str) -> None`` called when the supervisor leaves a crash-looping worker down
+    (:meth:`_leave_down`); an exception it raises is logged (a warning) and supervision goes on."""
     _bus: Bus | None = None
     _downs: list[m.NodeDown] = field(default_factory=list)
     """Worker exits seen by the latest supervision pass, to be announced on ``node.down.<node>``
@@ -988,7 +994,8 @@ class LocalCluster:
 
         Raises:
             ClusterError: a service (or nats-server) exited more than ``max_restarts`` times within
-                ``restart_window_s``, or nats-server could not be started again within as many tries.
+                ``restart_window_s`` (a worker only when no other worker serves: one is left down otherwise,
+                :meth:`_leave_down`), or nats-server could not be started again within as many tries.
         """
         s = self.spec
         now = time.monotonic() if now is None else now
@@ -1074,6 +1081,8 @@ class LocalCluster:
                 c.streak += 1
                 clean_after_stable = c.proc.returncode == 0 and now - c.started_at > s.stable_s
                 n = len(c.exits) if clean_after_stable else count_exit(c.exits, now, s.restart_window_s)
+                if n > s.max_restarts and self._leave_down(c, n, now):
+                    continue
                 if n > s.max_restarts:
                     last = _short_exit(c.proc.returncode)
                     raise ClusterError(
@@ -1093,11 +1102,47 @@ class LocalCluster:
                 log.warning("service exited; restarting", service=c.name, code=c.proc.returncode, exit=exit_text(c.proc.returncode),
                             restart=c.restarts + 1, backoff_s=delay, log=str(c.log_path))
             if c.restart_at is not None and now >= c.restart_at:
+                if c.left_down:
+                    c.left_down = False
+                    log.warning(f"{c.name} was left down {s.restart_window_s:g} s; trying it again", service=c.name)
                 self._spawn(c)
                 c.restarts += 1
                 started.append(c.name)
                 log.warning("service restarted", service=c.name, pid=c.proc.pid, restarts=c.restarts)
         return started
+
+    def _leave_down(self, c: _Child, n: int, now: float) -> bool:
+        """Leave worker ``c``, exited ``n`` times (past ``max_restarts``) within ``restart_window_s``, down while another
+        worker serves: no restart until ``restart_window_s`` from ``now`` (its exits then lie outside the window), one
+        error line saying so, the launcher's :attr:`on_down` called. The routers fenced it when it exited
+        (``node.down``) and the planner lays its split over the nodes that report. Before, one worker's crash loop
+        stopped the whole cluster (every service, the healthy workers' requests with it).
+
+        Returns:
+            True when ``c`` is left down; False when it is no worker, or every other worker is left down too (nothing
+            would serve: the caller gives up, stopping the cluster, as for any other service).
+        """
+        if not c.name.startswith("worker-"):
+            return False
+        if all(o.left_down for o in self.children if o is not c and o.name.startswith("worker-")):
+            return False
+        s = self.spec
+        c.left_down = True
+        c.restart_at = now + s.restart_window_s
+        last = _short_exit(c.proc.returncode if c.proc is not None else None)
+        log.error(f"{c.name} exited {n} times in {s.restart_window_s:g} s (last: {last}); left down, the other workers "
+                  f"serve on; trying it again in {s.restart_window_s:g} s; log {c.log_path}:\n{self._log_tail(c)}",
+                  service=c.name, exits=n, retry_in_s=s.restart_window_s)
+        if callable(self.on_down):
+            try:  # up's rewrites cluster.json and prints: a full disk or a closed stdout must not end supervision
+                self.on_down(c.name)
+            except Exception as e:
+                log.warning("left-down callback failed; supervision goes on", service=c.name, error=repr(e))
+        return True
+
+    def left_down(self) -> list[str]:
+        """Workers left down after a crash loop (:meth:`_leave_down`), by name, until they are tried again."""
+        return [c.name for c in self.children if c.left_down]
 
     def _note_crash_loop(self, name: str, now: float, log_at: str) -> None:
         """Count an exit of ``name`` at ``now`` within :data:`CRASH_LOOP_WINDOW_S`; from :data:`CRASH_LOOP_WARN_AT` of
@@ -1337,8 +1382,9 @@ class LocalCluster:
         return self.recorder.timeline() if self.recorder else None
 
     def pids(self) -> dict[str, int]:
-        """Process ids of every service (and the embedded nats-server)."""
-        out = {c.name: c.proc.pid for c in self.children if c.proc}
+        """Process ids of every running service (and the embedded nats-server); one that exited and waits for its
+        restart (backoff, or left down: :meth:`left_down`) is not listed (its pid was, until it came back)."""
+        out = {c.name: c.proc.pid for c in self.children if c.proc and c.proc.poll() is None}
         if self.nats and self.nats.pid:
             out["nats-server"] = self.nats.pid
         return out
@@ -1479,6 +1525,7 @@ class LocalCluster:
             "pids": self.pids(),
             **({"metrics": dict(self.metrics_urls), "prometheus_targets": absolute(self.log_dir / TARGETS_FILE)} if self.metrics_urls else {}),
             "restarts": self.restarts(),
+            **({"left_down": self.left_down()} if self.left_down() else {}),
         }
 
 

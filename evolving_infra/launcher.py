@@ -368,7 +368,9 @@ def _add_cluster_args(
         help="restarts of one service (or nats-server) within --restart-window-s before the cluster gives up, as systemd's "
         "StartLimitBurst within StartLimitIntervalSec (default 10): a crash, a liveness kill or a quick clean exit counts; "
         "a clean exit (code 0, a SIGTERM's stop: a rolling restart) after 60 s up does not. With the defaults up gives "
-        "up on a service exiting more than 10 times in 10 min (more often than about once a minute); a slower crash "
+        "up on a service exiting more than 10 times in 10 min (more often than about once a minute); a worker past it "
+        "is left down while another worker serves (the routers fenced it; tried again --restart-window-s later, "
+        "'left_down' in LOG_DIR/cluster.json), the cluster stops only when no worker would serve; a slower crash "
         "loop is restarted on, and from its 5th counted exit within an hour one warning line says '<service> has "
         "restarted K times in the last hour (crash loop)', again every 10 min while it lasts (and --metrics' "
         "process_start_time_seconds feeds the EIServiceCrashLoop alert of deploy/prometheus/alerts.yml)",
@@ -1374,7 +1376,17 @@ async def _up(args: argparse.Namespace) -> int:
                 _write_state({**now, **_state_fields(cluster.spec)})
             print(f"restarted {name} (restarts: {cluster.restarts().get(name, 0)})", flush=True)
 
+        def left_down(name: str) -> None:
+            now = cluster.describe()
+            write_json(cluster.log_dir / "cluster.json", _shown(now))
+            if state is not None:
+                _write_state({**now, **_state_fields(cluster.spec)})
+            print(f"left {name} down after a crash loop (over --max-restarts {cluster.spec.max_restarts} exits within "
+                  f"--restart-window-s {cluster.spec.restart_window_s:g}); the other workers serve on; trying it again "
+                  f"in {cluster.spec.restart_window_s:g} s", flush=True)
+
         cluster.on_restart = restarted
+        cluster.on_down = left_down
         status = 0  # up's own stop was asked (Ctrl-C, SIGTERM, SIGHUP)
         stopped = asyncio.ensure_future(stop.wait())
         failed = asyncio.ensure_future(cluster.wait_failed())
@@ -1714,6 +1726,7 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
                 _write_state({**cluster.describe(), **_state_fields(spec)})
 
         cluster.on_restart = restarted
+        cluster.on_down = restarted  # a worker left down after a crash loop: its pid leaves the state file
 
         # each answered request's record appended to OUT/requests.partial-<id>.jsonl as it completes, as `replay`
         # does: a demo SIGKILLed or OOM-killed keeps them there, and OUT's outputs stay the earlier run's (set aside

@@ -470,3 +470,74 @@ def test_the_time_a_pass_spends_restarting_nats_server_is_no_pause_of_the_superv
         assert c._nats_watch_from == watched_from and c._bus_ok_since == bus_since is not None
     finally:
         c.nats.stop()
+
+
+def _workers(tmp_path, names, **kw) -> LocalCluster:
+    spec = dict(restart=True, restart_backoff_s=0.5, stable_s=60.0, liveness_timeout_s=0.0, ready_timeout_s=60.0)
+    c = LocalCluster(ClusterSpec(**{**spec, **kw}))
+    c.log_dir = tmp_path
+    c.children = [_Child(n, ["sleep", "300"], tmp_path / f"{n}.log") for n in names]
+    for child in c.children:
+        c._spawn(child)
+    return c
+
+
+def _crash_past_the_limit(c: LocalCluster, child: _Child, t: float) -> float:
+    """Crash ``child`` (SIGKILL) and restart it until its next exit is past ``max_restarts``; returns the time."""
+    for _ in range(c.spec.max_restarts):
+        _end(child, -9)
+        c.supervise_once(t)
+        t = child.restart_at
+        assert child.name in c.supervise_once(t)
+    _end(child, -9)
+    return t
+
+
+def test_a_crash_looping_worker_is_left_down_while_another_worker_serves_and_tried_again_after_the_window(tmp_path):
+    """Before, one worker's crash loop past ``max_restarts`` stopped the whole cluster (every healthy worker's requests
+    lost with it); now it is left down (its ``node.down`` already fenced it at the routers), the other workers serve on,
+    it is tried again ``restart_window_s`` later, and ``describe()`` names it while its exited pid leaves ``pids()``."""
+    c = _workers(tmp_path, ["worker-w0", "worker-w1"], max_restarts=2, restart_window_s=600.0)
+    w0, w1 = c.children
+    downs: list[str] = []
+    c.on_down = downs.append
+    try:
+        t = _crash_past_the_limit(c, w0, w0.started_at)
+        assert c.supervise_once(t) == []  # no ClusterError: left down
+        assert w0.left_down and downs == ["worker-w0"] and c.left_down() == ["worker-w0"]
+        assert w0.restart_at == pytest.approx(t + 600.0)
+        assert "worker-w0" not in c.pids() and "worker-w1" in c.pids()
+        assert c.describe()["left_down"] == ["worker-w0"]
+        assert c.supervise_once(t + 599.0) == []
+        assert c.supervise_once(t + 600.0) == ["worker-w0"]  # tried again: its exits now lie outside the window
+        assert not w0.left_down and c.left_down() == [] and "left_down" not in c.describe()
+        assert w0.proc is not None and w0.proc.poll() is None and "worker-w0" in c.pids()
+    finally:
+        for child in c.children:
+            _close(child)
+
+
+def test_the_last_serving_worker_and_any_other_service_still_give_up(tmp_path):
+    """Nothing would serve without a worker, nor without a router, the directory or the planner: those stop the cluster
+    past ``max_restarts`` as before."""
+    c = _workers(tmp_path, ["worker-w0", "worker-w1", "router"], max_restarts=1, restart_window_s=600.0)
+    w0, w1, router = c.children
+    try:
+        t = _crash_past_the_limit(c, w0, w0.started_at)
+        assert c.supervise_once(t) == [] and w0.left_down
+        t = _crash_past_the_limit(c, w1, t)
+        with pytest.raises(ClusterError, match=r"worker-w1 exited 2 times in 600 s .*giving up") as e:
+            c.supervise_once(t)
+        assert e.value.service == "worker-w1" and not w1.left_down
+    finally:
+        for child in c.children:
+            _close(child)
+    c = _workers(tmp_path, ["worker-w0", "router"], max_restarts=1, restart_window_s=600.0)
+    router = c.children[1]
+    try:
+        t = _crash_past_the_limit(c, router, router.started_at)
+        with pytest.raises(ClusterError, match=r"router exited 2 times in 600 s .*giving up"):
+            c.supervise_once(t)
+    finally:
+        for child in c.children:
+            _close(child)
