@@ -496,9 +496,10 @@ class RouterCore:
 
     # -- fencing -------------------------------------------------------------- #
 
-    def check_fences(self, now: float) -> list[FencedNode]:
-        """Fence silent nodes; see :meth:`NodeLoadView.check_fences`."""
-        return self.view.check_fences(now)
+    def check_fences(self, now: float, hold: Callable[[str], bool] | None = None) -> list[FencedNode]:
+        """Fence silent nodes (those ``hold`` returns True for are left unfenced this call); see
+        :meth:`NodeLoadView.check_fences`."""
+        return self.view.check_fences(now, hold)
 
     def fence_exited(
         self, node: str, exited_ns: int, now: float, *, pid: int = 0, wall_ns: int | None = None

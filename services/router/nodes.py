@@ -875,9 +875,15 @@ class NodeLoadView(Value):
 
     # -- fencing ------------------------------------------------------------ #
 
-    def check_fences(self, now: float) -> list[FencedNode]:
+    def check_fences(self, now: float, hold: Callable[[str], bool] | None = None) -> list[FencedNode]:
         """Fence every node whose last state is older than ``fence_after``, and every node whose
         state sequence went back since the last call (a restarted process, :attr:`NodeRecord.restarted`).
+
+        Args:
+            now: as for every call (the view's ``clock`` when it has one).
+            hold: None, or asked of each node silent past ``fence_after`` (not one that restarted): True leaves it
+                unfenced this call (the router's :class:`~services.router.silence.DeliveryWitness`: the bus did not
+                deliver for long enough of its silence to call it the node's).
 
         Returns:
             The nodes fenced by this call (not those already fenced), each with
@@ -892,6 +898,8 @@ class NodeLoadView(Value):
                 rec.restarted = False
                 continue
             age = now - rec.last_seen
+            if age > self.fence_after and not rec.restarted and hold is not None and hold(rec.node):
+                continue
             if age > self.fence_after or rec.restarted:
                 rec.restarted = False
                 rec.fenced = True

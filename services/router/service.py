@@ -111,6 +111,7 @@ from services.router.faults import continuation
 from services.router.nodes import FencedNode, kv_blocks
 from services.router.replicas import RemoteSends
 from services.router.policy import RouteRequest
+from services.router.silence import DeliveryWitness, Held
 from services.router.stops import OutputText
 from services.router.prom import router_families
 from services.router.template_pool import RequestTemplatePool, TemplateRenderError
@@ -1028,14 +1029,24 @@ class RouterService(WatchedService):
         after a reconnect."""
         self._resumed_why = ""
         """What :attr:`_resumed_at` follows, for the not-ready reason (:meth:`_bus_unsettled`)."""
+        self._froze_at: float | None = None
+        """``time.monotonic()`` when this process ran again after a freeze (:meth:`_fence_loop`); unlike a PONG after a
+        stall, it suspends fence checks for ``fence_after_s`` + 1 s (:meth:`_fence_unsettled`)."""
+        self._witness = DeliveryWitness(cfg.fence_after_s / 3)
+        """Every delivery from the bus (a node state, a PONG of :meth:`_bus_probe_loop`): a node is fenced for silence
+        only once the bus delivered for ``fence_after_s`` of it (:meth:`_hold_fence`; ``services/router/silence.py``)."""
+        self._held: dict[str, float] = {}
+        """Nodes silent past ``fence_after_s`` whose fence the last round held back (:meth:`_hold_fence`) → wall s
+        of deliveries each still needed."""
         self._fence_round_at: float | None = None
         """``time.monotonic()`` of the fence loop's last round."""
         self._fence_wait_max_s = min(0.5, cfg.fence_after_s / 2)
         """The fence loop's longest sleep (wall s): below ``fence_after_s``, so that a round later than that by
         more tells a freeze of this process (:meth:`_fence_loop`), not a long sleep."""
         self._bus_stall_s = cfg.fence_after_s / 3
-        """Wall seconds a PING may wait for its PONG before the bus counts as stalled; with a PING every half of it,
-        a stall is seen within ``fence_after_s / 2``, before a node silent because of it is due for fencing."""
+        """Wall seconds a PING may wait for its PONG before the bus counts as stalled (``/healthz`` 503, parked work's
+        and held chunks' bounds suspended); with a PING every half of it, a stall is seen within ``fence_after_s / 2``.
+        Fencing does not follow it (a slow PONG on a loaded host is no hang): :attr:`_witness` does."""
         self._bg = BackgroundTasks(self.log, self.counters)
         """The split.get task and the tasks the router needs (fence loop, HTTP server): one of those
         that ends fails the router (:attr:`fatal`, exit 1) and makes it not ready."""
@@ -1481,6 +1492,7 @@ class RouterService(WatchedService):
                                    "later reports under its node id, or its supervisor saw it exit: node.down)",
                                    node=st.node, boot=st.boot)  # fmt: skip
             return
+        self._witness.node_heard(st.node, time.monotonic())
         if back:
             self.counters["unfenced"] += 1
             self.log.info("node reports again; let back in", node=st.node, phase=st.phase)
@@ -2300,7 +2312,39 @@ class RouterService(WatchedService):
         if left <= 0:
             return None
         why = "NATS reconnected" if rec >= res else self._resumed_why
-        return f"settling after {why}: node states may be stale for {left:.1f} s more (no node is fenced until then)", left
+        fencing = "no node is fenced until then" if self._fence_unsettled() is not None else "a node is fenced for silence only while the bus delivers"
+        return f"settling after {why}: node states may be stale for {left:.1f} s more ({fencing})", left
+
+    def _fence_unsettled(self) -> tuple[str, float] | None:
+        """None when the fence loop checks nodes, else (why, wall s until it does at the soonest: ``inf`` while NATS is
+        down). Fence checks stop while NATS is down, and for ``fence_after_s`` + 1 s after a reconnect (each node
+        reconnects at its own pace: the bus delivers to this router before a node is back) or after a freeze of this
+        process. A stall (a PING late by ``fence_after_s`` / 3) and its settle do not stop them: every silence is then
+        counted only over the time the bus delivered (:attr:`_witness`). Before, they did: on a loaded host PONGs
+        came that late again and again (session 54: load 8–15 on 2 cores), fencing stayed suspended, and a dead node
+        was never fenced for silence (only a ``node.down`` fenced it; under Slurm nothing sends one)."""
+        if not self.bus.nc.is_connected:
+            return "not connected to NATS", math.inf
+        rec, res = self.bus.reconnected_at or -math.inf, self._froze_at or -math.inf
+        left = max(rec, res) + self.cfg.fence_after_s + 1.0 - time.monotonic()
+        if left <= 0:
+            return None
+        return ("NATS reconnected" if rec >= res else "the router did not run for longer than the fence time"), left
+
+    def _hold_fence(self, node: str, held: list[Held]) -> bool:
+        """True: leave ``node`` (silent past ``fence_after_s`` on the clock) unfenced this round, since the bus
+        delivered for less than ``fence_after_s`` of its silence (:meth:`DeliveryWitness.hold`); the hold is appended
+        to ``held``, and counted ``fence.held_bus_quiet`` and logged once per silence."""
+        h = self._witness.hold(node, self.cfg.fence_after_s)
+        if h is None:
+            return False
+        held.append(h)
+        if node not in self._held:
+            self.counters["fence.held_bus_quiet"] += 1
+            self.log.info("node silent past fence_after_s, but the bus delivered for less of that time: fence held until "
+                          "it has (the silence may be the bus's)", node=node, delivered_s=round(h.silent_s, 3),
+                          fence_after_s=self.cfg.fence_after_s, stalled=self._bus_stalled_at is not None)  # fmt: skip
+        return True
 
     async def _bus_probe_loop(self) -> None:
         """PING the NATS server every ``_bus_stall_s / 2`` wall s; a PING without its PONG for
@@ -2348,15 +2392,18 @@ class RouterService(WatchedService):
                 if self._bus_stalled_at is None and self.bus.nc.is_connected:
                     self._bus_stalled_at = sent
                     self.counters["bus.stalls"] += 1
-                    self.log.warning("NATS does not answer a PING; fencing suspended until it does", waited_s=round(time.monotonic() - sent, 3))
+                    self.log.warning("NATS does not answer a PING; a node's silence counts only while the bus delivers",
+                                     waited_s=round(time.monotonic() - sent, 3))
                 got = await probe.wait(interval)
             if got is None and await self.bus.reconnect_deaf():  # deaf with the PING in flight: reconnected now
                 self.counters["bus.deaf_reconnects"] += 1
                 probe.drop()  # forgotten by the reconnect: cancelled at the bus's next PING
                 await asyncio.sleep(interval)
                 continue
+            if got:
+                self._witness.heard(time.monotonic())
             if got and self._bus_stalled_at is not None:
-                self.log.warning("NATS answers again; fencing resumes once node states have had time to come back",
+                self.log.warning("NATS answers again; node states have had time to come back in fence_after_s + 1 s",
                                  stalled_s=round(time.monotonic() - self._bus_stalled_at, 3), settle_s=self.cfg.fence_after_s + 1.0)  # fmt: skip
                 self._bus_stalled_at = None
                 self._resumed_at, self._resumed_why = time.monotonic(), "NATS answered a PING again after a stall"
@@ -2365,11 +2412,11 @@ class RouterService(WatchedService):
             await asyncio.sleep(max(0.0, sent + interval - time.monotonic()))
 
     async def _fence_loop(self) -> None:
-        """Fence nodes whose state went silent (not while the bus itself is settling after an
-        outage), fail parked requests past ``requeue_wait_s``, drop other routers' requests past
+        """Fence nodes whose state went silent while the bus delivered (:meth:`_hold_fence`; no check while NATS is down
+        or for ``fence_after_s`` + 1 s after a reconnect or a freeze of this process: :meth:`_fence_unsettled`), fail parked requests past ``requeue_wait_s``, drop other routers' requests past
         ``request_timeout_s``, expire branches silent past ``--branch-ttl-s``; wake at the core's next deadline (at most every 0.5 s, or ``fence_after_s`` / 2 if
-        less), or, while the bus is down, stalled or settling, when it settles (at most every 0.5 s: before, a
-        fence already due woke it every 0.01 s then).
+        less), or, while the bus is down or settling, when it settles, or while a fence is held, when the deliveries could
+        suffice (at most every 0.5 s, at least every 0.1 s: before, a fence already due woke it every 0.01 s then).
 
         One request whose re-dispatch fails is failed alone (:meth:`_fence`). Any other exception
         ends the task, and the router with it (exit 1: ``BackgroundTasks``, the supervisor restarts
@@ -2388,11 +2435,13 @@ class RouterService(WatchedService):
                 self.log.warning("the router did not run for longer than the fence time; node states settle before fencing",
                                  stalled_s=round(mono - self._fence_round_at, 3), settle_s=self.cfg.fence_after_s + 1.0)  # fmt: skip
                 self._resumed_at, self._resumed_why = mono, "the router did not run for longer than the fence time"
+                self._froze_at = mono
             self._fence_round_at = mono
-            if self._bus_settling():
+            held: list[Held] = []
+            if self._fence_unsettled() is not None:
                 self.counters["fence_checks_skipped_bus_down"] += 1
             else:
-                for f in self.core.check_fences(now):
+                for f in self.core.check_fences(now, lambda node: self._hold_fence(node, held)):
                     self._fence(f)
                 for node in self.core.forget_left(now, self._forget_after):
                     self._forgotten(node)
@@ -2406,12 +2455,17 @@ class RouterService(WatchedService):
             for rid in self._remote.expired(time.monotonic(), self.cfg.request_timeout_s):
                 self.core.finish(rid, now)  # its owner went away without its end reaching the bus
                 self.counters["remote.expired"] += 1
+            self._held = {h.node: h.wait_s for h in held}
+            if held:
+                self.counters["fence.rounds_held"] += 1
             cap = self._fence_wait_max_s
-            unsettled = self._bus_unsettled()
+            unsettled = self._fence_unsettled()
             if unsettled is not None:
                 # no fence check runs before the bus settles; a fence already due (every node silent through the
                 # outage) woke the loop every 0.01 s before: ~100 rounds a second while NATS was down or settling
                 wait = min(cap, max(0.01, unsettled[1] + 0.005))
+            elif held:  # a deadline already passed: a hold ends only with deliveries (at least the wait_s needed)
+                wait = min(cap, max(0.1, min(self._held.values())))
             else:
                 deadline = self.core.next_deadline()  # on the core's state clock (clock.local_now)
                 wait = cap if deadline is None else min(cap, max(0.01, self.clock.to_wall(deadline - self.clock.local_now()) + 0.005))
@@ -2429,6 +2483,7 @@ class RouterService(WatchedService):
         another router's placement that has ended, is dropped the same way (:meth:`NodeLoadView.forget_left`).
         Counted ``nodes.forgotten``."""
         self.counters["nodes.forgotten"] += 1
+        self._witness.forget(node)
         self.counters.pop(f"routed.prefill.{node}", None)
         self.counters.pop(f"routed.decode.{node}", None)
         self._bad_block_size.discard(node)

@@ -3,7 +3,7 @@ when its connection is cut or slow: :meth:`NatsProxy.start` gives the URL to con
 :class:`Link`, whose bytes from the client are recorded (``sent``: which commands went out) and whose bytes from the
 server can be held (``flowing`` cleared: the server's PONGs and messages wait in the proxy) or cut (the client sees
 its connection lost and reconnects through the proxy, a new link, with the server up, unless the proxy is
-``refusing``).
+``refusing``), or delayed (:attr:`NatsProxy.down_delay_s`: a slow path, a loaded host's late PONGs).
 """
 
 from __future__ import annotations
@@ -65,6 +65,10 @@ class NatsProxy:
         """Given to the next client connection as its :attr:`Link.hold_after_pongs` (then None again)."""
         self.next_hold_up_at: bytes | None = None
         """Given to the next client connection as its :attr:`Link.hold_up_at` (then None again)."""
+        self.down_delay_s = 0.0
+        """Wall seconds every byte from the server waits in the proxy before it goes on to the client (each chunk from
+        when it was read; order and spacing kept, so PONGs and messages come late, not bunched). Read at each chunk:
+        set it at any time; once a chunk was delayed, the link's later chunks go through the same queue."""
 
     async def start(self) -> str:
         """Listen on a free loopback port; returns the URL a client connects to (``nats://127.0.0.1:<port>``)."""
@@ -97,16 +101,37 @@ class NatsProxy:
                         await uw.drain()
             uw.close()
 
+        late: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        async def forward_late() -> None:
+            with contextlib.suppress(OSError):
+                while (item := await late.get()) is not None:
+                    await asyncio.sleep(max(0.0, item[0] - loop.time()))
+                    cw.write(item[1])
+                    await cw.drain()
+            cw.close()
+
         async def down() -> None:
+            delaying = False
             with contextlib.suppress(OSError):
                 while data := await ur.read(65536):
                     if link.hold_after_pongs is not None and link.pongs >= link.hold_after_pongs:
                         link.flowing.clear()
                     await link.flowing.wait()
                     link.pongs += data.count(b"PONG\r\n")
+                    if delaying or self.down_delay_s > 0:
+                        if not delaying:
+                            delaying = True
+                            link.tasks.append(asyncio.ensure_future(forward_late()))
+                        late.put_nowait((loop.time() + self.down_delay_s, data))
+                        continue
                     cw.write(data)
                     await cw.drain()
-            cw.close()
+            if delaying:
+                late.put_nowait(None)  # the forwarder closes the client's side once the queue is out
+            else:
+                cw.close()
 
         link.tasks = [asyncio.ensure_future(up()), asyncio.ensure_future(down())]
         self.links.append(link)
