@@ -861,6 +861,12 @@ class KvChunkAck(Msg, frozen=True, kw_only=True):
     """The refusal is the decode node's hand-off buffer having no room now (``error`` says how much it holds): a
     transient state, so the prefill node sends the piece again after a short backoff (``handoffkv.FULL_TRIES``)
     before it fails the hand-off."""
+    queued: NonNeg = 0
+    """With ``full``: the transfer's place in the decode node's queue of transfers waiting for room (1 = next; room
+    that frees goes to the oldest first ask first); 0 = not queued (a piece of a transfer already admitted, or the
+    queue at its bound). A queued transfer's sender asks again after ``handoffkv.queue_poll_s(queued)`` and waits
+    up to its ``--handoff-queue-wait-s``, not the ``FULL_TRIES`` retries; it keeps its place while it asks at least
+    every ``handoffkv.TICKET_IDLE_S``."""
 
 
 class KvCancel(Msg, frozen=True, kw_only=True):

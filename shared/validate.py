@@ -515,6 +515,7 @@ def _kv_chunk_ack(a: m.KvChunkAck, p: dict[str, str], nodes: Collection[str] | N
     _tok(a.transfer, "transfer")
     _int(a.index, "index", MAX_BIG)
     _text(a.error, "error")
+    _int(a.queued, "queued", MAX_BIG)
 
 
 def _kv_cancel(c: m.KvCancel, p: dict[str, str], nodes: Collection[str] | None) -> None:

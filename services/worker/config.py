@@ -198,13 +198,20 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
                     "is dropped (counted) and a late piece or work of it refused, "
                     "the request failed; a prefill node that gives a hand-off up frees it at once (work.<node>.kvcancel)")
     ] = 15.0
+    handoff_queue_wait_s: Annotated[
+        float, Meta(gt=0, description="PD hand-off: wall seconds the prefill node waits in the decode node's queue of "
+                    "hand-offs waiting for room in its buffer (a new transfer refused for room gets a place; room that "
+                    "frees goes to the oldest first, the others told their place; it asks again every 0.05 s x its place, "
+                    "at most 1 s): past this the hand-off fails saying the buffer was full (the request errors)")
+    ] = 30.0
     handoff_buffer_bytes: Annotated[
         int, Meta(ge=1, description="bytes of hand-off K/V a decode node stores at once (every transfer not yet taken "
                   "by its work, counted as its pieces land, not as announced); a new transfer whose announced total "
                   "does not fit beside what is stored and what the transfers being sent (a piece stored in the last "
-                  "second) still have to send, or a piece past it, is refused 'full' and its prefill node sends "
-                  "it again after a short backoff (6 sends over 2.5 s), then fails the hand-off saying the buffer was "
-                  "full (the request errors); a total past it is refused at once")
+                  "second) still have to send is refused 'full' and waits its turn in a first-come-first-served queue "
+                  "(--handoff-queue-wait-s); a piece of a transfer admitted already past it is refused 'full' and its "
+                  "prefill node sends it again after a short backoff (6 sends over 2.5 s), then fails the hand-off "
+                  "saying the buffer was full (the request errors); a total past it is refused at once")
     ] = 8 * 1024**3
     owner_check_interval_s: Annotated[
         float, Meta(ge=0, description="wall seconds between asks to each owning router (route.held) which of this node's "

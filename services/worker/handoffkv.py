@@ -19,10 +19,12 @@ Flow::
     prefill node                                   decode node (KvAssembler)
     split(kv) ─ KvChunk i ─────work.<d>.kv──────▶ add(chunk): copied into one buffer of ``total`` bytes at
                ◀──────── KvChunkAck(i, error) ─── ``offset``, CRC-32 checked; a piece held already is
-    (≤ WINDOW in flight; one unanswered is sent      answered again (a resend), never stored twice
-     again, up to ``TRIES``; ``full``: again after
-     a backoff, up to ``FULL_TRIES``; any other
-     error fails the hand-off: the request's 500)
+    (≤ WINDOW in flight; one unanswered is sent      answered again (a resend), never stored twice; a new
+     again, up to ``TRIES``; ``full`` + ``queued``:   transfer without room waits in a queue, first come,
+     asked again while it waits its turn; ``full``:   first served (its place: ``KvChunkAck.queued``)
+     again after a backoff, up to ``FULL_TRIES``;
+     any other error fails the hand-off: the
+     request's 500)
     DecodeWork(kv_transfer, kv_chunks, kv_bytes) ─work.<d>.decode (JetStream)─▶ take(...): the buffer, once
     or, given up: KvCancel ─────work.<d>.kvcancel──▶ cancel(...): freed at once
 
@@ -44,6 +46,7 @@ hands off, so the K/V goes over the bus every node already has, with no new depe
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import zlib
 from collections import Counter, OrderedDict
@@ -114,6 +117,31 @@ CANCELLED_UNHELD_KEPT = 1024
 :data:`ENDED_KEPT`'s transfers that ended here: a flood of cancels naming unknown transfers (a worker identity may
 send them) forgets only other such cancels, not what became of transfers really held (review 54: 4,096 of them
 wiped that memory, and a late piece of a cancelled transfer opened it again)."""
+
+
+QUEUE_MAX = 1024
+"""Transfers waiting for room at once (tickets in :attr:`KvAssembler.queue`): past it, a piece of a new transfer is
+refused ``full`` without a place (counted ``queue.refused``; its sender's plain ``full`` retries, 2.5 s, then it
+fails saying the queue was full)."""
+QUEUE_PER_SENDER = OPEN_PER_SENDER
+"""Tickets one sender (``KvChunk.src``) holds at once: a prefill node sends at most 16 hand-offs at once, so only
+a leaking or forging sender reaches this; it keeps one sender from taking the whole :data:`QUEUE_MAX`."""
+TICKET_IDLE_S = 3.0
+"""A ticket whose sender has not asked again for this many seconds is dropped (counted ``queue.expired``): a live
+waiting sender asks at least every :data:`FULL_BACKOFF_MAX_S` (1 s, :func:`queue_poll_s`), so one gone quiet
+(stopped, cancelled without its ``KvCancel`` arriving, crashed) holds the queue at most this long."""
+QUEUE_POLL_S = 0.05
+"""Seconds a sender whose transfer is first in the queue waits before asking again (:func:`queue_poll_s`): room is
+given only to the asker at the head, so it asks often; one further back asks less often."""
+QUEUE_WAIT_EDGES_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Bucket edges (s) of :attr:`KvAssembler.queue_waits` (``ei_node_handoff_queue_wait_seconds``)."""
+
+
+def queue_poll_s(place: int) -> float:
+    """Seconds a sender told its transfer waits at ``place`` (1 = next in the queue) waits before asking again:
+    :data:`QUEUE_POLL_S` × ``place``, at most :data:`FULL_BACKOFF_MAX_S` (so its ticket, kept
+    :data:`TICKET_IDLE_S` without an ask, stays alive)."""
+    return min(FULL_BACKOFF_MAX_S, QUEUE_POLL_S * max(1, place))
 
 
 class KvSendFailed(Exception):
@@ -236,6 +264,42 @@ class Assembly:
         return self.got == self.count
 
 
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """A new transfer refused for want of room, waiting its turn in :attr:`KvAssembler.queue` (first come, first
+    served by its first ask)."""
+
+    transfer: str
+    rid: str
+    total: int
+    """Bytes it announces (its first asking piece's ``total``)."""
+    src: str
+    """Its sender (``KvChunk.src``)."""
+    seq: int
+    """Its number in the order of first asks on this assembler (1, 2, ...): transfers leave the queue in this order
+    (a sender's log line with ``--log-requests`` names it)."""
+    first: float
+    """``now`` of its first ask (monotonic s): the wait :attr:`KvAssembler.queue_waits` records counts from it."""
+    last: float
+    """``now`` of its last ask: dropped :data:`TICKET_IDLE_S` after it."""
+    asks: int = 1
+
+
+@dataclass(slots=True, eq=False)
+class WaitHistogram:
+    """Fixed-bucket histogram of seconds (``shared.metrics.BucketHistogram``): ``counts[i]`` samples <= ``edges[i]``
+    and above the edge before, the last one past every edge; ``sum`` of the samples (s)."""
+
+    edges: tuple[float, ...] = QUEUE_WAIT_EDGES_S
+    counts: list[int] = field(default_factory=lambda: [0] * (len(QUEUE_WAIT_EDGES_S) + 1))
+    sum: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        """Record one sample of ``seconds``."""
+        self.counts[bisect.bisect_left(self.edges, seconds)] += 1
+        self.sum += seconds
+
+
 class KvAssembler:
     """The decode node's hand-off K/V being received (sans-IO; the shell answers each piece with :meth:`add`'s
     words and hands a ``DecodeWork`` its K/V with :meth:`take`).
@@ -258,6 +322,16 @@ class KvAssembler:
       senders gave up. A total past ``max_bytes`` is refused at once (``refused.too_large``: it could never fit, so
       the sender does not retry it); at most :data:`OPEN_MAX` are open (the address space their mappings reserve),
       at most :data:`OPEN_PER_SENDER` of one sender;
+    * a new transfer refused for room (or for :data:`OPEN_MAX`) gets a :class:`Ticket`, its place in :attr:`queue`
+      by its first ask, and its sender is told the place (:meth:`place`; the shell's ``KvChunkAck.queued``): room
+      that frees goes to the oldest ticket first, so while one waits, a younger one or a newcomer is refused
+      ``full`` even when it would fit (first come, first served; a ticket of a sender at its
+      :data:`OPEN_PER_SENDER` waits for its sender, not for room, and holds nobody back). Before, the room went to
+      whichever sender's retry came first, and one that waited past its 2.5 s of retries failed although the
+      buffer drained (review 54: 3 of 36 hand-offs, 12 at once into a buffer that holds one). A ticket whose
+      sender stops asking for :data:`TICKET_IDLE_S` (stopped, crashed) or cancels (:meth:`cancel`) leaves the
+      queue, so it holds the others at most that long; at most :data:`QUEUE_MAX` wait, :data:`QUEUE_PER_SENDER`
+      of one sender (past that: ``full`` without a place, counted ``queue.refused``);
     * a piece that would take the bytes stored past ``max_bytes`` (a transfer that was quiet when another was
       admitted) is refused ``full``, its transfer kept: a transient state, so the sender sends it again after a
       backoff (:data:`FULL_TRIES`), while transfers held are taken by their work, cancelled, or expire. A ``full``
@@ -282,7 +356,10 @@ class KvAssembler:
     to a ``DecodeWork``), ``missing`` (a work whose K/V was not all here), ``duplicate_work`` (a work of a transfer
     taken already), ``expired`` / ``expired_bytes`` (dropped by :meth:`expire`), ``discarded`` (dropped by
     :meth:`discard`: its work is not served here), ``cancelled`` / ``cancelled_bytes`` (dropped by :meth:`cancel`: its
-    sender gave it up), ``cancelled_unheld`` (a cancel of a transfer not held: remembered as ended).
+    sender gave it up), ``cancelled_unheld`` (a cancel of a transfer not held: remembered as ended); the queue's
+    ``queue.entered`` (tickets given), ``queue.admitted`` (transfers admitted from it; their waits in
+    :attr:`queue_waits`), ``queue.expired`` (tickets whose sender stopped asking), ``queue.cancelled``,
+    ``queue.refused`` (no place: the queue at its bound).
 
     Raises:
         ValueError: ``max_bytes`` < 1, or ``idle_s`` or ``piece_idle_s`` <= 0.
@@ -306,13 +383,26 @@ class KvAssembler:
         """Transfer id → its cancel, for cancels of transfers not held (the newest :data:`CANCELLED_UNHELD_KEPT`)."""
         self.by_src: Counter[str] = Counter()
         """Sender (``Assembly.src``) → its transfers in :attr:`open` (:data:`OPEN_PER_SENDER`)."""
+        self.queue: OrderedDict[str, Ticket] = OrderedDict()
+        """New transfers refused for want of room, waiting their turn, by id, oldest first ask first
+        (:data:`QUEUE_MAX`)."""
+        self.queue_by_src: Counter[str] = Counter()
+        """Sender → its tickets in :attr:`queue` (:data:`QUEUE_PER_SENDER`)."""
+        self.queue_waits = WaitHistogram()
+        """Seconds each transfer admitted from the queue waited there (first ask to admission)."""
+        self.last_admitted: Ticket | None = None
+        """The ticket of the last transfer :meth:`add` admitted from the queue (the shell logs it and clears this)."""
+        self._seq = 0
         self.counters: Counter[str] = Counter()
 
     def add(self, c: m.KvChunk, now: float) -> str:
         """Store piece ``c`` (received at ``now``, monotonic s). Returns "" (stored, or held already: a piece sent
         again, counted ``duplicate_chunks``) or why it is refused (counted ``refused.<why>``): one starting with
-        :data:`FULL_PREFIX` (``full``: no room now) leaves its transfer as it was (the sender sends it again after a
-        backoff); any other drops the transfer (its sender fails the hand-off with these words)."""
+        :data:`FULL_PREFIX` (``full``: no room now, or not its turn: :meth:`place` > 0 says its place in the queue)
+        leaves its transfer as it was (the sender asks again); any other drops the transfer (its sender fails the
+        hand-off with these words). A piece of a new transfer is admitted only when no older ticket waits for room
+        (its own ticket, if any, first) and it fits; refused, it gets a ticket at the end of :attr:`queue`. O(open +
+        queue) for a piece of a new transfer, O(1) for one of a transfer held."""
         a = self.open.get(c.transfer)
         if a is None:
             gone = self.ended.get(c.transfer) or self.cancelled_unheld.get(c.transfer)
@@ -328,20 +418,35 @@ class KvAssembler:
                 return (f"a K/V of {c.total} B can never fit this node's {self.max_bytes} B hand-off buffer "
                         f"(--handoff-buffer-bytes)")  # fmt: skip
             reserved = self.reserved(now)
-            if (self.held_bytes + reserved + c.total > self.max_bytes or len(self.open) >= OPEN_MAX
+            t = self._ask(c.transfer, now)
+            ahead = self._ahead(t)
+            if (ahead or self.held_bytes + reserved + c.total > self.max_bytes or len(self.open) >= OPEN_MAX
                     or self.by_src[c.src] >= OPEN_PER_SENDER):  # fmt: skip
                 self.counters["full_refusals"] += 1
-                return self._full(c.total, "a new transfer of", reserved, c.src)
+                why = self._full(c.total, "a new transfer of", reserved, c.src)
+                if t is None:
+                    t = self._enqueue(c, now)
+                    if t is None:
+                        self.counters["queue.refused"] += 1
+                        return f"{why}; its queue of transfers waiting for room is full ({len(self.queue)} waiting)"
+                return f"{why}; waiting for room, {ahead + 1} of {len(self.queue)} in line"
             size = len(c.data) if c.index < c.count - 1 else (c.offset // c.index if c.index else c.total)
             try:
                 buf = mmap.mmap(-1, c.total)
             except (OSError, OverflowError) as e:  # the kernel refuses the mapping (ENOMEM): an answer, not a lost request
                 self.counters["refused.nomem"] += 1
+                if t is not None:  # refused for good: its place goes to the next one
+                    self._dequeue(t)
                 return f"cannot allocate {c.total} B for transfer {c.transfer} of {c.rid}: {e}"
             a = Assembly(c.transfer, c.rid, c.count, c.total, size, buf, bytearray(c.count), c.src, now, now, attempt=c.attempt,
                          router=c.router)  # fmt: skip
             self.open[c.transfer] = a
             self.by_src[a.src] += 1
+            if t is not None:  # its turn came: room goes to the oldest ticket first
+                self._dequeue(t)
+                self.counters["queue.admitted"] += 1
+                self.queue_waits.observe(now - t.first)
+                self.last_admitted = t
         why = _fits(a, c)
         if why:
             self.counters["refused.mismatch"] += 1
@@ -429,6 +534,10 @@ class KvAssembler:
         again to wait ``piece_idle_s`` for pieces that never come. The memory of ended transfers is bounded
         (:data:`ENDED_KEPT`, oldest forgotten first), that of such cancels apart (:data:`CANCELLED_UNHELD_KEPT`), so
         that a flood of them does not forget what became of transfers held here."""
+        t = self.queue.get(transfer)
+        if t is not None and t.rid == rid:  # it waited for room: its place goes to the next one
+            self._dequeue(t)
+            self.counters["queue.cancelled"] += 1
         a = self.open.get(transfer)
         if a is None:
             if transfer not in self.ended and transfer not in self.cancelled_unheld:
@@ -448,7 +557,9 @@ class KvAssembler:
         """Drop every incomplete transfer without a newly stored piece for ``piece_idle_s`` (a piece refused ``full``
         keeps it up to ``piece_idle_s`` after the refusal, but never past ``piece_idle_s`` + :data:`FULL_WAIT_S`
         after its last stored piece), and every complete one without its work for ``idle_s``, at ``now``
-        (monotonic s); returns them (the shell logs each). A late piece or work of one is refused naming this."""
+        (monotonic s); returns them (the shell logs each). A late piece or work of one is refused naming this. Tickets
+        whose sender has not asked for :data:`TICKET_IDLE_S` leave the queue too (counted ``queue.expired``)."""
+        self._drop_idle_tickets(now)
         out = [a for a in self.open.values() if now >= self._deadline(a)]  # next_deadline's value: no rounding gap
         for a in out:
             self.counters["expired"] += 1
@@ -462,8 +573,66 @@ class KvAssembler:
         return out
 
     def next_deadline(self) -> float | None:
-        """When :meth:`expire` next drops a transfer (monotonic s), or None when none is held."""
-        return min(self._deadline(a) for a in self.open.values()) if self.open else None
+        """When :meth:`expire` next drops a transfer or a ticket (monotonic s), or None when none is held or waits."""
+        due = min(self._deadline(a) for a in self.open.values()) if self.open else None
+        if self.queue:
+            tick = min(t.last for t in self.queue.values()) + TICKET_IDLE_S
+            due = tick if due is None else min(due, tick)
+        return due
+
+    def place(self, transfer: str) -> int:
+        """``transfer``'s place in the queue of transfers waiting for room (1 = next), or 0 when it holds no ticket.
+        Tickets of a sender at its :data:`OPEN_PER_SENDER` do not count: they wait for their sender, not for room.
+        O(queue)."""
+        t = self.queue.get(transfer)
+        return 0 if t is None else self._ahead(t) + 1
+
+    def _ask(self, transfer: str, now: float) -> Ticket | None:
+        """Drop the tickets idle past :data:`TICKET_IDLE_S`, then record an ask of ``transfer``'s ticket at ``now``;
+        returns it, or None when it holds none."""
+        self._drop_idle_tickets(now)
+        t = self.queue.get(transfer)
+        if t is not None:
+            t.last = now
+            t.asks += 1
+        return t
+
+    def _ahead(self, t: Ticket | None) -> int:
+        """Tickets before ``t`` in the queue (all of them when None) that wait for room: those of a sender at its
+        :data:`OPEN_PER_SENDER` transfers open wait for their sender instead, and hold nobody back."""
+        n = 0
+        for x in self.queue.values():
+            if x is t:
+                break
+            if self.by_src[x.src] < OPEN_PER_SENDER:
+                n += 1
+        return n
+
+    def _enqueue(self, c: m.KvChunk, now: float) -> Ticket | None:
+        """A ticket for ``c``'s new transfer at the end of the queue, or None past :data:`QUEUE_MAX` or
+        :data:`QUEUE_PER_SENDER`."""
+        if len(self.queue) >= QUEUE_MAX or self.queue_by_src[c.src] >= QUEUE_PER_SENDER:
+            return None
+        self._seq += 1
+        t = Ticket(c.transfer, c.rid, c.total, c.src, self._seq, now, now)
+        self.queue[c.transfer] = t
+        self.queue_by_src[c.src] += 1
+        self.counters["queue.entered"] += 1
+        return t
+
+    def _dequeue(self, t: Ticket) -> None:
+        del self.queue[t.transfer]
+        self.queue_by_src[t.src] -= 1
+        if self.queue_by_src[t.src] <= 0:
+            del self.queue_by_src[t.src]
+
+    def _drop_idle_tickets(self, now: float) -> None:
+        """Drop every ticket whose sender has not asked for :data:`TICKET_IDLE_S` (counted ``queue.expired``): it
+        stopped waiting, and must not hold the ones behind it."""
+        gone = [t for t in self.queue.values() if now - t.last >= TICKET_IDLE_S]
+        for t in gone:
+            self._dequeue(t)
+            self.counters["queue.expired"] += 1
 
     def reserved(self, now: float) -> int:
         """Bytes a new transfer's admission keeps room for at ``now`` (monotonic s): for each incomplete transfer being

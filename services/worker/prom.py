@@ -59,6 +59,13 @@ name                                       type     meaning
                                                     backoff (before, counted in ``..._kv_dropped_total{reason="refused"}``
                                                     even when the piece was stored at its next send)
 ``ei_node_handoff_kv_held_bytes{node}``    gauge    bytes of hand-off K/V stored for transfers not yet taken by their work
+``ei_node_handoff_queue_depth{node}``      gauge    hand-offs waiting in this decode node's queue for buffer room (first
+                                                    come, first served: room goes to the oldest first ask)
+``ei_node_handoff_queue_wait_seconds{node}`` histogram wall seconds each hand-off admitted from the queue waited there
+``ei_node_handoff_queue_dropped_total{node,reason}`` counter hand-offs that left the queue unadmitted or got no place:
+                                                    ``expired`` (its sender stopped asking for ``TICKET_IDLE_S``, 3 s),
+                                                    ``cancelled`` (``KvCancel``), ``refused`` (the queue at its bound)
+``ei_node_handoffs_queued_total{node}``    counter  hand-offs this prefill node sent that waited in a decode node's queue
 =========================================  =======  ===============================================================
 
 ``ei_node_requests_dropped_owner_gone_total{node,reason}`` (counter): requests the owner check dropped because their
@@ -82,7 +89,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import Metric
 
-from shared.metrics import counter_family, gauge_family
+from shared.metrics import counter_family, gauge_family, histogram_family
 
 if TYPE_CHECKING:
     from services.worker.service import WorkerService
@@ -91,6 +98,9 @@ PHASES = ("prefill", "decode", "both")
 
 HANDOFF_KV_DROPS = ("expired", "refused", "lost", "discarded", "cancelled")
 """``reason`` label values of ``ei_node_handoff_kv_dropped_total`` (each exported from 0)."""
+
+HANDOFF_QUEUE_DROPS = ("expired", "cancelled", "refused")
+"""``reason`` label values of ``ei_node_handoff_queue_dropped_total`` (each exported from 0)."""
 
 OWNER_DROP_REASONS = ("router_gone", "not_in_flight")
 """``reason`` label values of ``ei_node_requests_dropped_owner_gone_total`` (each exported from 0)."""
@@ -191,4 +201,19 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
                          ["node"])  # fmt: skip
     yield gauge_family("ei_node_handoff_kv_held_bytes", "Bytes of hand-off K/V stored for transfers not yet taken by their work",
                        {(n,): float(svc._kv_in.held_bytes)}, ["node"])
+    yield gauge_family("ei_node_handoff_queue_depth", "Hand-offs waiting in this decode node's queue for room in its hand-off "
+                       "buffer (first come, first served)", {(n,): float(len(svc._kv_in.queue))}, ["node"])  # fmt: skip
+    yield histogram_family("ei_node_handoff_queue_wait_seconds", "Wall seconds each hand-off admitted from this decode "
+                           "node's queue waited there (its first ask to its admission)", {(n,): svc._kv_in.queue_waits},
+                           ["node"])  # fmt: skip
+    qleft = {"expired": kc["queue.expired"], "cancelled": kc["queue.cancelled"], "refused": kc["queue.refused"]}
+    yield counter_family(
+        "ei_node_handoff_queue_dropped",
+        "Hand-offs that left this decode node's queue for room without being admitted, or were refused a place: expired "
+        "(its sender stopped asking for 3 s), cancelled (its sender gave it up), refused (the queue at its bound of "
+        "1,024, or 128 of one sender: refused full without a place)",
+        {(n, k): float(qleft[k]) for k in HANDOFF_QUEUE_DROPS}, ["node", "reason"],
+    )
+    yield counter_family("ei_node_handoffs_queued", "Hand-offs this prefill node sent that waited in their decode node's "
+                         "queue for room (--handoff-queue-wait-s)", {(n,): float(c["handoff.queued"])}, ["node"])  # fmt: skip
     yield gauge_family("ei_node_count_syncing", "1 while the node's counts await a kv.countsync snapshot", {(n,): float(svc.counts.syncing)}, ["node"])

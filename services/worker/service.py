@@ -166,6 +166,18 @@ HANDOFF_SENDS_MAX = 16
 """A step's hand-offs going out at once beside the step loop (``WorkerService._handoff_aside``; their K/V bytes held
 until every piece is answered): past it the step waits for one to end."""
 
+
+@dataclass(slots=True, eq=False)
+class _QueueGate:
+    """One hand-off transfer's pieces' shared view of the decode node's queue (``WorkerService._send_piece``): while the
+    transfer waits its turn for room (``KvChunkAck.queued``), one piece (``asker``) asks again and the others wait
+    for ``admitted``, set when any piece of it is stored; ``since``: monotonic s of its first ``queued`` answer."""
+
+    admitted: asyncio.Event = field(default_factory=asyncio.Event)
+    asker: int | None = None
+    since: float | None = None
+
+
 KV_READY_SLACK_WALL_S = 1.0
 """Wall seconds a received hand-off's ``kv_ready_at`` may lie past twice its transfer time (:func:`kv_ready_bound`)."""
 
@@ -706,6 +718,7 @@ class WorkerService:
             counters[f"handoff.kv.{k}"] = v
         gauges["handoff.kv_held_bytes"] = float(self._kv_in.held_bytes)
         gauges["handoff.kv_transfers"] = float(len(self._kv_in.open))
+        gauges["handoff.queue_depth"] = float(len(self._kv_in.queue))
         if self.kvpool is not None:
             pc, pg = self.kvpool.stats()
             counters.update(pc)
@@ -872,8 +885,10 @@ class WorkerService:
 
     async def _on_kv_chunk(self, c: m.KvChunk, _subject: str) -> m.KvChunkAck | None:
         """``work.<node>.kv``: store a piece of a hand-off's K/V (``handoffkv.KvAssembler.add``) and answer it: ``error``
-        "" (stored, or held already), or why it is refused (the prefill node fails the hand-off with it). A superseded
-        process answers nothing (the later one, which gets every piece too, answers)."""
+        "" (stored, or held already), or why it is refused (the prefill node fails the hand-off with it, but for
+        ``full``: with ``queued``, the transfer's place in the queue for room, first come first served, which it
+        waits in; without, a backoff). With ``--log-requests`` a transfer let in from the queue logs its ticket number
+        and wait. A superseded process answers nothing (the later one, which gets every piece too, answers)."""
         if self._superseded(c.rid):
             return None
         now = time.monotonic()
@@ -894,12 +909,19 @@ class WorkerService:
             self._kv_in.refuse(c.transfer, error)
         else:
             error = self._kv_in.add(c, now)
+            t = self._kv_in.last_admitted
+            if t is not None:  # admitted after waiting its turn (first come, first served)
+                self._kv_in.last_admitted = None
+                if self.cfg.log_requests:
+                    self.log.info("hand-off K/V admitted from the queue", rid=t.rid, transfer=t.transfer, prefill=t.src,
+                                  ticket=t.seq, waited_s=round(now - t.first, 3), asks=t.asks, kv_total=t.total)  # fmt: skip
         full = error.startswith(handoffkv.FULL_PREFIX)
+        queued = self._kv_in.place(c.transfer) if full else 0
         if error:
             self._kv_log.event("handoff_kv_refused", "hand-off K/V piece refused", rid=c.rid, transfer=c.transfer, piece=c.index,
-                               pieces=c.count, prefill=c.src, error=error, full=full)  # fmt: skip
+                               pieces=c.count, prefill=c.src, error=error, full=full, queued=queued)  # fmt: skip
         self._arm_kv_timer()
-        return m.KvChunkAck(transfer=c.transfer, index=c.index, error=error, full=full)
+        return m.KvChunkAck(transfer=c.transfer, index=c.index, error=error, full=full, queued=queued)
 
     async def _on_kv_cancel(self, msg: m.KvCancel, _subject: str) -> None:
         """``work.<node>.kvcancel``: the prefill node gave the hand-off of ``msg.transfer`` up (a piece refused or
@@ -2372,6 +2394,7 @@ class WorkerService:
         self._transfers += 1
         transfer = f"{self._transfer_tag}-{self._transfers}"
         pending: set[asyncio.Task[None]] = set()
+        gate = _QueueGate()
 
         def settle(done: set[asyncio.Task[None]]) -> None:
             errors = [t.exception() for t in done]  # each one's outcome taken, so none is logged as never retrieved
@@ -2385,7 +2408,7 @@ class WorkerService:
                 while len(pending) >= handoffkv.WINDOW:
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                     settle(done)
-                pending.add(asyncio.create_task(self._send_piece(decode_node, piece), name=f"worker-{self.node}-kv-{rid}"))
+                pending.add(asyncio.create_task(self._send_piece(decode_node, piece, gate), name=f"worker-{self.node}-kv-{rid}"))
                 sent = True
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -2413,17 +2436,24 @@ class WorkerService:
             return
         self.counters["handoff.cancels_sent"] += 1
 
-    async def _send_piece(self, decode_node: str, piece: m.KvChunk) -> None:
+    async def _send_piece(self, decode_node: str, piece: m.KvChunk, gate: _QueueGate | None = None) -> None:
         """One piece of a hand-off's K/V, sent until answered (``handoffkv.TRIES`` sends; counted
         ``handoff.chunk_retries``). One refused ``full`` (``KvChunkAck.full``: the decode node's hand-off buffer has
         no room now) is sent again after ``handoffkv.full_backoff_s`` (counted ``handoff.chunk_full_retries``), up to
-        ``handoffkv.FULL_TRIES`` sends; before, a full buffer failed the request at once (its client's 500).
+        ``handoffkv.FULL_TRIES`` sends; before, a full buffer failed the request at once (its client's 500). One whose
+        transfer waits its turn in the decode node's queue (``KvChunkAck.queued``: its place) is asked again after
+        ``handoffkv.queue_poll_s(place)`` (counted ``handoff.queue_asks``) for at most ``--handoff-queue-wait-s`` from
+        the first such answer; before, it failed after the 2.5 s of ``full`` retries although the buffer drained.
+        ``gate``, the transfer's pieces' shared state: one piece asks while the others of a queued transfer wait for
+        it to be admitted (each ask carries a piece's data, up to 8 MiB), then go at once.
 
         Raises:
             handoffkv.KvSendFailed: refused (the answer's ``error``; the request refused as invalid; not allowed),
-                unanswered, or refused ``full`` every time (the message says the buffer was full).
+                unanswered, refused ``full`` every time, or queued past ``--handoff-queue-wait-s`` (the message says
+                the buffer was full).
         """
         timeout = self.cfg.handoff_chunk_timeout_s
+        gate = _QueueGate() if gate is None else gate
         last: BusError | None = None
         unanswered = full = 0
         waited = 0.0
@@ -2443,6 +2473,9 @@ class WorkerService:
             if ack.transfer != piece.transfer or ack.index != piece.index:
                 raise handoffkv.KvSendFailed(f"decode node {decode_node} refused piece {piece.index} of {piece.count}: "
                                              f"its answer names piece {ack.index} of {ack.transfer}")  # fmt: skip
+            if ack.error and ack.full and ack.queued:  # its transfer waits its turn for room: first come, first served
+                await self._wait_turn(decode_node, piece, gate, ack)
+                continue
             if ack.error and ack.full:
                 full += 1
                 if full >= handoffkv.FULL_TRIES:
@@ -2457,9 +2490,39 @@ class WorkerService:
                 continue
             if ack.error:
                 raise handoffkv.KvSendFailed(f"decode node {decode_node} refused piece {piece.index} of {piece.count}: {ack.error}")
+            gate.admitted.set()  # the transfer is in: pieces held back by its queued ask go now
             return
         raise handoffkv.KvSendFailed(f"piece {piece.index} of {piece.count} unanswered by {decode_node} after "
                                      f"{handoffkv.TRIES} sends of {timeout:g} s: {last}")  # fmt: skip
+
+    async def _wait_turn(self, decode_node: str, piece: m.KvChunk, gate: _QueueGate, ack: m.KvChunkAck) -> None:
+        """``piece``'s transfer waits at place ``ack.queued`` of ``decode_node``'s queue for room: wait before asking
+        again (``handoffkv.queue_poll_s``; counted ``handoff.queue_asks``) if this piece asks for the transfer,
+        else until the asking piece is admitted (``gate``).
+
+        Raises:
+            handoffkv.KvSendFailed: queued ``--handoff-queue-wait-s`` since the transfer's first ``queued`` answer.
+        """
+        now = time.monotonic()
+        if gate.since is None:
+            gate.since = now
+            self.counters["handoff.queued"] += 1
+        left = gate.since + self.cfg.handoff_queue_wait_s - now
+        if left <= 0:
+            raise handoffkv.KvSendFailed(
+                f"decode node {decode_node}'s hand-off buffer was full: transfer {piece.transfer} waited "
+                f"{now - gate.since:.1f} s in its queue for room, at place {ack.queued} "
+                f"(--handoff-queue-wait-s {self.cfg.handoff_queue_wait_s:g}; {ack.error})"
+            )
+        if gate.asker is None or gate.asker == piece.index:
+            gate.asker = piece.index
+            self.counters["handoff.queue_asks"] += 1
+            await asyncio.sleep(min(left, handoffkv.queue_poll_s(ack.queued)))
+            return
+        try:  # another piece asks for the transfer: this one goes once it is in (or asks itself past the wait)
+            await asyncio.wait_for(gate.admitted.wait(), left)
+        except TimeoutError:
+            pass
 
     # ------------------------------------------------------------------ #
     # publishing helpers

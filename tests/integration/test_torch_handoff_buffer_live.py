@@ -7,9 +7,10 @@ K/V is 360,448 B (7 pieces).
    the whole buffer for ``--handoff-kv-timeout-s`` and the real hand-off was refused "full" (the client's 500);
    now it costs the 1 KiB it stored and the request gets its 200.
 2. 300,000 B really stored by another transfer (complete, its work never coming): the real hand-off does not fit
-   beside it; its pieces are refused ``full`` and sent again after a backoff, and a ``KvCancel`` of that transfer,
+   beside it; its first pieces are refused ``full`` and it waits its turn in the decode node's queue (one piece asking
+   again, ``KvChunkAck.queued``), and a ``KvCancel`` of that transfer,
    sent as the prefill node's identity on ``work.w1.kvcancel`` (its permission, the decode node's subscription),
-   frees it: the request gets its 200 (before: a 500 at the first "full"), the prefill node counts its retries,
+   frees it: the request gets its 200 (before: a 500 at the first "full"), the prefill node counts its wait,
    the decode node the cancel, and holds nothing once the forged piece is cancelled too.
 Needs the ``torch`` extra.
 """
@@ -97,6 +98,7 @@ async def test_a_forged_announcement_does_not_starve_a_hand_off_and_a_full_buffe
             await bus.close()
     sent, got = s0.counters, s1.counters
     assert sent["requests.handed_off"] == 2 and sent.get("requests.handoff_failed", 0) == 0, sent
-    assert sent["handoff.chunk_full_retries"] >= 1, sent
+    assert sent["handoff.queued"] == 1 and sent["handoff.queue_asks"] >= 1 and sent.get("handoff.chunk_full_retries", 0) == 0, sent
     assert got["handoff.kv.full_refusals"] >= 1 and got["handoff.kv.cancelled"] == 2, got
+    assert got["handoff.kv.queue.entered"] == got["handoff.kv.queue.admitted"] == 1 and s1.gauges["handoff.queue_depth"] == 0, got
     assert got["handoff.received"] == 2 and s1.gauges["handoff.kv_held_bytes"] == 0 and s1.gauges["handoff.kv_transfers"] == 0

@@ -262,6 +262,7 @@ def test_a_transfer_kept_open_only_by_pieces_sent_again_expires():
     assert why.startswith(hk.FULL_PREFIX) and f"or its {hk.OPEN_MAX} transfers at once" in why, why
     for t in (10.0, 14.9):  # the forger re-sends its piece 0 of each: answered, not a sign of life
         assert all(a.add(c, t) == "" for c in forged)
+    assert a.next_deadline() == hk.TICKET_IDLE_S and a.expire(hk.TICKET_IDLE_S) == [] and not a.queue  # "real" asked no more
     assert a.counters["duplicate_chunks"] == 2 * hk.OPEN_MAX and a.next_deadline() == 15.0
     assert len(a.expire(15.0)) == hk.OPEN_MAX and not a.open
     assert a.add(real[0], 15.0) == "" and a.add(real[1], 15.0) == ""
@@ -592,15 +593,18 @@ async def test_an_abort_frees_the_kv_of_its_rid_not_a_newer_attempts_nor_another
 
 
 async def test_the_prefill_node_retries_a_full_buffer_then_fails_saying_so_and_cancels_what_it_gave_up(monkeypatch):
-    """A full hand-off buffer is transient: the piece is sent again after a backoff (``FULL_TRIES``); before, the
-    first "full" failed the request (its client's 500). A hand-off given up (refused, unanswered) tells the decode
-    node (``KvCancel``), which frees what it holds at once; before, the partial K/V stayed until its timeout."""
+    """A full hand-off buffer is transient: a new transfer refused for room waits its turn in the decode node's queue
+    (``KvChunkAck.queued``), one piece asking again, up to ``--handoff-queue-wait-s``; one refused ``full`` without a
+    place (the queue at its bound) is sent again after a backoff (``FULL_TRIES``); before, the first "full" failed
+    the request (its client's 500). A hand-off given up (refused, unanswered) tells the decode node (``KvCancel``),
+    which frees what it holds at once; before, the partial K/V stayed until its timeout."""
     import time
 
     from services.worker.plan import HandOff
 
     monkeypatch.setattr(hk, "FULL_BACKOFF_S", 0.001)
     monkeypatch.setattr(hk, "FULL_BACKOFF_MAX_S", 0.001)
+    monkeypatch.setattr(hk, "QUEUE_POLL_S", 0.001)
     pbus, dbus = _Bus(), _Bus()
     p, d = _worker("p", "prefill", pbus), _worker("d", "decode", dbus)
     kv = os.urandom(70_000)
@@ -609,6 +613,7 @@ async def test_the_prefill_node_retries_a_full_buffer_then_fails_saying_so_and_c
     for c in _pieces(os.urandom(40_000), 16_384, transfer="x-1", rid="rx"):  # 40,000 B stored: 70,000 more do not fit
         assert d._kv_in.add(c, time.monotonic()) == ""
     refusals = 0
+    asked: list[int] = []
 
     async def answer(c: m.KvChunk) -> m.KvChunkAck:
         nonlocal refusals
@@ -616,24 +621,41 @@ async def test_the_prefill_node_retries_a_full_buffer_then_fails_saying_so_and_c
         assert ack is not None
         if ack.full:
             refusals += 1
-            if refusals == 2 and free:  # room comes: the stuffing's work took its K/V
+            asked.append(c.index)
+            if refusals == 8 and free:  # room comes: the stuffing's work took its K/V
                 d._kv_in.discard("x-1")
         return ack
 
     pbus.answer = answer
     free = True
     await p._handoff(HandOff("r1", "d", _work(), 0.0))
-    assert not _errors(pbus) and p.counters["requests.handed_off"] == 1 and p.counters["handoff.chunk_full_retries"] == 2
+    assert not _errors(pbus) and p.counters["requests.handed_off"] == 1 and p.counters["handoff.chunk_full_retries"] == 0
+    assert p.counters["handoff.queued"] == 1 and p.counters["handoff.queue_asks"] >= 4, p.counters
+    assert len(set(asked[4:])) == 1, asked  # past the first window's answers, one piece asks for the transfer
+    assert d._kv_in.counters["queue.admitted"] == 1 and not d._kv_in.queue and d._kv_in.queue_waits.counts[-1] == 0
     (r1,) = d._kv_in.open  # its work (recorded, not delivered here) would take it
     d._kv_in.discard(r1)
-    # full every time: fails after FULL_TRIES sends, saying the decode node's buffer was full
+    # queued and no room ever: fails after --handoff-queue-wait-s, saying the buffer was full; its place is freed
     for c in _pieces(os.urandom(40_000), 16_384, transfer="x-2", rid="rx"):
         assert d._kv_in.add(c, time.monotonic()) == ""
     free, refusals = False, 0
+    p.cfg = msgspec.structs.replace(p.cfg, handoff_queue_wait_s=0.05)
     await p._handoff(HandOff("r2", "d", _work("r2"), 0.0))
     (err,) = _errors(pbus)
+    assert re.search(r"decode node d's hand-off buffer was full: transfer \S+ waited 0\.\d s in its queue for room, at "
+                     r"place 1 \(--handoff-queue-wait-s 0\.05", err), err  # fmt: skip
+    assert p.counters["requests.handoff_failed"] == 1
+    for msg in [msg for t, msg, kw in pbus.published if t == "work.{node}.kvcancel"]:
+        await d._on_kv_cancel(msg, "")
+    assert not d._kv_in.queue and d._kv_in.counters["queue.cancelled"] == 1
+    # the queue at its bound: refused full without a place, sent again FULL_TRIES times, then failed saying so
+    monkeypatch.setattr(hk, "QUEUE_MAX", 0)
+    refusals = 0
+    await p._handoff(HandOff("r2b", "d", _work("r2b"), 0.0))
+    err = _errors(pbus)[-1]
     assert re.search(f"decode node d's hand-off buffer was full: piece [0-3] of 6 refused {hk.FULL_TRIES} times", err), err
-    assert refusals >= hk.FULL_TRIES and p.counters["requests.handoff_failed"] == 1
+    assert "its queue of transfers waiting for room is full (0 waiting)" in err, err
+    assert refusals >= hk.FULL_TRIES and p.counters["requests.handoff_failed"] == 2 and d._kv_in.counters["queue.refused"] >= 1
     # a hand-off given up mid-way: the decode node stored two pieces, the third goes unanswered
     d._kv_in.discard("x-2")
     seen = 0
@@ -818,3 +840,62 @@ def test_a_transfer_waiting_after_a_full_refusal_keeps_its_room_from_a_newcomer(
     assert b.add(one[0], 0.0) == "" and all(b.add(c, 2.0) == "" for c in two) and b.add(one[1], 2.5).startswith(hk.FULL_PREFIX)
     b.take("t2", "r2", 3, 6000)
     assert b.reserved(2.5 + hk.ACTIVE_S + hk.FULL_BACKOFF_MAX_S) == 0
+
+
+def test_room_that_frees_goes_to_the_oldest_ask_first_and_a_ticket_ends_when_its_sender_stops_asking(monkeypatch):
+    """Review 54's open finding: admission was not first come, first served. 12 hand-offs at once into a buffer that
+    holds one: room that freed went to whichever sender's retry came first, so a late one could win it over one
+    waiting longer, and one that waited past its 2.5 s of retries failed although the buffer drained (3 of 36). Now a
+    new transfer refused for room gets a ticket (its place by first ask); room goes to the oldest ticket first (a
+    younger one, or a newcomer, is refused ``full`` while an older one waits, even with room); a ticket whose
+    sender stops asking (``TICKET_IDLE_S``) or cancels leaves the queue, so it cannot hold the others."""
+    a = hk.KvAssembler(10_000, 60.0, 15.0)
+    kv0 = os.urandom(6000)
+    for c in _pieces(kv0, 2048, transfer="t0", rid="r0"):
+        assert a.add(c, 0.0) == ""
+    new = {x: _pieces(os.urandom(6000), 2048, transfer=x, rid=f"r{x}") for x in ("A", "B", "C", "D", "E")}
+    for i, x in enumerate("ABC"):  # they ask in this order; none fits beside t0
+        why = a.add(new[x][0], 0.1 * (i + 1))
+        assert why.startswith(hk.FULL_PREFIX) and f"waiting for room, {i + 1} of {i + 1} in line" in why, why
+    assert list(a.queue) == ["A", "B", "C"] and [a.place(x) for x in "ABCD"] == [1, 2, 3, 0]
+    assert [t.seq for t in a.queue.values()] == [1, 2, 3] and a.counters["queue.entered"] == 3
+    a.take("t0", "r0", 3, 6000)  # room for one
+    assert a.add(new["C"][1], 0.6).startswith(hk.FULL_PREFIX) and a.place("C") == 3  # the youngest asks first: not its turn
+    assert a.add(new["B"][0], 0.7).startswith(hk.FULL_PREFIX) and a.place("B") == 2
+    assert a.add(new["A"][2], 0.8) == "" and "A" in a.open and "A" not in a.queue  # the oldest: in, any piece of it
+    assert a.last_admitted is not None and a.last_admitted.seq == 1 and a.counters["queue.admitted"] == 1
+    assert a.queue_waits.sum == pytest.approx(0.7) and sum(a.queue_waits.counts) == 1
+    for c in new["A"]:
+        assert a.add(c, 0.9) == ""
+    a.take("A", "rA", 3, 6000)  # room again: B's, though D asks first, never having asked before
+    why = a.add(new["D"][0], 1.0)
+    assert why.startswith(hk.FULL_PREFIX) and "waiting for room, 3 of 3 in line" in why and a.place("D") == 3
+    assert a.add(new["C"][0], 1.1).startswith(hk.FULL_PREFIX) and a.place("C") == 2
+    # B's sender stops asking: its ticket ends TICKET_IDLE_S after its last ask (0.7), and C is next
+    assert a.next_deadline() == pytest.approx(0.7 + hk.TICKET_IDLE_S)
+    assert a.add(new["C"][0], 0.7 + hk.TICKET_IDLE_S - 0.01).startswith(hk.FULL_PREFIX)  # B still holds its place
+    assert a.add(new["D"][0], 0.7 + hk.TICKET_IDLE_S - 0.01).startswith(hk.FULL_PREFIX)
+    assert a.expire(0.7 + hk.TICKET_IDLE_S) == [] and list(a.queue) == ["C", "D"] and a.counters["queue.expired"] == 1
+    assert a.add(new["D"][0], 3.8).startswith(hk.FULL_PREFIX) and a.place("D") == 2  # C's turn
+    assert a.add(new["C"][0], 3.8) == "" and list(a.queue) == ["D"]
+    # a cancel gives its place up at once; E, behind it, is next
+    assert a.add(new["E"][0], 3.9).startswith(hk.FULL_PREFIX) and list(a.queue) == ["D", "E"]
+    assert a.cancel("D", "rD", "gave up") is None and list(a.queue) == ["E"] and a.counters["queue.cancelled"] == 1
+    assert "cancelled by its sender" in a.add(new["D"][0], 4.0)  # a late piece of it is refused, not queued again
+    for c in new["C"][1:]:
+        assert a.add(c, 4.0) == ""
+    a.take("C", "rC", 3, 6000)
+    assert a.add(new["E"][0], 4.1) == "" and not a.queue
+    # a sender at its OPEN_PER_SENDER waits for its own transfers, not for room: its ticket holds nobody back
+    monkeypatch.setattr(hk, "OPEN_PER_SENDER", 1)
+    f1, f2 = _pieces(os.urandom(2048), 1024, transfer="F1", rid="rF1"), _pieces(os.urandom(2048), 1024, transfer="F2", rid="rF2")
+    assert a.add(msgspec.structs.replace(f1[0], src="worker-f"), 4.2) == ""
+    g = msgspec.structs.replace(f2[0], src="worker-f")
+    assert a.add(g, 4.2).startswith(hk.FULL_PREFIX) and list(a.queue) == ["F2"] and a.place("F2") == 1
+    x = msgspec.structs.replace(_pieces(os.urandom(1024), 1024, transfer="G", rid="rG")[0], src="worker-g")  # F2 waits for its sender
+    assert a.add(x, 4.3) == "" and "G" in a.open
+    # bounded: past QUEUE_MAX waiting, a new one is refused full without a place, counted
+    monkeypatch.setattr(hk, "QUEUE_MAX", 1)
+    why = a.add(msgspec.structs.replace(new["B"][0], transfer="H"), 4.4)
+    assert "its queue of transfers waiting for room is full (1 waiting)" in why and a.place("H") == 0
+    assert a.counters["queue.refused"] == 1 and list(a.queue) == ["F2"]
