@@ -103,7 +103,7 @@ def recompute(report: dict, records: list) -> dict:  # type: ignore[type-arg]
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Write the side-by-side HTML, PNGs and table of several runs."""
-    from evolving_infra.report.compare import format_table, input_differences, write_compare
+    from evolving_infra.report.compare import compare_notes, format_table, input_differences, write_compare
 
     from contextlib import ExitStack
 
@@ -122,6 +122,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     print(format_table([r.label for r in runs], table))
+    for note in compare_notes([r.report for r in runs], [r.label for r in runs]):
+        print(f"note: {note}")
     diffs = input_differences([r.report for r in runs], [r.label for r in runs])
     for d in diffs:
         print(f"warning: the runs served different inputs — {d}", file=sys.stderr)
@@ -154,7 +156,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "compare",
         help="side-by-side HTML, overlaid CDFs and a metric table with ratios to the first run",
         description="Compare runs: writes OUT/compare.html (self-contained), OUT/compare_*.png and OUT/compare.json; "
-        "ratios are value / value of the first RUN_DIR. A run is labelled 'FOLDER (POLICY)', POLICY its simulate --label "
+        "ratios are value / value of the first RUN_DIR; each metric says which way is better (lower / higher) and which run "
+        "is (best). Live runs lead with the TTFT on the prefill node (queue + prefill: what the policies decide), then the "
+        "client's, which adds the control plane; a note gives the control plane's measured share of the client TTFT "
+        "where it is over half. A run is labelled 'FOLDER (POLICY)', POLICY its simulate --label "
         "(default its policy set), else the policy set a demo ran, else the command that made it (replay); a folder named "
         "after it (a sweep's static_4P5D) is labelled by it alone.",
     )

@@ -105,42 +105,149 @@ def _shows_as_zero(key: str, value: Any) -> bool:
     return isinstance(value, (int, float)) and not any(c in "123456789" for c in fmt_key(key, value))
 
 
+LIVE_TTFT_FIRST: tuple[str, ...] = (
+    "ttft_node_mean_s", "ttft_node_p95_s", "ttft_mean_s", "ttft_p95_s", "ttft_control_plane_mean_s",
+    "ttft_control_plane_share",
+)
+"""The rows that lead the table when a run is live (it has ``ttft_node_mean_s``): the TTFT on the prefill
+node (queue + prefill: what the serving policies decide) first, then the client's TTFT, which adds the control
+plane (router, bus, dispatch, first token back; under ``--speedup N`` N × its real latency), and the control
+plane's share of it. Before, ``make demo``'s comparison led with the client TTFT, where the static baseline read
+ahead (10.0 vs 9.5 s) while the evolving run's on-node TTFT was the better (0.48 vs 0.81 s) nine rows below."""
+
+_LIVE_LABELS = {
+    "ttft_node_mean_s": "TTFT on node mean (queue + prefill: the policies')",
+    "ttft_node_p95_s": "TTFT on node P95 (queue + prefill)",
+    "ttft_mean_s": "TTFT client mean (+ control plane)",
+    "ttft_p95_s": "TTFT client P95 (+ control plane)",
+    "ttft_p50_s": "TTFT client P50 (+ control plane)",
+    "ttft_control_plane_mean_s": "TTFT control plane mean (router → node → client)",
+    "ttft_control_plane_share": "Control plane share of the client TTFT",
+}
+"""Row labels of a comparison with a live run: which TTFT each row is."""
+
+
+def control_plane_share(report: Mapping[str, Any]) -> float | None:
+    """A live run's control-plane share of its mean client TTFT: ``ttft_control_plane_mean_s`` /
+    ``ttft_split_client_mean_s`` (both over the requests with a node arrival, seconds), a fraction in [0, 1]
+    for a sane run; None when either is absent (a simulated run, an older report) or the client mean is not
+    above 0."""
+    control, client = report.get("ttft_control_plane_mean_s"), report.get("ttft_split_client_mean_s")
+    if not isinstance(control, (int, float)) or not isinstance(client, (int, float)) or isinstance(control, bool) \
+            or isinstance(client, bool) or client <= 0:
+        return None
+    return float(control) / float(client)
+
+
+def _direction(lower_is_better: bool | None) -> str | None:
+    return None if lower_is_better is None else "lower" if lower_is_better else "higher"
+
+
+def _best(key: str, values: Sequence[Any], lower_is_better: bool | None) -> int | None:
+    """Index of the run whose value is the better by ``lower_is_better``; None without a direction, with fewer
+    than two numbers, or when the best value prints (:func:`fmt_key`) as another run's does (a tie as shown)."""
+    if lower_is_better is None:
+        return None
+    nums = [(i, float(v)) for i, v in enumerate(values)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v]
+    if len(nums) < 2:
+        return None
+    i, v = (min if lower_is_better else max)(nums, key=lambda t: t[1])
+    shown = fmt_key(key, v)
+    if sum(1 for _, w in nums if fmt_key(key, w) == shown) > 1:
+        return None
+    return i
+
+
 def compare_table(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One row per metric that at least one report has.
 
     Each row: ``key``, ``label``, ``values`` (one per report, None where absent),
     ``ratios`` (value / first report's value; None for the first, for
     non-numbers, or when the first is None or shows as zero in the table: ``0.000 s``,
-    ``0.00%``), ``lower_is_better``. A first value that is not 0 but prints as 0 (a
+    ``0.00%``), ``lower_is_better`` (True, False, None: neither), ``better`` (the same as
+    ``"lower"``, ``"higher"`` or None) and ``best`` (the index in ``reports`` of the run with the
+    better value; None without a direction, with fewer than two values, or on a tie as printed).
+    A first value that is not 0 but prints as 0 (a
     simulated run's TTFT prediction error, ~1e-14 s of float rounding; a lost KV reuse of
     0.0004 %) gave ratios such as ``316679000242923.00x`` and ``149.82x`` beside a ``0.000 s``
     and a ``0.00%``: a ratio to a value the table cannot tell from 0 measures nothing.
+
+    When a report is live (has ``ttft_node_mean_s``) the rows of :data:`LIVE_TTFT_FIRST` lead, labelled by
+    which TTFT they are (on node, client, control plane), with ``ttft_control_plane_share``
+    (:func:`control_plane_share`, no direction: it measures the machine, not the policy) among them.
     """
     rows: list[dict[str, Any]] = []
-    reports = [with_derived(r) for r in reports]
+    derived = [with_derived(r) for r in reports]
+    live = any(r.get("ttft_node_mean_s") is not None for r in derived)
+    if live:
+        for r in derived:
+            r["ttft_control_plane_share"] = control_plane_share(r)
     keys: list[tuple[str, str, bool | None]] = [(k, label, lib) for k, label, _, lib in HEADLINE_METRICS]
     keys += [(k, label_of(k), lib) for k, lib in _MORE_ROWS]
+    if live:
+        lib_of = {k: lib for k, _, lib in keys} | {"ttft_control_plane_share": None}
+        first = [(k, _LIVE_LABELS.get(k, label_of(k)), lib_of[k]) for k in LIVE_TTFT_FIRST]
+        keys = first + [(k, _LIVE_LABELS.get(k, label), lib) for k, label, lib in keys if k not in LIVE_TTFT_FIRST]
     for key, label, lib in keys:
-        values = [r.get(key) if key != "wall_s" else (r.get("wall_s") or (r.get("meta") or {}).get("wall_s")) for r in reports]
+        values = [r.get(key) if key != "wall_s" else (r.get("wall_s") or (r.get("meta") or {}).get("wall_s")) for r in derived]
         if all(v is None for v in values):
             continue
         base = None if _shows_as_zero(key, values[0]) else values[0]
         ratios = [None] + [_ratio(v, base) for v in values[1:]]
-        rows.append({"key": key, "label": label, "values": values, "ratios": ratios, "lower_is_better": lib})
+        rows.append({"key": key, "label": label, "values": values, "ratios": ratios, "lower_is_better": lib,
+                     "better": _direction(lib), "best": _best(key, values, lib)})
     return rows
 
 
+def compare_notes(reports: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> list[str]:
+    """What to read a comparison by, one sentence each (``report compare`` prints them under the table,
+    ``compare.json`` keeps them as ``notes``, the page shows them). For runs with a TTFT split (live): which rows
+    measure the policies (on node) and which add the control plane (client); for each run whose control plane is
+    more than :data:`~evolving_infra.report.write.CONTROL_PLANE_DOMINANT` of its mean client TTFT, that measured
+    share, and which run the on-node TTFT favours. Empty for simulated runs (their TTFT has no control plane)."""
+    from evolving_infra.report.write import CONTROL_PLANE_DOMINANT
+
+    reports = list(reports)
+    if not any(r.get("ttft_node_mean_s") is not None for r in reports):
+        return []
+    notes = ["TTFT rows: 'on node' = prefill node arrival → first token (queue + prefill: what the policies decide); "
+             "'client' adds the control plane (router, bus, dispatch, first token back to the client: real latency, "
+             "× the demo's --speedup)"]
+    dominated = []
+    for lab, r in zip(labels, reports):
+        share = control_plane_share(r)
+        if share is not None and share > CONTROL_PLANE_DOMINANT:
+            speedup = (r.get("meta") or {}).get("speedup")
+            at = f" at --speedup {speedup:g}" if isinstance(speedup, (int, float)) and not isinstance(speedup, bool) else ""
+            dominated.append(f"{100 * share:.0f}% of {lab}'s mean client TTFT "
+                             f"({fmt_key('ttft_mean_s', r.get('ttft_control_plane_mean_s'))} of {fmt_key('ttft_mean_s', r.get('ttft_split_client_mean_s'))}{at})")
+    if dominated:
+        node = [r.get("ttft_node_mean_s") for r in reports]
+        best = _best("ttft_node_mean_s", node, True)
+        favours = (f"; on the node, {labels[best]} is the better ("
+                   + " vs ".join(f"{fmt_key('ttft_node_mean_s', v)}" for v in node) + " mean)") if best is not None else ""
+        notes.append("the control plane is " + "; ".join(dominated) + ": the client TTFT rows measure this machine's "
+                     "load more than the policies; compare the policies on the TTFT on node (or with "
+                     f"`simulate --sweep`){favours}")
+    return notes
+
+
 def format_table(labels: Sequence[str], table: Sequence[Mapping[str, Any]]) -> str:
-    """The comparison table as fixed-width text for the terminal."""
-    head = ["metric"] + [labels[0]] + [f"{lab} (ratio)" for lab in labels[1:]]
+    """The comparison table as fixed-width text for the terminal: per metric, which way is better
+    (``lower`` / ``higher``; blank: neither), each run's value (with its ratio to the first run's) and the run
+    with the better value (``best``; blank: no direction, one value, or a tie as printed)."""
+    head = ["metric", "better"] + [labels[0]] + [f"{lab} (ratio)" for lab in labels[1:]] + ["best"]
     lines = [head]
     for row in table:
-        cells = [row["label"]]
+        cells = [row["label"], row.get("better") or ""]
         for i, (v, r) in enumerate(zip(row["values"], row["ratios"])):
             text = fmt_key(row["key"], v)
             if i and r is not None:
                 text += f" ({r:.2f}x)"
             cells.append(text)
+        best = row.get("best")
+        cells.append(labels[best] if isinstance(best, int) and 0 <= best < len(labels) else "")
         lines.append(cells)
     widths = [max(len(line[c]) for line in lines) for c in range(len(head))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
@@ -257,10 +364,12 @@ def write_compare(dirs: Sequence[Path], out: Path, *, plots: bool = True) -> tup
         info.append({"label": r.label, "dir": str(d), "command": meta.get("command"),
                      "split": cluster.get("split"), "date": meta.get("date")})
     diffs = input_differences([r.report for r in runs], [r.label for r in runs])
+    notes = compare_notes([r.report for r in runs], [r.label for r in runs])
     (out / COMPARE_JSON).write_text(
-        json.dumps({"runs": info, "input_differences": diffs, "metrics": table, "plots": [p.file for p in figs]}, indent=2, default=str)
+        json.dumps({"runs": info, "input_differences": diffs, "metrics": table, "notes": notes,
+                    "plots": [p.file for p in figs]}, indent=2, default=str)
         + "\n"
     )
     html_path = out / COMPARE_HTML
-    html_path.write_text(compare_page(info, table, figs, base=out), encoding="utf-8")
+    html_path.write_text(compare_page(info, table, figs, base=out, notes=notes), encoding="utf-8")
     return html_path, runs, table

@@ -303,14 +303,17 @@ def compare_page(
     plots: Sequence[PlotFile],
     *,
     base: Path,
+    notes: Sequence[str] = (),
 ) -> str:
-    """The side-by-side page: runs, metric table with ratios to the first run, overlaid plots.
+    """The side-by-side page: runs, metric table with ratios to the first run, which way each metric is better and
+    which run is, the notes to read it by, overlaid plots.
 
     Args:
         runs: one dict per run with ``label``, ``dir``, ``command``, ``split``, ``date``.
         table: :func:`evolving_infra.report.compare.compare_table` rows.
         plots: the PNGs written into ``base`` (embedded in the page).
         base: directory holding the PNGs.
+        notes: :func:`evolving_infra.report.compare.compare_notes`, shown under the table.
     """
     labels = [str(r["label"]) for r in runs]
     title = "Evolving Infra comparison — " + " vs ".join(labels)
@@ -321,9 +324,9 @@ def compare_page(
         + "".join("<tr>" + "".join(f'<td class="k">{_e(r.get(c) or "")}</td>' for c in cols) + "</tr>" for r in runs)
         + "</table>"
     )
-    head = '<tr><th class="k">Metric</th>' + "".join(
+    head = '<tr><th class="k">Metric</th><th class="k">Better</th>' + "".join(
         f"<th>{_e(lab)}</th>" + (f"<th>ratio vs {_e(labels[0])}</th>" if i else "") for i, lab in enumerate(labels)
-    ) + "</tr>"
+    ) + '<th class="k">Best</th></tr>'
     body = []
     for row in table:
         cells = []
@@ -335,7 +338,10 @@ def compare_page(
                     good = (ratio < 1) == bool(row["lower_is_better"])
                     cls = ' class="better"' if good else ' class="worse"'
                 cells.append(f"<td{cls}>{'-' if ratio is None else f'{ratio:.2f}x'}</td>")
-        body.append(f'<tr><td class="k">{_e(row["label"])}</td>{"".join(cells)}</tr>')
+        best = row.get("best")
+        best_label = labels[best] if isinstance(best, int) and 0 <= best < len(labels) else ""
+        body.append(f'<tr><td class="k">{_e(row["label"])}</td><td class="k">{_e(row.get("better") or "")}</td>'
+                    f'{"".join(cells)}<td class="k">{_e(best_label)}</td></tr>')
     parts = [
         f"<h1>{_e(title)}</h1>",
         "<h2>Runs</h2>" + runs_t,
@@ -343,6 +349,8 @@ def compare_page(
         f'<div class="sub">ratio = value / value of the first run ({_e(labels[0])}); green: better, red: worse.</div>'
         "<table>" + head + "".join(body) + "</table>",
     ]
+    if notes:
+        parts.append('<ul class="notes">' + "".join(f'<li class="warn">{_e(n)}</li>' for n in notes) + "</ul>")
     if plots:
         parts.append('<h2>Plots</h2><div class="grid">' + "".join(img_tag(p, base) for p in plots) + "</div>")
     return _page(title, "\n".join(parts))

@@ -545,3 +545,59 @@ def test_compare_table_gives_no_ratio_to_a_first_value_that_shows_as_zero():
     assert rows["ttft_prediction_abs_error_median_s"]["ratios"] == [None, None]
     assert rows["lost_kv_reuse"]["ratios"] == [None, None]
     assert rows["ttft_mean_s"]["ratios"] == [None, pytest.approx(5.0)]  # 0.004 s shows as such: kept
+
+
+def _live(run: Path, *, client: float, node: float, speedup: float = 50.0) -> Path:
+    """``run``'s report.json given a live run's TTFT split (seconds): client mean, on-node mean, control plane the rest."""
+    report = json.loads((run / "report.json").read_text())
+    report |= {"ttft_mean_s": client, "ttft_split_client_mean_s": client, "ttft_node_mean_s": node,
+               "ttft_node_p95_s": 2 * node, "ttft_control_plane_mean_s": client - node, "ttft_node_samples": 40}
+    report["meta"]["speedup"] = speedup
+    (run / "report.json").write_text(json.dumps(report))
+    return run
+
+
+def test_compare_says_which_way_is_better_and_which_run_is(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """``make demo``'s comparison showed the static baseline ahead on the client TTFT (9.5 vs 10.0 s mean) with no
+    word of which way is better, which run is, or that the control plane (router, bus: real latency × speedup 50)
+    was ~95% of it; the policies' TTFT (on the prefill node: 0.48 vs 0.81 s) sat nine rows below. Now each row
+    says lower/higher and the better run, live runs lead with the on-node TTFT, and a note gives the share."""
+    a = _live(make_run(tmp_path, "evolving", scale=1.0, plots=False), client=10.0, node=0.48)
+    b = _live(make_run(tmp_path, "static", scale=2.0, timeline=False, plots=False), client=9.5, node=0.81)
+    out = tmp_path / "cmp"
+    assert main(["report", "compare", str(a), str(b), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert lines[0].split()[:2] == ["metric", "better"] and lines[0].split()[-1] == "best"
+    assert lines[1].startswith("TTFT on node mean (queue + prefill: the policies')")
+    assert lines[1].split()[-1] == "evolving" and " lower " in lines[1]
+    client = next(line for line in lines if line.startswith("TTFT client mean (+ control plane)"))
+    assert client.split()[-1] == "static"
+    share = next(line for line in lines if line.startswith("Control plane share of the client TTFT"))
+    assert "95.20%" in share and "91.47%" in share
+    assert "note: the control plane is 95% of evolving's mean client TTFT (9.520 s of 10.000 s at --speedup 50)" in printed
+    assert "on the node, evolving is the better (0.480 s vs 0.810 s mean)" in printed
+    table = json.loads((out / "compare.json").read_text())
+    rows = {r["key"]: r for r in table["metrics"]}
+    assert table["metrics"][0]["key"] == "ttft_node_mean_s"
+    assert rows["ttft_node_mean_s"]["better"] == "lower" and rows["ttft_node_mean_s"]["best"] == 0
+    assert rows["ttft_mean_s"]["best"] == 1 and rows["ttft_mean_s"]["lower_is_better"] is True
+    assert rows["throughput_rps"]["better"] == "higher"
+    assert rows["ttft_control_plane_share"]["better"] is None and rows["ttft_control_plane_share"]["best"] is None
+    assert any("95% of evolving" in n for n in table["notes"])
+    _, text = check_page(out / "compare.html")
+    assert "Best" in text and "95% of evolving" in text
+
+
+def test_compare_of_simulated_runs_marks_direction_without_live_notes(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    a = make_run(tmp_path, "evolving", scale=1.0, plots=False)
+    b = make_run(tmp_path, "static", scale=2.0, timeline=False, plots=False)
+    assert main(["report", "compare", str(a), str(b), "--out", str(tmp_path / "cmp"), ]) == 0
+    printed = capsys.readouterr().out
+    assert "note:" not in printed
+    ttft = next(line for line in printed.splitlines() if line.startswith("TTFT mean "))
+    assert ttft.split()[-1] == "evolving" and " lower " in ttft  # half static's TTFT
+    table = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert table["notes"] == [] and table["metrics"][0]["key"] == "throughput_rps"
+    rows = {r["key"]: r for r in table["metrics"]}
+    assert rows["final_split"]["better"] is None and rows["final_split"]["best"] is None
