@@ -1366,7 +1366,8 @@ async def _up(args: argparse.Namespace) -> int:
             print(f"  {metrics_line}")
         for line in tokenizer_lines(args):
             print(f"  {line}")
-        print("READY " + json.dumps(_shown(info)), flush=True)
+        print("READY " + json.dumps(_shown(ready_info(info, args.live_policy, cluster.spec.split, cluster.spec.speedup))),
+              flush=True)
 
         def restarted(name: str) -> None:
             # new pids and restart counts, for operators and for fault tests
@@ -1455,6 +1456,35 @@ def split_plan(pol: LivePolicy, split: str, speedup: float) -> str:
         return (f"serving collocated until the planner's {p.t_learn_s:.0f}-s warm-up ends "
                 f"(~{warmup_end_s(pol) / speedup:.0f} s wall), then {after}; planner evolving adapts it")
     return f"initial split {split}; planner {pol.planner} adapts it"
+
+
+def ready_info(info: Mapping[str, Any], pol: LivePolicy, split: str, speedup: float) -> dict[str, Any]:
+    """``up``'s READY JSON: ``info`` (:meth:`Cluster.describe`) with, after its ``split``, what is served at READY.
+
+    * ``split`` (kept as it was): the split the workers are launched in, which the evolving planner serves only after
+      its warm-up (``--split`` or the policy's);
+    * ``serving``: the split served now, ``"collocated"`` (every node ``both``) during the evolving planner's warm-up
+      (from its first tick, ~0.2 s of simulated time after start), else ``split``. Before, a plain ``up`` printed
+      ``"split": "2P2D"`` and served collocated for its first 1,860 simulated seconds;
+    * ``warmup_end_s``: when the warm-up ends, simulated seconds from the start (:func:`warmup_end_s`; 0.0 without
+      one), and ``warmup_end_wall_s`` the same in wall seconds (over ``speedup``, > 0);
+    * ``split_after_warmup``: the split the planner goes to when the warm-up ends (its ``initial_split`` when given,
+      else ``split``), None when ``split`` is ``collocated`` and the warm-up's records choose it; absent without a
+      warm-up.
+
+    The other keys are ``info``'s, unchanged. Raises nothing beyond :func:`_evolving_params`'s."""
+    end = warmup_end_s(pol)
+    out: dict[str, Any] = {}
+    for k, v in info.items():
+        out[k] = v
+        if k == "split":
+            out["serving"] = "collocated" if end > 0 else split
+            out["warmup_end_s"] = end
+            out["warmup_end_wall_s"] = end / speedup
+            if end > 0:
+                p = _evolving_params(pol)
+                out["split_after_warmup"] = p.initial_split or (split if split != "collocated" else None)
+    return out
 
 
 def warmup_end_s(pol: LivePolicy) -> float:

@@ -45,6 +45,8 @@ def test_up_stops_cleanly_without_orphans(tmp_path):
             info = json.loads(line[len("READY "):])
             break
     assert info is not None, "".join(lines)
+    # the default (evolving) planner serves collocated for its warm-up: "split" alone named the split after it
+    assert (info["split"], info["serving"], info["split_after_warmup"]) == ("1P1D", "collocated", "1P1D")
     pids = info["pids"]
     assert {"kvdirectory", "planner", "router", "worker-w0", "worker-w1", "nats-server"} <= set(pids)
     assert all(_alive(p) for p in pids.values())

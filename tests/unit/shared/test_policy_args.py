@@ -6,7 +6,7 @@ import pytest
 
 from evolving_infra.cli import build_parser
 from evolving_infra.cluster import LocalCluster
-from evolving_infra.launcher import DEMO_PLANNER, _spec, planner_warmup_line, split_plan
+from evolving_infra.launcher import DEMO_PLANNER, _spec, planner_warmup_line, ready_info, split_plan
 from evolving_infra.sim.cli import config_from_args
 from evolving_infra.sim.config import resolve
 
@@ -166,6 +166,29 @@ def test_the_ready_line_says_what_the_split_will_do(argv, expected, tmp_path):
     args = build_parser().parse_args([*argv, "--log-dir", str(tmp_path)])
     spec = _spec(args)
     assert split_plan(args.live_policy, spec.split, spec.speedup) == expected
+
+
+@pytest.mark.parametrize(
+    "argv, serving, end_s, end_wall_s, after",
+    [
+        (["up"], "collocated", 1860.0, 1860.0, "2P2D"),
+        (["up", "--speedup", "10"], "collocated", 1860.0, 186.0, "2P2D"),
+        (["up", "--split", "collocated"], "collocated", 1860.0, 1860.0, None),
+        (["up", "--planner-opt", "initial_split=3P1D"], "collocated", 1860.0, 1860.0, "3P1D"),
+        (["up", "--planner-opt", "t_learn_s=0"], "2P2D", 0.0, 0.0, "absent"),
+        (["up", "--policy", "static:3P1D"], "3P1D", 0.0, 0.0, "absent"),
+    ],
+)
+def test_the_ready_json_says_what_is_served_now(argv, serving, end_s, end_wall_s, after, tmp_path):
+    """The READY JSON's ``"split"`` named the split served after the warm-up while a plain ``up`` served collocated
+    until it ended: ``serving`` says what is served now, ``split`` is kept as it was (the launch split)."""
+    args = build_parser().parse_args([*argv, "--log-dir", str(tmp_path)])
+    spec = _spec(args)
+    info = {"router_url": "http://127.0.0.1:1", "split": spec.split, "speedup": spec.speedup, "pids": {}}
+    ready = ready_info(info, args.live_policy, spec.split, spec.speedup)
+    assert {k: ready[k] for k in info} == info and list(ready)[:3] == ["router_url", "split", "serving"]
+    assert (ready["serving"], ready["warmup_end_s"], ready["warmup_end_wall_s"]) == (serving, end_s, pytest.approx(end_wall_s))
+    assert ready.get("split_after_warmup", "absent") == after
 
 
 _SIM = "--profile gb300-glm52 --block-size 64 --model evolving-infra-sim --tokenizer sim"
