@@ -17,6 +17,12 @@ simulator can read the same object.
 * **generation tokens** (:meth:`RouteMetrics.observe_delivered`): output tokens given to clients,
   counted as they are sent (``usage.completion_tokens`` of a finished response; a stream that
   fails or whose client leaves counts what was sent).
+* **sequence lengths** (Dynamo's ``dynamo_frontend_input_sequence_tokens`` /
+  ``..._output_sequence_tokens``, vLLM's ``request_prompt_tokens`` / ``request_generation_tokens``):
+  :attr:`RouteMetrics.isl`, a request's prompt tokens (its ``usage.prompt_tokens``) when its first
+  output token arrives (:meth:`RouteMetrics.observe_first_token`), and :attr:`RouteMetrics.osl`, a
+  served request's output tokens (the client's count) when its end is counted (:meth:`RouteMetrics.observe_served`),
+  in :data:`ISL_EDGES_TOKENS` / :data:`OSL_EDGES_TOKENS` buckets.
 * **TTFT prediction error**: predicted TTFT (the policy's, from the decision
   to the end of the prefill) minus the measured one (decision → the first
   chunk's ``ts`` on the worker), both in simulated seconds. The absolute
@@ -51,6 +57,19 @@ LATENCY_EDGES_S: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 
 TPOT_EDGES_S: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 """Bucket upper bounds (s) of the time-per-output-token histogram (+Inf implied)."""
+
+
+ISL_EDGES_TOKENS: tuple[float, ...] = (
+    64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 49152, 65536, 98304, 131072, 196608, 262144,
+)
+"""Bucket upper bounds (tokens) of the input sequence length histogram (+Inf implied): fine from 1k to 64k, where
+agent prompts (a session's growing context) sit, on to 256k context windows."""
+
+OSL_EDGES_TOKENS: tuple[float, ...] = (
+    1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144,
+)
+"""Bucket upper bounds (tokens) of the output sequence length histogram (+Inf implied): an agent's turn is mostly a
+tool call or a short answer (tens to hundreds of tokens), a reasoning one up to tens of thousands."""
 
 
 def _fmt_edge(x: float) -> str:
@@ -156,6 +175,10 @@ class RouteMetrics:
         """End-to-end latency of a served request (s): HTTP arrival → last chunk."""
         self.itl = Histogram(TPOT_EDGES_S, window)
         """Inter-token latency (s): one sample per output token after the first (:meth:`observe_chunk_tokens`)."""
+        self.isl = Histogram(ISL_EDGES_TOKENS, window)
+        """Input sequence length (prompt tokens) per request that got a first token."""
+        self.osl = Histogram(OSL_EDGES_TOKENS, window)
+        """Output sequence length (output tokens the client got) per served request (:meth:`observe_served`)."""
         self.prompt_tokens = 0
         """Σ prompt tokens of requests that got a first token."""
         self.generation_tokens = 0
@@ -183,8 +206,10 @@ class RouteMetrics:
             h.observe(sample.queue_s)
 
     def observe_first_token(self, ttft_s: float, prompt_tokens: int, cached_tokens: int) -> None:
-        """A request's first output chunk: its TTFT (s) and how much of its prompt was cached (tokens)."""
+        """A request's first output chunk: its TTFT (s), its prompt (tokens, also one :attr:`isl` sample) and how
+        much of it was cached (tokens)."""
         self.ttft.observe(ttft_s)
+        self.isl.observe(float(max(0, prompt_tokens)))
         self.prompt_tokens += max(0, prompt_tokens)
         self.cached_tokens += max(0, min(cached_tokens, prompt_tokens))
 
@@ -193,6 +218,12 @@ class RouteMetrics:
         self.e2e.observe(e2e_s)
         if output_tokens > 1:
             self.tpot.observe(max(0.0, e2e_s - ttft_s) / (output_tokens - 1))
+
+    def observe_served(self, output_tokens: int) -> None:
+        """A served request ended (finish reason ``stop`` / ``length``, counted once) with ``output_tokens`` output
+        tokens, the client's count (its ``usage.completion_tokens``; a stop string matched at the router cuts it):
+        one :attr:`osl` sample."""
+        self.osl.observe(float(max(0, output_tokens)))
 
     def observe_chunk_tokens(self, gap_s: float | None, tokens: int) -> None:
         """An output chunk of ``tokens`` tokens reached the router ``gap_s`` seconds after the request's

@@ -24,6 +24,10 @@ name                                                type       meaning
 ``ei_router_e2e_seconds``                           histogram  HTTP arrival → last chunk, served requests
 ``ei_router_inter_token_latency_seconds``           histogram  per output token after the first: the gap between the
                                                                output chunks that brought it, over that chunk's tokens
+``ei_router_input_sequence_tokens{model}``          histogram  prompt tokens per request (``usage.prompt_tokens``), at its
+                                                               first output token; ``model`` the served name (``--model``)
+``ei_router_output_sequence_tokens{model}``         histogram  output tokens per served request (the client's
+                                                               ``usage.completion_tokens``), at its end
 ``ei_router_queue_seconds{node}``                   histogram  time queued on the prefill node (first chunk's queue_s)
 ``ei_router_ttft_prediction_abs_error_seconds``     histogram  abs(predicted − measured TTFT) of the routing policy
 ``ei_router_requests_total{code}``                  counter    generation requests (``POST`` completions, chat) by HTTP
@@ -136,6 +140,19 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
         "Inter-token latency (s, router clock: simulated s under --speedup, wall s at speedup 1): per output token after the first, the gap since the previous output "
         "chunk over the tokens of the chunk that brought it",
         {(): mt.itl},
+    )
+    model = (svc.cfg.model,)  # Dynamo's label: one series, the served name (every response's model)
+    yield histogram_family(
+        "ei_router_input_sequence_tokens",
+        "Input sequence length (tokens): each request's prompt tokens (usage.prompt_tokens) when its first output "
+        "token arrives; model = the served model name (--model); Dynamo's dynamo_frontend_input_sequence_tokens",
+        {model: mt.isl}, ["model"],
+    )
+    yield histogram_family(
+        "ei_router_output_sequence_tokens",
+        "Output sequence length (tokens): each served request's output tokens (usage.completion_tokens) when it ends; "
+        "model = the served model name (--model); Dynamo's dynamo_frontend_output_sequence_tokens",
+        {model: mt.osl}, ["model"],
     )
     yield histogram_family(
         "ei_router_queue_seconds",

@@ -2916,13 +2916,17 @@ class RouterService(WatchedService):
 
     def _count_end(self, p: _Pending, reason: str) -> None:
         """Count ``p``'s end once in ``ei_router_requests_finished_total{reason}`` (``reason``: the
-        ``finish_reason`` its client sees: ``stop`` / ``length`` served, counters ``finished.<reason>``;
-        ``error`` / ``abort`` failed, ``finish.<reason>``). Later calls are no-ops."""
+        ``finish_reason`` its client sees: ``stop`` / ``length`` served, counters ``finished.<reason>``, and its
+        output tokens, ``p.out_tokens``, in ``ei_router_output_sequence_tokens``; ``error`` / ``abort`` failed,
+        ``finish.<reason>``). Later calls are no-ops."""
         if p.counted is not None:
             return
         p.counted = reason
         p.end_reason = None
-        self.counters[f"finished.{reason}" if reason in ("stop", "length") else f"finish.{reason}"] += 1
+        served = reason in ("stop", "length")
+        self.counters[f"finished.{reason}" if served else f"finish.{reason}"] += 1
+        if served:  # ei_router_output_sequence_tokens: the client's count (_end_at_stop sets it before this)
+            self.core.metrics.observe_served(p.out_tokens)
 
     def _end_decided(self, p: _Pending, reason: str) -> None:
         """``p`` ended outside its response (``reason``: its node's last chunk's, or the router's failure

@@ -84,3 +84,30 @@ async def test_a_stream_whose_client_leaves_counts_the_tokens_it_was_sent(nats_u
         assert after["ei_router_generation_tokens_total"] - before.get("ei_router_generation_tokens_total", 0.0) == 4
         # a first chunk without the prompt's size: its usage.prompt_tokens (the router's count, 3) is counted
         assert after["ei_router_prompt_tokens_total"] - before.get("ei_router_prompt_tokens_total", 0.0) == 3
+
+
+async def test_input_and_output_sequence_length_histograms_carry_the_served_model(nats_url, tmp_path):
+    """Dynamo's frontend has ``dynamo_frontend_input_sequence_tokens`` / ``..._output_sequence_tokens`` (label
+    ``model``); ours had only the sums (``ei_router_prompt_tokens_total``, ``..._generation_tokens_total``): no
+    per-request length distribution. A 3-token prompt served 8 tokens and a 300-token one cut by a stop string
+    to 5: one ISL sample each at the prompt's size, one OSL sample each at what the client got."""
+    words = [SimTokenizer().word(output_token(i)) for i in range(8)]
+    async with router_env(nats_url, tmp_path, {"c0": "both"}) as env:
+        for prompt, extra in (([1, 2, 3], {}), (list(range(1, 301)), {"stop": words[4]})):
+            r = await env.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, **extra})
+            assert r.status_code == 200, r.text
+        await _wait_for(lambda: env.service.core.view.inflight_total == 0, what="requests ended")
+        r = await env.http.get("/metrics")
+        fams = {f.name: f for f in text_string_to_metric_families(r.text)}
+        model = env.service.cfg.model
+        for name, total, buckets in (
+            ("ei_router_input_sequence_tokens", 303.0, {"64.0": 1.0, "256.0": 1.0, "1024.0": 2.0, "262144.0": 2.0}),
+            ("ei_router_output_sequence_tokens", 13.0, {"1.0": 0.0, "8.0": 2.0, "+Inf": 2.0}),
+        ):
+            assert fams[name].type == "histogram", name
+            samples = fams[name].samples
+            assert {s.labels["model"] for s in samples} == {model}, name
+            got = {s.name.rsplit("_", 1)[-1]: s.value for s in samples if not s.name.endswith("_bucket")}
+            assert got == {"count": 2.0, "sum": total}, name
+            les = {s.labels["le"]: s.value for s in samples if s.name.endswith("_bucket")}
+            assert {le: les[le] for le in buckets} == buckets, (name, les)

@@ -21,6 +21,7 @@ def scrape(
     core: RouterCore, now: float, counters: Counter | None = None, branches: BranchTable | None = None
 ) -> dict[tuple[str, tuple], float]:
     svc = SimpleNamespace(core=core, counters=counters or Counter(), clock=SimpleNamespace(now=lambda: now), buffered_output_tokens=0, http_responses=Counter(),
+                          cfg=SimpleNamespace(model="m"),
                           branches=branches or BranchTable())  # fmt: skip
     reg = make_registry()
     reg.register(FuncCollector(lambda: router_families(svc)))  # type: ignore[arg-type]
@@ -100,6 +101,7 @@ def test_inflight_requests_counts_other_routers_placements_and_its_help_says_so(
     assert c.remote_dispatch(m.RouteSent(router="router-1", rid="r1", prefill_node="p1", prompt_tokens=8, max_tokens=4), 0.0)
     assert scrape(c, 0.0)[("ei_router_inflight_requests", ())] == 1.0
     svc = SimpleNamespace(core=c, counters=Counter(), clock=SimpleNamespace(now=lambda: 0.0), buffered_output_tokens=0, http_responses=Counter(),
+                          cfg=SimpleNamespace(model="m"),
                           branches=BranchTable())  # fmt: skip
     help_text = next(f.documentation for f in router_families(svc) if f.name == "ei_router_inflight_requests")  # type: ignore[arg-type]
     assert "other routers" in help_text, help_text
