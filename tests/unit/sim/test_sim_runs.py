@@ -11,7 +11,7 @@ import pytest
 from evolving_infra.cli import main
 from evolving_infra.sim.config import SimConfig
 from evolving_infra.sim.run import merge_timelines, partition_of, simulate
-from evolving_infra.sim.sweep import run_sweep, sweep_items
+from evolving_infra.sim.sweep import best_lines, run_sweep, sweep_items
 from evolving_infra.report.timeline import RunTimeline, SplitPoint
 from evolving_infra.traces.io import write_trace
 from evolving_infra.traces.schema import FORMAT, TraceHeader
@@ -101,6 +101,24 @@ def test_sweep_writes_runs_comparison_and_summary(tmp_path, capsys):
     assert comp["plots"] == [] and not list((tmp_path / "compare").glob("*.png"))
     assert (tmp_path / "compare" / "compare.html").is_file()
     assert "best by throughput" in capsys.readouterr().out
+    assert summary["best_by_ttft_mean"] in ("static:1P2D", "static:2P1D")
+
+
+def test_a_sweep_says_a_throughput_tie_and_the_best_ttft():
+    """A closed-loop sweep of evolving, dynamo and static:2P2D on the sample served 0.118 req/s each and ended
+    "best by throughput: evolving (0.118 req/s)", the first of the tie, never naming the TTFT (0.59 against 1.34
+    and 1.33 s), which is where the policies differ."""
+    rows = [{"label": "evolving", "throughput_rps": 0.11812, "ttft_mean_s": 0.586},
+            {"label": "dynamo", "throughput_rps": 0.11808, "ttft_mean_s": 1.339},
+            {"label": "static:2P2D", "throughput_rps": 0.11810, "ttft_mean_s": 1.333}]
+    assert best_lines(rows) == [
+        "best by throughput (higher is better): a tie at 0.118 req/s (evolving, dynamo, static:2P2D): a closed loop's "
+        "agents send the same requests whichever policy serves them; compare the latencies",
+        "best by TTFT mean (lower is better): evolving (0.586 s; dynamo 1.339 s, static:2P2D 1.333 s)",
+    ]
+    rows[1]["throughput_rps"], rows[2]["ttft_mean_s"] = 0.2, None
+    assert best_lines(rows) == ["best by throughput (higher is better): dynamo (0.200 req/s)",
+                                "best by TTFT mean (lower is better): evolving (0.586 s; dynamo 1.339 s)"]
 
 
 def test_cli_simulate_writes_a_report(tmp_path, capsys):
