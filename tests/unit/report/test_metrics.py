@@ -350,3 +350,16 @@ def test_the_summary_says_a_duration_is_the_window_after_the_warmup():
         out = io.StringIO()
         print_summary(base | {"meta": meta}, file=out)
         assert "duration   299.8 s simulated, 32.9 s wall" in out.getvalue()
+
+
+def test_the_summary_says_throughput_is_per_simulated_second(capsys):
+    """``make demo`` printed "throughput 0.118 req/s" for a run at --speedup 50 whose duration is simulated seconds:
+    read as a wall rate, it is 50 times too low. The line says which second, and the wall rate under a speed-up."""
+    from evolving_infra.report.write import print_summary
+
+    print_summary({"throughput_rps": 0.118, "meta": {"command": "demo", "speedup": 50.0}})
+    print_summary({"throughput_rps": 0.118, "meta": {"command": "simulate"}})
+    print_summary({"throughput_rps": 0.118, "meta": {"command": "replay", "speedup": 1.0}})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("throughput")]
+    assert lines == ["throughput 0.118 req/s per simulated second (5.90 req/s of wall time at --speedup 50)",
+                     "throughput 0.118 req/s per simulated second", "throughput 0.118 req/s"]
