@@ -41,17 +41,14 @@ from shared.net import http_url, listen_socket
 from shared.profile import Profile, load_profile, with_kv_tokens
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
 from shared.split import parse_split, split_phases
-from shared.subjects import NODE_DOWN, SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
+from shared.subjects import SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
+from evolving_infra.nodedown import announce_downs
 from evolving_infra.liveness import (  # the liveness decisions, shared with the Slurm job's watcher
     LIVENESS_MIN_S as LIVENESS_MIN_S, SUPERVISE_GAP_S as SUPERVISE_GAP_S, ANSWERED, DEAF, BusProbe, bus_watch, count_exit,
     liveness_overdue, nats_info_probe, paused, probe_seen_until,
 )
 
 log = structlog.get_logger("cluster")
-
-NODE_DOWN_PUBLISH_TIMEOUT_S = 1.0
-"""Wall seconds one ``node.down`` publish may take (:meth:`LocalCluster._announce_downs`); it only queues the message
-in the client's buffer as a rule."""
 
 
 def _short_exit(code: int | None) -> str:
@@ -1177,55 +1174,13 @@ class LocalCluster:
 
     async def _announce_downs(self) -> None:
         """Tell the routers of each worker exit the latest supervision pass saw (:attr:`_downs`): a
-        :class:`~shared.messages.NodeDown` on ``node.down.<node>`` (core NATS), each publish at most
-        :data:`NODE_DOWN_PUBLISH_TIMEOUT_S`. A router fences the node at once and re-dispatches its requests; before, a
-        ``kill -9`` of a worker stalled its requests until the router's ``--fence-after-s`` of state silence (or the
-        restarted process's first state) although ``up`` saw the exit within a pass (0.2 s). One that cannot be
-        published (the bus down, refused) is logged and dropped: the routers fence the node after its silence then.
-
-        A core publish the server refuses raises nothing here (NATS answers it with an asynchronous "Permissions
-        Violation"): after the publishes, one :meth:`~shared.bus.Bus.flush` (at most
-        :data:`NODE_DOWN_PUBLISH_TIMEOUT_S`) lets that answer come, and a refusal of ``node.down`` (credentials made
-        by an ``evolving-infra auth gen`` from before ``node.down`` existed) is a warning saying to make them again.
-        Before, "told the routers" was logged at info for a notice the server had refused. Never raises."""
+        :class:`~shared.messages.NodeDown` on ``node.down.<node>`` (:func:`evolving_infra.nodedown.announce_downs`,
+        which the Slurm job's worker loop uses too). A router fences the node at once and re-dispatches its requests;
+        before, a ``kill -9`` of a worker stalled its requests until the router's ``--fence-after-s`` of state silence
+        (or the restarted process's first state) although ``up`` saw the exit within a pass (0.2 s). Never raises."""
         downs, self._downs = self._downs, []
-        bus = self._bus
-        if bus is None or not downs:
-            return
-        refusals = bus.counters["nats.permission_violations"]
-        sent: list[m.NodeDown] = []
-        for d in downs:
-            try:
-                await asyncio.wait_for(bus.publish(NODE_DOWN, d, node=d.node), NODE_DOWN_PUBLISH_TIMEOUT_S)
-            except (BusError, asyncio.TimeoutError) as e:
-                log.warning("could not tell the routers that a worker exited (node.down); they fence it after "
-                            "--fence-after-s of silence", node=d.node, pid=d.pid, error=repr(e)[:300])  # fmt: skip
-            else:
-                sent.append(d)
-        if not sent:
-            return
-        try:
-            await bus.flush(NODE_DOWN_PUBLISH_TIMEOUT_S)
-        except BusError as e:
-            for d in sent:
-                log.warning("published that a worker exited (node.down), but NATS did not confirm it in time; the routers "
-                            "fence it after --fence-after-s of silence if it did not reach them", node=d.node, pid=d.pid,
-                            error=repr(e)[:300])  # fmt: skip
-            return
-        # the launcher may publish node.down.* or none of it (shared.auth): the latest refusal naming a node.down subject
-        # says this identity lacks it (nats-py lowercases the subject in the server's text)
-        denied = bus.last_denied
-        prefix = bus.subjects.format(NODE_DOWN, node=sent[0].node).lower().removesuffix(sent[0].node.lower())
-        refused = (bus.counters["nats.permission_violations"] != refusals and denied is not None and denied[0] == "publish"
-                   and denied[1].lower().startswith(prefix))  # fmt: skip
-        for d in sent:
-            if refused:
-                log.warning("NATS refused the launcher's node.down (Permissions Violation): the routers fence the "
-                            "worker only after --fence-after-s of silence; its credentials lack node.down.*, made by an "
-                            "older 'evolving-infra auth gen': make them again with 'evolving-infra auth gen'",
-                            node=d.node, pid=d.pid, identity=bus.identity)  # fmt: skip
-            else:
-                log.info("told the routers that a worker exited (node.down)", node=d.node, pid=d.pid, code=d.code)
+        if self._bus is not None and downs:
+            await announce_downs(self._bus, downs)
 
     def restarts(self) -> dict[str, int]:
         """Supervisor restarts per service (and ``nats-server``) so far."""
