@@ -2348,7 +2348,12 @@ class RouterService(WatchedService):
 
     async def _bus_probe_loop(self) -> None:
         """PING the NATS server every ``_bus_stall_s / 2`` wall s; a PING without its PONG for
-        ``_bus_stall_s`` marks the bus stalled (:meth:`_bus_settling` is then True) until it is answered.
+        ``_bus_stall_s`` marks the bus stalled (:meth:`_bus_settling` is then True) until it is answered, unless node
+        states came since the PING (:attr:`_witness`: the server delivers, its PONG is only slow, as on a loaded host;
+        counted ``bus.slow_pongs`` once per PING). Before, each such late PONG marked a stall and its settle
+        (``fence_after_s`` + 1 s): ``/healthz`` answered 503 "NATS does not answer a PING" again and again on a loaded
+        host, and parked requests' and missing chunks' bounds were suspended. A stall marked ends at its PONG, or when
+        node states come again ``_bus_stall_s`` after it began (the burst after a hang: settled from then).
 
         A server that hangs (SIGSTOP, a stuck host) or a path to it that drops packets keeps the TCP
         connection up: nats-py reports it connected (its own PINGs go every 2 min), no node state arrives,
@@ -2386,14 +2391,23 @@ class RouterService(WatchedService):
                 continue
             if got is None:  # a PONG already read but not processed yet (a busy loop ran this timer first) is no stall
                 got = await probe.wait(0.01)
+            slow, marked_at = False, None
             while got is None:  # no PONG yet, and nats-py still holds the PING (no reconnect since)
                 if natsping.deaf(self.bus.nc):  # its read loop ended with the PING in flight: its PONG is never read
                     break
+                now = time.monotonic()
                 if self._bus_stalled_at is None and self.bus.nc.is_connected:
-                    self._bus_stalled_at = sent
-                    self.counters["bus.stalls"] += 1
-                    self.log.warning("NATS does not answer a PING; a node's silence counts only while the bus delivers",
-                                     waited_s=round(time.monotonic() - sent, 3))
+                    if self._witness.heard_after(max(sent, now - self._bus_stall_s)):  # node states still come: slow, not hung
+                        if not slow:
+                            slow = True
+                            self.counters["bus.slow_pongs"] += 1
+                    else:
+                        self._bus_stalled_at, marked_at = sent, now
+                        self.counters["bus.stalls"] += 1
+                        self.log.warning("NATS does not answer a PING; a node's silence counts only while the bus delivers",
+                                         waited_s=round(now - sent, 3))
+                elif marked_at is not None and self._bus_stalled_at is not None and self._witness.heard_after(marked_at):
+                    self._bus_resumed("NATS delivers node states again after a stall")  # its PONG is only slow
                 got = await probe.wait(interval)
             if got is None and await self.bus.reconnect_deaf():  # deaf with the PING in flight: reconnected now
                 self.counters["bus.deaf_reconnects"] += 1
@@ -2403,13 +2417,19 @@ class RouterService(WatchedService):
             if got:
                 self._witness.heard(time.monotonic())
             if got and self._bus_stalled_at is not None:
-                self.log.warning("NATS answers again; node states have had time to come back in fence_after_s + 1 s",
-                                 stalled_s=round(time.monotonic() - self._bus_stalled_at, 3), settle_s=self.cfg.fence_after_s + 1.0)  # fmt: skip
-                self._bus_stalled_at = None
-                self._resumed_at, self._resumed_why = time.monotonic(), "NATS answered a PING again after a stall"
+                self._bus_resumed("NATS answered a PING again after a stall")
             if self.bus.reconnected_at != conn:
                 self._bus_stalled_at = None  # a reconnect settles the bus itself (reconnected_at)
             await asyncio.sleep(max(0.0, sent + interval - time.monotonic()))
+
+    def _bus_resumed(self, why: str) -> None:
+        """The stall :meth:`_bus_probe_loop` marked is over (its PONG came, or node states came again): the bus settles
+        from now, as after a reconnect (``fence_after_s`` + 1 s)."""
+        assert self._bus_stalled_at is not None
+        self.log.warning("NATS answers again; node states have had time to come back in fence_after_s + 1 s", why=why,
+                         stalled_s=round(time.monotonic() - self._bus_stalled_at, 3), settle_s=self.cfg.fence_after_s + 1.0)  # fmt: skip
+        self._bus_stalled_at = None
+        self._resumed_at, self._resumed_why = time.monotonic(), why
 
     async def _fence_loop(self) -> None:
         """Fence nodes whose state went silent while the bus delivered (:meth:`_hold_fence`; no check while NATS is down

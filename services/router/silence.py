@@ -75,6 +75,10 @@ class DeliveryWitness:
         if last is None or now > last:
             self._last = now
 
+    def heard_after(self, t: float) -> bool:
+        """Whether a delivery came later than ``t`` (the same clock): the bus delivers, whatever a PONG's delay."""
+        return self._last is not None and self._last > t
+
     def node_heard(self, node: str, now: float) -> None:
         """``node``'s state came at ``now`` (and was taken: the view's ``last_seen`` moved): a delivery, and the start of
         the node's silence."""
