@@ -91,10 +91,6 @@ class KvInvariantError(AssertionError):
     """A block-pool invariant does not hold (a bug in the worker, never bad input)."""
 
 
-def _stored(run: list[int], parent: int | None, tier: Tier, block_size: int) -> BlockStored:
-    return BlockStored(block_hashes=run, parent_block_hash=parent, tier=tier, block_size=block_size)
-
-
 
 
 def _drain(it: Iterable[object]) -> None:
@@ -441,7 +437,9 @@ class GpuBlockPool:
 
     @property
     def available(self) -> int:
-        """Slots a reservation can get: free plus unreferenced hashed blocks."""
+        """Slots a reservation can get: free plus unreferenced hashed blocks. (:meth:`reserve` and
+        ``EngineScheduler.state`` compute it inline, as this and :attr:`free`: in 3.11 a property
+        read is a non-inlined Python call, ~700 instructions.)"""
         return self.capacity - self.hashed - self.reserved + self.queue.blocks
 
     @property
@@ -654,9 +652,10 @@ class GpuBlockPool:
         ``BlockRemoved(gpu)`` for the evictions; :attr:`evicted_runs` lists them
         as runs. O(runs evicted + hashes).
         """
-        if n > self.available:
+        free = self.capacity - self.hashed - self.reserved  # self.free, without the property call
+        if n > free + self.queue.blocks:  # self.available
             return None
-        need = n - self.free
+        need = n - free
         evicted: list[int] = []
         out: list[tuple[list[int], int, int | None, Sequence[tuple[int, int]]]] = []
         self.evicted_runs = out
@@ -779,7 +778,7 @@ class GpuBlockPool:
                 else:
                     p.children[new[0]] = run
         self.hashed += hi - m
-        self.events.append(_stored(new, parent, "gpu", self.block_size))
+        self.events.append(BlockStored(block_hashes=new, parent_block_hash=parent, tier="gpu", block_size=self.block_size))
         return [(m, hi)]
 
     def release(self, path: Sequence[int], n: int) -> None:
@@ -1007,6 +1006,8 @@ class RunHostPool:
 
     @property
     def used(self) -> int:
+        """Pages in L2: pinned (L1's) plus queued. (:meth:`store`, :meth:`store_fetched` and
+        ``EngineScheduler.state`` compute it inline: a property read costs a Python call.)"""
         n = self.pinned
         for q in self.queues:
             n += q.blocks
@@ -1360,7 +1361,9 @@ class RunHostPool:
                 continue
             nxt = self._next_start(path, pos, hi)
             k = nxt - pos
-            e = self.used + k - self.capacity
+            e = self.pinned + k - self.capacity  # self.used + k - capacity, without the property call
+            for q in self.queues:
+                e += q.blocks
             if e > 0:
                 self._evict(e, evicted)
             self.pinned += k
@@ -1379,7 +1382,7 @@ class RunHostPool:
             if type(run) is not list:
                 run = list(run)
             self._written(run, s)
-            self.events.append(_stored(run, path[s - 1] if s else None, "host", bs))
+            self.events.append(BlockStored(block_hashes=run, parent_block_hash=path[s - 1] if s else None, tier="host", block_size=bs))
 
     def _restored(self, path: Sequence[int], lo: int, e: int, hi: int) -> None:
         """The queued pages ``path[lo:e]`` of a counted group (> 0) are restored to L1 (its pages
@@ -1414,7 +1417,9 @@ class RunHostPool:
         n_new = sum(e - s for s, e in ranges)
         if not n_new:
             return 0
-        need = self.used + n_new - self.capacity
+        need = self.pinned + n_new - self.capacity  # self.used + n_new - capacity, without the property call
+        for q in self.queues:
+            need += q.blocks
         evicted: list[int] = []
         holds = self.held or self.prefixes
         for q in self.queues:  # group 0 first
@@ -1458,7 +1463,7 @@ class RunHostPool:
         for s, e in ranges:
             run = list(path[s:e])
             self._added(run, s)
-            self.events.append(_stored(run, path[s - 1] if s else None, "host", bs))
+            self.events.append(BlockStored(block_hashes=run, parent_block_hash=path[s - 1] if s else None, tier="host", block_size=bs))
         return stored
 
     def _lift(self, path: Sequence[int], x: int) -> None:

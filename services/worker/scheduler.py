@@ -1074,6 +1074,9 @@ class EngineScheduler:
         if not remaining > 0.0:  # max(0.0, remaining), no builtin call (one per state)
             remaining = 0.0
         gpu, host = self.kv.gpu, self.kv.host
+        host_used = host.pinned  # host.used and gpu.available below, without their property calls
+        for q in host.queues:
+            host_used += q.blocks
         return NodeState(
             node=self.node,
             ts=now,
@@ -1088,9 +1091,9 @@ class EngineScheduler:
             decoding=self.n_decoding,
             remaining_s=remaining,
             queue=queue,
-            gpu_free_blocks=gpu.available,
+            gpu_free_blocks=gpu.capacity - gpu.hashed - gpu.reserved + gpu.queue.blocks,
             gpu_total_blocks=gpu.capacity,
-            host_used_blocks=host.used,
+            host_used_blocks=host_used,
             host_total_blocks=host.capacity,
         )
 

@@ -497,6 +497,32 @@ def test_state_reports_queue_kv_and_remaining_time(b):
     assert [q.rid for q in st.queue] == ["b"]
 
 
+def test_state_sizes_are_the_pools_at_every_step_with_two_host_groups(b):
+    """``state()`` reads L1's free + evictable slots and L2's used pages without the pools'
+    ``available`` / ``used`` properties (inline, one per state): the same numbers at every step,
+    also with ``branch-count``'s two L2 queues both non-empty (counted pages moved to group 1)."""
+    s = b.sched(b.profile(memory__gpu_kv_tokens=48, memory__host_kv_tokens=160), host_eviction="branch-count")  # 12 and 40 pages
+    gpu, host = s.kv.gpu, s.kv.host
+    now = 0.0
+    seen_groups = False
+    for i in range(8):
+        ids = [100 * i + j for j in range(1, 5)]
+        s.add_prefill(b.prefill(f"r{i}", ids, tail=1, max_tokens=3), now)
+        if i >= 2 and i % 2 == 0:  # a count on an earlier prompt: its L2 pages (queued once L1 drops them) go to the counted group
+            old = b.path([100 * (i - 2) + j for j in range(1, 5)])
+            s.update_counts(old, [1] * len(old))
+        while True:
+            st = s.state(now)
+            assert (st.gpu_free_blocks, st.host_used_blocks) == (gpu.available, host.used)
+            seen_groups = seen_groups or all(q.blocks for q in host.queues)
+            plan = s.schedule(now)
+            if plan is None:
+                break
+            now = plan.end
+            s.finish_iteration(plan, now)
+    assert len(host.queues) == 2 and seen_groups
+
+
 def test_records_match_plans(b, run):
     s = b.sched()
     s.add_prefill(b.prefill("a", list(range(1, 13)), max_tokens=3), 0.0)
