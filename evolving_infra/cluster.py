@@ -1116,13 +1116,15 @@ class LocalCluster:
         stopped the whole cluster (every service, the healthy workers' requests with it).
 
         Returns:
-            True when ``c`` is left down; False when it is no worker, or every other worker is left down too (nothing
-            would serve: the caller gives up, stopping the cluster, as for any other service).
+            True when ``c`` is left down; False when it is no worker, or no other worker's process runs (left down, or
+            exited and waiting for its restart: nothing would serve; the caller gives up, stopping the cluster, as for
+            any other service).
         """
         if not c.name.startswith("worker-"):
             return False
-        if all(o.left_down for o in self.children if o is not c and o.name.startswith("worker-")):
-            return False
+        if not any(o.proc is not None and o.proc.poll() is None and not o.killed
+                   for o in self.children if o is not c and o.name.startswith("worker-")):
+            return False  # no other worker process runs (left down, or dead in its backoff): nothing would serve
         s = self.spec
         c.left_down = True
         c.restart_at = now + s.restart_window_s

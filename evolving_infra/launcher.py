@@ -1405,6 +1405,8 @@ async def _up(args: argparse.Namespace) -> int:
                 print(f"{ended}; --no-restart: stopping the cluster", flush=True)
                 status = SERVICE_STOPPED_STATUS
         failed.cancel()
+        if down := cluster.left_down():  # up's own stop is no failure (status 0), but say what was not serving
+            print(f"stopping with {', '.join(down)} left down after a crash loop (see its log)", flush=True)
         print("stopping ...", flush=True)
         await cluster.stop(drain_routers=status != 0, interrupt=stop)  # stopped on its own (not Ctrl-C: no quick stop): the routers drain
         # the logs stay for the user to read; credentials up generated into its own temp folder do not

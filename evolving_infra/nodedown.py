@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"could not tell the routers that {what} (node.down): {e!r}"[:400] + "; they fence it after its silence")
         return 1
     if got["told"]:
-        _say(f"told the routers that {what} (node.down): they fence it now")
+        _say(f"published that {what} (node.down): a router fences it now if the pid is the one the node reports")
         return 0
     why = "NATS refused node.down to these credentials (make them again: evolving-infra auth gen)" if got["refused"] else "not confirmed by NATS"
     _say(f"could not tell the routers that {what} (node.down): {why}; they fence it after its silence")

@@ -145,7 +145,8 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         float, Meta(gt=0, description="wall seconds without a node.state after which a node is fenced out (measured on the "
                     "monotonic clock: a step of the wall clock fences no node), counted only while the bus delivers to the "
                     "router (other nodes' states, the PONGs of its PINGs; a gap between two counts at most a third of it): "
-                    "a hung nats-server fences no node, a node dead while the bus is slow is fenced")
+                    "a hung nats-server fences no node while the workers' state interval (--idle-state-interval-s, 1 s) plus a third "
+                    "of it stays below it, a node dead while the bus is slow is fenced")
     ] = 3.0
     forget_node_after_s: Annotated[
         float,

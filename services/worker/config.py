@@ -88,7 +88,9 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         float, Meta(ge=0, description="least wall seconds between node.state publications at iteration launches")
     ] = 0.05
     idle_state_interval_s: Annotated[
-        float, Meta(gt=0, description="wall seconds between node.state publications when no iteration launches (liveness)")
+        float, Meta(gt=0, description="wall seconds between node.state publications when no iteration launches (liveness); keep "
+                    "it plus a third of the routers' --fence-after-s below --fence-after-s (1 + 1 < 3 s by default), or "
+                    "a hung nats-server can fence this node")
     ] = 1.0
     kv_alive_interval_s: Annotated[
         float,

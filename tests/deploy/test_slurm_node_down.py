@@ -31,7 +31,7 @@ def fences(router_log: str, node: str) -> list[dict]:
 
 @pytest.mark.timeout(300)
 def test_a_killed_worker_is_announced_and_its_node_fenced_at_once(tmp_path):
-    """w1 SIGKILLed: its supervise loop prints that it told the routers, and the router's first fence of w1 has cause
+    """w1 SIGKILLed: its supervise loop prints that it published node.down, and the router's first fence of w1 has cause
     ``exited`` (node.down), seconds after the kill, with ``FENCE_AFTER_S`` 60 (no fence for silence within the test).
     Before, nothing published node.down under Slurm: the first fence of w1 came from its restarted process's first
     state (cause ``restarted``), or after 60 s of silence had it not come back."""
@@ -49,7 +49,7 @@ def test_a_killed_worker_is_announced_and_its_node_fenced_at_once(tmp_path):
         took = time.monotonic() - t0
         first = fences((job.run / "router.log").read_text(errors="replace"), "w1")[0]
         assert first["cause"] == "exited", (first, job.text())
-        assert f"told the routers that worker-w1 (pid {pid}) exited (node.down): they fence it now" in job.text(), job.text()
+        assert f"published that worker-w1 (pid {pid}) exited (node.down): a router fences it now if the pid is the one the node reports" in job.text(), job.text()
         assert took < 20, took
         assert job.proc.poll() is None and "FAILED" not in job.text()
     finally:

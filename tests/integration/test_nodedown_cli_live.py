@@ -49,7 +49,7 @@ async def test_the_launcher_s_notice_reaches_the_router_and_a_worker_s_is_refuse
             await asyncio.sleep(0.3)  # a refused notice would have come by now
         finally:
             await router.close()
-    assert ok.returncode == 0 and "told the routers that worker-w0 (pid 4321) exited (node.down): they fence it now" in ok.stdout, ok
+    assert ok.returncode == 0 and "published that worker-w0 (pid 4321) exited (node.down): a router fences it now if the pid is the one the node reports" in ok.stdout, ok
     assert [(d.node, d.pid, d.code, d.src) for d in got] == [("w0", 4321, -9, "launcher")], got
     assert abs(got[0].exited_ns - time.time_ns()) < 60e9
     assert refused.returncode == 1 and "NATS refused node.down" in refused.stdout and "auth gen" in refused.stdout, refused

@@ -541,3 +541,26 @@ def test_the_last_serving_worker_and_any_other_service_still_give_up(tmp_path):
     finally:
         for child in c.children:
             _close(child)
+
+
+def test_a_worker_is_not_left_down_while_the_only_other_one_is_dead_in_its_backoff(tmp_path):
+    """rr-fencing55 M1: w0 left down, retried after the window, crashed again (dead, waiting for its restart: not left
+    down); then w1 past the limit. Before, w0 counted as serving (not left down) and w1 was left down too: no worker
+    ran and ``up`` said "the other workers serve on". Now only a running worker process counts: the cluster gives up."""
+    c = _workers(tmp_path, ["worker-w0", "worker-w1"], max_restarts=1, restart_window_s=600.0)
+    w0, w1 = c.children
+    try:
+        t = _crash_past_the_limit(c, w0, w0.started_at)
+        assert c.supervise_once(t) == [] and w0.left_down
+        t += 600.0
+        assert c.supervise_once(t) == ["worker-w0"]
+        _end(w0, -9)
+        c.supervise_once(t + 1.0)  # its restart is due after a backoff
+        assert not w0.left_down and w0.restart_at is not None and w0.restart_at > t + 1.0
+        t2 = _crash_past_the_limit(c, w1, t + 1.0)
+        with pytest.raises(ClusterError, match=r"worker-w1 exited 2 times in 600 s .*giving up"):
+            c.supervise_once(t2)
+        assert not w1.left_down
+    finally:
+        for child in c.children:
+            _close(child)
