@@ -837,8 +837,9 @@ class TtftPredictor:
 
     def _rows(self, names: list[str], priced: list[tuple[Any, ...]], now: float) -> list[tuple[Any, ...]]:
         """Estimates of node ``names[i]`` doing work ``priced[i]`` (:meth:`_priced`), as plain tuples
-        in :class:`CandidateEstimate` field order (the hot loop: attribute reads hoisted, no helper
-        calls but a cache miss, plain arithmetic, no object but the tuple)."""
+        in :class:`CandidateEstimate` field order (attribute reads hoisted, no helper calls but a cache
+        miss, plain arithmetic, no object but the tuple); :meth:`estimate` and the pruned search use it,
+        a full decision's loop (:meth:`_score_all`) has the same arithmetic inline."""
         nodes = self._nodes
         max_age = self.state_max_age_s
         out: list[tuple[Any, ...]] = []
@@ -878,68 +879,99 @@ class TtftPredictor:
     def _score_all(
         self, t_in: int, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], view: _LookupView | None, now: float
     ) -> list[tuple[Any, ...]]:
-        """``self._score(self._works(t_in, lookup, candidates, view), now)`` with each node's
-        priced work (:meth:`_priced`) made once per distinct own prefix: a node's work depends
-        only on the decision's lookup and on its own prefix ``(local, gpu)``, unless a source
-        range is the node's own (most candidates hold the same shared prefix, e.g. a system
-        prompt), and computed in the loop (:func:`_node_work` then :meth:`_priced`, inlined).
-        Property-tested equal."""
-        names = [n.node for n in candidates]
-        priced: list[tuple[Any, ...]] = []
-        append = priced.append
+        """``self._score(self._works(t_in, lookup, candidates, view), now)`` in one loop over the
+        candidates: each node's priced work (:meth:`_priced`) made once per distinct own prefix (a
+        node's work depends only on the decision's lookup and on its own prefix ``(local, gpu)``,
+        unless a source range is the node's own: most candidates hold the same shared prefix, e.g. a
+        system prompt), computed inline (:func:`_node_work` then :meth:`_priced`), and the node's
+        estimate (:meth:`_rows`' arithmetic, the same operations in the same order) made at once,
+        with no list of priced work, no second loop and no call but a cache miss. Property-tested
+        equal (``test_one_pass_scoring_equals_works_then_score``)."""
+        nodes = self._nodes
+        max_age = self.state_max_age_s
+        out: list[tuple[Any, ...]] = []
+        append = out.append
         if view is None or lookup is None:  # nothing cached: the whole prompt on every node
-            whole = self._priced(t_in, 0, 0, 0, 0)
-            for _ in names:
-                append(whole)
-            return self._rows(names, priced, now)
-        prefixes, srcs, _ = view
-        src_nodes = {r[0] for r in srcs}
-        bs = lookup.block_size
-        cap = ((t_in - 1) // bs) * bs
-        longest_t = lookup.longest_any * bs
-        f_min = self._fetch_min
-        f_base, f_per, kappa = self._fetch_base, self._fetch_per_token, self.kappa
+            t_uc, t_c, rst, x, local_t, tau, a_all, copy = self._priced(t_in, 0, 0, 0, 0)
+            srcs: list[tuple[str, int, int]] = []
+            src_nodes: set[str] = set()
+            prefixes: dict[str, tuple[int, int]] | None = None
+        else:
+            prefixes, srcs, _ = view
+            src_nodes = {r[0] for r in srcs}
+            bs = lookup.block_size
+            cap = ((t_in - 1) // bs) * bs
+            longest_t = lookup.longest_any * bs
+            f_min = self._fetch_min
+            f_base, f_per, kappa = self._fetch_base, self._fetch_per_token, self.kappa
         memo: dict[tuple[int, int], tuple[Any, ...]] = {}
-        for node in names:
-            key = prefixes.get(node, _NO_PREFIX)
-            src = node in src_nodes
-            w: tuple[Any, ...] | None = None if src else memo.get(key)
-            if w is None:
-                # self._priced(*_node_work(node, key, srcs, t_in, bs, cap, longest_t, f_min)) inlined:
-                # the same operations in the same order, without two calls and a tuple per distinct
-                # prefix (test_one_pass_scoring_equals_works_then_score holds it to that pair)
-                local, gpu = key
-                xb = 0
-                for sn, a, b in srcs:
-                    if b <= local or sn == node:
-                        continue
-                    xb += b - (a if a > local else local)
-                t_c = longest_t
-                x = xb * bs
-                local_t = local * bs
-                own = local_t if local_t < cap else cap
-                if t_c > cap:
-                    t_c = cap
-                    if x > t_c - own:
-                        x = t_c - own
-                if x < f_min:
-                    t_c, x = own, 0
-                g = gpu * bs
-                t_uc = t_in - t_c
-                w = (
-                    t_uc,
-                    t_c,
-                    t_c - (g if g < t_c else t_c),  # t_rst
-                    x,
-                    local_t,
-                    f_base + f_per * x if (x > 0 and x >= f_min) else 0.0,  # τ
-                    t_uc * t_c + t_uc * (t_uc + 1) / 2.0,  # qk_pairs(t_uc, t_c)
-                    kappa * x,  # copy price
-                )
-                if not src:
-                    memo[key] = w
-            append(w)
-        return self._rows(names, priced, now)
+        for cn in candidates:
+            node = cn.node
+            if prefixes is not None:
+                key = prefixes.get(node, _NO_PREFIX)
+                src = node in src_nodes
+                w: tuple[Any, ...] | None = None if src else memo.get(key)
+                if w is None:
+                    # self._priced(*_node_work(node, key, srcs, t_in, bs, cap, longest_t, f_min)) inlined:
+                    # the same operations in the same order, without two calls and a tuple per distinct
+                    # prefix (test_one_pass_scoring_equals_works_then_score holds it to that pair)
+                    local, gpu = key
+                    xb = 0
+                    for sn, a, b in srcs:
+                        if b <= local or sn == node:
+                            continue
+                        xb += b - (a if a > local else local)
+                    t_c = longest_t
+                    x = xb * bs
+                    local_t = local * bs
+                    own = local_t if local_t < cap else cap
+                    if t_c > cap:
+                        t_c = cap
+                        if x > t_c - own:
+                            x = t_c - own
+                    if x < f_min:
+                        t_c, x = own, 0
+                    g = gpu * bs
+                    t_uc = t_in - t_c
+                    rst = t_c - (g if g < t_c else t_c)
+                    tau = f_base + f_per * x if (x > 0 and x >= f_min) else 0.0
+                    a_all = t_uc * t_c + t_uc * (t_uc + 1) / 2.0  # qk_pairs(t_uc, t_c)
+                    copy = kappa * x  # copy price
+                    if not src:
+                        memo[key] = (t_uc, t_c, rst, x, local_t, tau, a_all, copy)
+                else:
+                    t_uc, t_c, rst, x, local_t, tau, a_all, copy = w
+            # the estimate (_rows' loop body)
+            tr = nodes.get(node) or self._track(node)
+            st = tr.state
+            ctx = tr.trusted_ctx
+            if ctx is not None and st is not None and (age := now - st.ts) <= max_age:  # fast path: cached replay
+                base = st.remaining_s - (age if age > 0.0 else 0.0)
+                if base < 0.0:
+                    base = 0.0
+                trusted = True
+            else:
+                ctx, base, trusted = self._ctx(tr, now)
+            t_open, busy, used, room, items, budget, fixed, c1, c2, c3 = ctx
+            w_share = base + t_open
+            if used and tau <= w_share:
+                k1 = t_uc if t_uc < room else room
+                a1 = k1 * t_c + k1 * (k1 + 1) / 2.0
+                own_s = busy + c1 * k1 + c2 * a1 + c3 * rst
+                rest = t_uc - k1
+                if rest:
+                    own_s += -(-rest // budget) * fixed + c1 * rest + c2 * (a_all - a1)
+                wait = w_share
+                exposed = 0.0
+                shared = True
+            else:
+                wait = w_share + busy
+                own_s = -(-t_uc // budget) * fixed + c1 * t_uc + c2 * a_all + c3 * rst
+                exposed = tau - wait if tau > wait else 0.0
+                shared = False
+            ttft = wait + own_s + exposed
+            append((node, ttft + copy, ttft, wait, own_s, tau, exposed, copy, t_uc, t_c, local_t, x, rst, items, trusted, shared))
+        return out
 
     # -- one candidate ---------------------------------------------------- #
 
