@@ -367,7 +367,14 @@ class BlockIndex:
         if ch is None:
             return r
         top = r
-        stack = [(cr, cr.pc & c) for cr in ch.values()]
+        stack: list[tuple[_Run, int]] | None = None  # the children whose comp changes (in a run: none, every time)
+        for cr in ch.values():
+            cc = cr.pc & c
+            if cc != -cr[0]:
+                if stack is None:
+                    stack = [(cr, cc)]
+                else:
+                    stack.append((cr, cc))
         while stack:
             r, c = stack.pop()
             if c == -r[0]:
