@@ -564,8 +564,9 @@ class ClusterSim:
         self._take_records = self._feed_planner or self._online is not None
         for node in self.nodes.values():
             # the simulator forwards only first tokens and ends, and reads iteration records only
-            # for a planner or the online refit: the engines build nothing else (same results)
-            node.sched.partial_outputs = False
+            # for a planner or the online refit: the engines build nothing else (same results);
+            # decode progress is kept by one clock per engine, not walked request by request
+            node.sched.set_lazy_decode()
             node.sched.keep_records = self._take_records
         self.replay: Any = (
             ScheduledReplay(requests, cfg.schedule, seed=cfg.seed)
@@ -1239,7 +1240,7 @@ class ClusterSim:
         # which the host pool finds the queued pages it names run by run (BranchRunHostPool.update_counts)
         for n, _, hashes, counts, chains in self.directory.branches.take_count_lists(chains=True):
             if n < len(by_id):  # (a node the directory heard of from a placement alone has no engine here)
-                by_id[n].sched.update_counts(hashes, counts, chains)
+                by_id[n].sched.kv.host.update_counts(hashes, counts, chains)  # EngineScheduler.update_counts, unwrapped
 
     # ------------------------------------------------------------------ #
     # planner and phase switches

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+from heapq import heappop, heappush
 
 from shared.messages import DecodeWork, IterationRecord, KvEvent, NodeState, Phase, PrefillWork, QueuedWork
 from shared.profile import Profile
@@ -216,6 +217,16 @@ class EngineScheduler:
         """Emit a :class:`TokensOut` for every decode step that produced tokens. False (the
         simulator, which forwards only first tokens and ends): only a request's first token and
         its last output are emitted; nothing else changes (KV, counts, iteration records)."""
+        self._lazy = False
+        """Decode progress kept by one clock (:meth:`set_lazy_decode`): no per-request walk per plan."""
+        self._dclock = 0
+        """Lazy decode: 1/1000 tokens each decoding request has gained since this scheduler started
+        (every decoding request is in every plan's decode batch, so all gain the same)."""
+        self._dheap: list[tuple[int, int, _Request]] = []
+        """Lazy decode: ``(fin, n, r)`` per decoding request, ``fin`` the :attr:`_dclock` at which
+        ``r`` reaches ``max_tokens`` (``n`` a push counter, the tie-break); an entry whose request is
+        no longer decoding (aborted) is stale and dropped when it reaches the top."""
+        self._dpush = 0
         self.kv = KvBlockManager(profile.gpu_blocks, profile.host_blocks, profile.block_size, host_eviction)
         self.requests: dict[str, _Request] = {}
         self.waiting: OrderedDict[str, _Request] = OrderedDict()
@@ -266,6 +277,42 @@ class EngineScheduler:
     # ------------------------------------------------------------------ #
     # inputs
     # ------------------------------------------------------------------ #
+
+    def set_lazy_decode(self, on: bool = True) -> None:
+        """Keep decode progress lazily (the simulator, which emits no partial outputs and passes
+        no ``stopped``): a decoding request's generated tokens follow from one per-scheduler clock
+        of accepted 1/1000 tokens and the clock value at which it finishes (a heap), instead of
+        being advanced one by one at every plan end; :meth:`finish_iteration` then touches only
+        the requests that finish, and a pure-decode plan's first completion (:meth:`_skip_ahead`)
+        is the heap's top. Outputs, plans and records are the same as without it; a decoding
+        request's ``generated`` / ``acc`` are brought up to date by :meth:`sync_decode` (the full
+        check does). Call before the first request; ``on`` implies ``partial_outputs = False``
+        (``on=False``: back to the per-request walk, ``partial_outputs`` as it is).
+
+        Raises:
+            SchedulerError: if the scheduler already holds a request.
+        """
+        if self.requests or self.inflight is not None:
+            raise SchedulerError("set_lazy_decode() on a scheduler that holds requests")
+        if on:
+            self.partial_outputs = False
+        self._lazy = on
+
+    def _join_decode(self, r: _Request) -> None:
+        """Lazy decode: ``r`` (``generated``, ``acc`` up to date) joins the decode batch now."""
+        self._dpush = n = self._dpush + 1
+        heappush(self._dheap, ((r.max_tokens - r.generated) * _MILLI - r.acc + self._dclock, n, r))
+
+    def sync_decode(self) -> None:
+        """Lazy decode: set each decoding request's ``generated`` and ``acc`` from the clock (what
+        the per-plan walk would have left there). O(decoding requests); a no-op otherwise."""
+        if not self._lazy:
+            return
+        clock = self._dclock
+        for fin, _, r in self._dheap:
+            if r.state == DECODING:
+                total = r.max_tokens * _MILLI - fin + clock  # generated * 1000 + acc
+                r.generated, r.acc = divmod(total, _MILLI)
 
     def set_phase(self, phase: Phase, now: float) -> None:
         """Change what work the node accepts from now on; queued and running work continues.
@@ -881,6 +928,7 @@ class EngineScheduler:
         out: list[OutputEvent] = []
         n_chunks = len(plan.prefill)
         bs = self.block_size
+        joined: list[_Request] = []
         for chunk, r in zip(plan.prefill, plan.reqs):  # reqs: the chunks' requests first
             if r.state != PREFILLING:
                 continue
@@ -889,7 +937,9 @@ class EngineScheduler:
             if full > len(r.path):
                 full = len(r.path)
             if full > r.held:
-                self.kv.fill(r.path, r.held, full)
+                kv = self.kv  # kv.fill(r.path, r.held, full) without its wrapper call (one per chunk)
+                for lo, hi in kv.gpu.fill(r.path, r.held, full):
+                    kv.host.store(r.path, lo, hi)
                 r.reserved -= full - r.held
                 r.held = full
             if not chunk.completes:
@@ -913,9 +963,38 @@ class EngineScheduler:
             else:
                 r.state = DECODING
                 self.n_decoding += 1
+                if self._lazy:
+                    joined.append(r)
         step = k * self.acc_milli
         partial = self.partial_outputs
-        decoding = plan.reqs[n_chunks:] if n_chunks else plan.reqs
+        if self._lazy:  # every decoding request gains step; only those reaching max_tokens are touched
+            if stopped is not None or partial:
+                raise SchedulerError("lazy decode takes no stopped requests and emits no partial outputs")
+            before = self._dclock
+            self._dclock = clock = before + step if plan.decode else before
+            heap = self._dheap
+            if heap and heap[0][0] <= clock:
+                done_reqs: list[tuple[int, _Request]] = []
+                while heap and heap[0][0] <= clock:
+                    fin, _, r = heappop(heap)
+                    if r.state == DECODING:  # else aborted while queued here: stale
+                        done_reqs.append((fin, r))
+                if len(done_reqs) > 1:  # in running order, as the walk of the decode batch finds them
+                    at = {rid: i for i, rid in enumerate(self.running)}
+                    done_reqs.sort(key=lambda e: at[e[1].rid])
+                for fin, r in done_reqs:
+                    top = r.max_tokens * _MILLI
+                    start = (top - fin + before) // _MILLI
+                    left = r.max_tokens - start
+                    r.acc = (top - fin + clock) % _MILLI
+                    r.generated = r.max_tokens
+                    out.append(TokensOut(r.rid, start, left, True, "length", r.prompt_tokens, r.cached, now))
+                    self._remove(r)
+            for r in joined:  # after the clock moved: they gain nothing from this plan
+                self._join_decode(r)
+            decoding = []
+        else:
+            decoding = plan.reqs[n_chunks:] if n_chunks else plan.reqs
         if stopped is None:  # no end-of-sequence (the simulator): a request decodes to max_tokens
             for r in decoding:
                 if r.state != DECODING:
@@ -1216,6 +1295,8 @@ class EngineScheduler:
             r.state = DECODING
             self.n_decoding += 1
             self.running[r.rid] = r
+            if self._lazy:
+                self._join_decode(r)
 
     def _first_token(self, r: _Request, now: float, done: bool, finish_reason: str | None) -> TokensOut:
         """The first output token of ``r``, whose prompt completed, at ``now``."""
@@ -1279,11 +1360,17 @@ class EngineScheduler:
     def _skip_ahead(self, decode_reqs: list[_Request], now: float, horizon: float, iteration_s: float) -> int:
         """k for a pure-decode plan: up to the first completion, all starts before the horizon."""
         m = self.acc_milli
-        k_finish = 1 << 62
-        for r in decode_reqs:  # the first completion (a loop: a comprehension would be a call)
-            k = -(-((r.max_tokens - r.generated) * _MILLI - r.acc) // m)  # ceil division
-            if k < k_finish:
-                k_finish = k
+        if self._lazy:  # the first completion is the heap's top (its stale entries dropped)
+            heap = self._dheap
+            while heap[0][2].state != DECODING:
+                heappop(heap)
+            k_finish = -(-(heap[0][0] - self._dclock) // m)
+        else:
+            k_finish = 1 << 62
+            for r in decode_reqs:  # the first completion (a loop: a comprehension would be a call)
+                k = -(-((r.max_tokens - r.generated) * _MILLI - r.acc) // m)  # ceil division
+                if k < k_finish:
+                    k_finish = k
         h = horizon
         for r in self.transferring.values():
             if now < r.ready_at < h:
@@ -1345,6 +1432,7 @@ class EngineScheduler:
         Raises:
             SchedulerError or KvInvariantError: naming the first invariant that fails.
         """
+        self.sync_decode()
         seen: set[str] = set()
         for name, cont, states in (
             ("waiting", self.waiting, (WAITING,)),
@@ -1365,6 +1453,10 @@ class EngineScheduler:
             raise SchedulerError(f"{len(self.running)} running > cap {self.max_running}")
         if self.n_decoding != sum(1 for r in self.running.values() if r.state == DECODING):
             raise SchedulerError("n_decoding out of sync")
+        if self._lazy and sorted(id(r) for _, _, r in self._dheap if r.state == DECODING) != sorted(
+            id(r) for r in self.running.values() if r.state == DECODING
+        ):
+            raise SchedulerError("lazy decode heap out of sync with the decoding requests")
         for r in self.requests.values():
             if r.state in (WAITING, DECODE_QUEUED, BOOTSTRAP) and (r.held or r.reserved):
                 raise SchedulerError(f"{r.rid} holds KV while {r.state}")

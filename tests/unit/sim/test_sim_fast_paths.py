@@ -1,7 +1,8 @@
 """The simulation loop's shortcuts leave every result as it was without them.
 
-The simulator tells the engines to build no partial token outputs and (without a planner or an
-online refit reading them) no iteration records, and with routing policies that read no node
+The simulator tells the engines to build no partial token outputs, to keep decode progress by one
+clock (``EngineScheduler.set_lazy_decode``) and (without a planner or an online refit reading them)
+no iteration records, and with routing policies that read no node
 state (``cluster.STATE_BLIND_ROUTERS``) it applies a node's state to the router only when its
 phase changed. Each run here is made once with the shortcuts and once with them undone; the
 records and reports must be equal.
@@ -19,7 +20,8 @@ from .conftest import BS, small_trace, strip_wall
 
 
 def _without_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every node state applied, every output and record built (the loop before the shortcuts)."""
+    """Every node state applied, every output and record built, decode walked request by request
+    (the loop before the shortcuts)."""
     monkeypatch.setattr(cluster, "STATE_BLIND_ROUTERS", frozenset())
     init = cluster.ClusterSim.__init__
 
@@ -27,6 +29,7 @@ def _without_shortcuts(monkeypatch: pytest.MonkeyPatch) -> None:
         init(self, *a, **k)  # type: ignore[arg-type]
         self._take_records = True
         for n in self.nodes.values():
+            n.sched.set_lazy_decode(False)
             n.sched.partial_outputs = True
             n.sched.keep_records = True
 

@@ -556,6 +556,80 @@ def test_without_partial_outputs_only_first_tokens_and_ends_are_emitted(b, run):
     assert end1 == end2 and full.take_records() == lean.take_records()
 
 
+def _lazy_lockstep(b, seed: int, phase: str) -> None:
+    """One random run on three schedulers fed the same inputs: per-request decode progress
+    (``partial_outputs=False``, the eager walk) and :meth:`set_lazy_decode` with and without the
+    full invariant check after every step (which syncs ``generated`` / ``acc``)."""
+    import random
+
+    rng = random.Random(seed)
+    prof = b.profile(scheduler__max_running=4, scheduler__chunk_tokens=48, memory__gpu_kv_tokens=256)
+    eager = b.sched(prof, phase)
+    eager.partial_outputs = False
+    lazy = b.sched(prof, phase)
+    lazy.set_lazy_decode()
+    bare = b.sched(prof, phase, check_invariants=False)
+    bare.set_lazy_decode()
+    scheds = (eager, lazy, bare)
+    now, rid, live = 0.0, 0, []
+    for _step in range(160):
+        for _ in range(rng.choice((0, 0, 1, 2))):  # arrivals: prompts sharing prefixes, decode hand-offs
+            rid += 1
+            ids = [rng.randrange(1, 4)] + [100 * rid + j for j in range(rng.randrange(0, 4))]
+            mt = rng.choice((2, 3, 7, 20, 41) if phase == "decode" else (1, 2, 3, 7, 20, 41))
+            tail, ready = rng.randrange(0, 4), now + rng.random() * 0.01
+            for s in scheds:
+                if phase == "decode":
+                    s.add_decode(b.decode(f"r{rid}", ids, tail=tail, max_tokens=mt, ready=ready), now)
+                else:
+                    s.add_prefill(b.prefill(f"r{rid}", ids, tail=tail, max_tokens=mt), now)
+            live.append(f"r{rid}")
+        horizon = rng.choice((None, now + 0.05, now + 1e9))
+        plans = [s.schedule(now, horizon) for s in scheds]
+        if plans[0] is None:
+            assert plans == [None, None, None]
+            nxt = eager.next_deadline()
+            now = nxt if nxt is not None and nxt > now else now + 0.01
+            continue
+        assert [(p.start, p.iterations, p.end, p.decode, [c.rid for c in p.prefill]) for p in plans[1:]] == [
+            (plans[0].start, plans[0].iterations, plans[0].end, plans[0].decode, [c.rid for c in plans[0].prefill])] * 2
+        if live and rng.random() < 0.15:  # an abort while the plan is in flight (the request may be decoding)
+            victim = rng.choice(live)
+            assert len({s.abort(victim, now) for s in scheds}) == 1
+        end = plans[0].end
+        if plans[0].iterations > 1 and rng.random() < 0.3:  # new work cuts a folded decode plan
+            cut = plans[0].start + (end - plans[0].start) * rng.random()
+            end = eager.truncate(plans[0], cut)
+            assert lazy.truncate(plans[1], cut) == end == bare.truncate(plans[2], cut)
+        outs = [s.finish_iteration(p, end) for s, p in zip(scheds, plans)]
+        assert outs[1] == outs[0] and outs[2] == outs[0]
+        assert lazy.take_records() == eager.take_records() == bare.take_records()
+        now = end
+    bare.check()  # syncs generated / acc: the same numbers as the eager walk's
+    assert sorted((r.rid, r.generated, r.acc, r.state) for r in bare.requests.values()) == sorted(
+        (r.rid, r.generated, r.acc, r.state) for r in eager.requests.values())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lazy_decode_is_the_per_request_walk(b, seed):
+    """:meth:`EngineScheduler.set_lazy_decode` (the simulator's engines): outputs, plans (skip-ahead
+    lengths included), records and, once synced, each decoding request's progress are those of the
+    walk of the decode batch at every plan end: collocated (prompts then decode) and decode-only
+    nodes, requests aborted mid-plan, folded plans cut by ``truncate``."""
+    _lazy_lockstep(b, seed, "both" if seed % 2 == 0 else "decode")
+
+
+def test_lazy_decode_refuses_stopped_and_a_busy_scheduler(b):
+    s = b.sched()
+    s.set_lazy_decode()
+    s.add_prefill(b.prefill("a", [1, 2], tail=1, max_tokens=5), 0.0)
+    with pytest.raises(SchedulerError, match="holds requests"):
+        s.set_lazy_decode()
+    plan = s.schedule(0.0)
+    with pytest.raises(SchedulerError, match="lazy decode takes no stopped"):
+        s.finish_iteration(plan, plan.end, {"a": 1})
+
+
 def test_without_records_none_are_kept(b, run):
     s = b.sched()
     s.keep_records = False
