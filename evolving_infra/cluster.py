@@ -41,7 +41,7 @@ from shared.net import http_url, listen_socket
 from shared.profile import Profile, load_profile, with_kv_tokens
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
 from shared.split import parse_split, split_phases
-from shared.subjects import SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
+from shared.subjects import PLANNER_DECISIONS, SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
 from evolving_infra.nodedown import announce_downs
 from evolving_infra.liveness import (  # the liveness decisions, shared with the Slurm job's watcher
     LIVENESS_MIN_S as LIVENESS_MIN_S, SUPERVISE_GAP_S as SUPERVISE_GAP_S, ANSWERED, DEAF, BusProbe, bus_watch, count_exit,
@@ -532,6 +532,11 @@ class LocalCluster:
     children: list[_Child] = field(default_factory=list)
     recorder: TimelineRecorder | None = None
     """Collects ``split.applied`` events into the run's PD-split timeline."""
+    planner_warmup_end: float | None = None
+    """When the planner's warm-up ends as it announced it (``metrics.warmup_end`` of its latest decision on
+    ``planner.decisions`` that carries one: simulated s from the cluster's start, :attr:`clock_origin`); None until
+    then (a planner without a warm-up never announces one). Read it with :meth:`announced_warmup_end`."""
+    _warmup_announced: asyncio.Event = field(default_factory=asyncio.Event)
     metrics_urls: dict[str, str] = field(default_factory=dict)
     """instance (``router``, ``planner``, ``kvdirectory``, ``worker-w0`` ...) → its ``/metrics`` URL (``spec.metrics``)."""
     metrics_sockets: dict[str, socket.socket] = field(default_factory=dict)
@@ -895,6 +900,8 @@ class LocalCluster:
             self.recorder.on_applied(msg)
 
         await self._bus.subscribe(SPLIT_APPLIED, on_applied)
+        # before any service starts: the planner's first warm-up decision (up's READY waits for it) is not missed
+        await self._bus.subscribe(PLANNER_DECISIONS, self._on_decision)
         for child in self.children:
             self._spawn(child)
         await self._wait_ready(seen)
@@ -904,6 +911,39 @@ class LocalCluster:
             self._supervisor = asyncio.create_task(self._supervise(), name="cluster-supervisor")
             if s.liveness_timeout_s > 0:
                 self._prober = asyncio.create_task(self._probe(), name="cluster-liveness-probe")
+
+    async def _on_decision(self, d: m.PlannerDecision, _subject: str) -> None:
+        """Keep the warm-up end a planner decision announces (``metrics.warmup_end``, simulated s); a decision
+        without one, or with a value that is not a finite number >= 0, changes nothing (the latter counted in
+        ``bad_warmup_end`` of the bus's counters). Raises nothing."""
+        end = d.metrics.get("warmup_end")
+        if end is None:
+            return
+        if not (isinstance(end, (int, float)) and math.isfinite(end) and end >= 0):
+            if self._bus is not None:
+                self._bus.counters["bad_warmup_end"] += 1
+            return
+        self.planner_warmup_end = float(end)
+        self._warmup_announced.set()
+
+    async def announced_warmup_end(self, timeout_s: float) -> float | None:
+        """The planner's warm-up end as it announced it (:attr:`planner_warmup_end`: simulated s from the cluster's
+        start), waiting at most ``timeout_s`` wall s for its first announcement. The planner announces it at its
+        first tick, when its start-up adoption ends (up to ``--adopt-grace-s``, 3 wall s, after it started: 150
+        simulated s at ``--speedup 50``, which moves the end a slice or two past :func:`warmup_end_s`'s estimate).
+        None when nothing was announced in that time (another planner, no warm-up, a planner still adopting).
+        Raises nothing (a timeout is the None)."""
+        if self.planner_warmup_end is None and timeout_s > 0:
+            try:
+                await asyncio.wait_for(self._warmup_announced.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.planner_warmup_end
+
+    def cluster_time(self) -> float:
+        """Now on the cluster clock: simulated s since :attr:`clock_origin` (wall s x ``spec.speedup``); 0 before
+        the start. Raises nothing."""
+        return max(0.0, time.time() - self.clock_origin) * self.spec.speedup if self.clock_origin else 0.0
 
     def _on_beat(self, hb: m.Heartbeat, now: float) -> None:
         """Note a heartbeat at ``now`` (monotonic) as a sign of life of the service's running process (its pid; a

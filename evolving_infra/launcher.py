@@ -1339,12 +1339,17 @@ async def _up(args: argparse.Namespace) -> int:
             except OSError as e:
                 print(f"warning: cannot write {salt_path} ({e.strerror or e}): the key ids in the "
                       "router logs cannot be matched to keys", file=sys.stderr)
+    # the warm-up's end as the planner announced it (its first tick, when its start-up adoption ends): at --speedup 50
+    # that came 2-4 wall s after the start, 100-200 simulated s, and READY's estimate said 1860 where it said 1980
+    end = await announced_end(cluster, args.live_policy, stop)
     info = cluster.describe()
     write_json(cluster.log_dir / "cluster.json", _shown(info))
     state = _write_state({**info, **_state_fields(cluster.spec)})  # the URL whole: split and tap connect with it (0600)
     try:
         listening = (f" (listening on all interfaces, {info['router_listen']})" if cluster.spec.host in WILDCARD_HOSTS else "")
-        print(f"cluster ready: router {cluster.router_url}{listening}  ({split_plan(args.live_policy, cluster.spec.split, cluster.spec.speedup)}; "
+        plan = split_plan(args.live_policy, cluster.spec.split, cluster.spec.speedup, end[0] if end else None,
+                          announced=end is not None and end[1])
+        print(f"cluster ready: router {cluster.router_url}{listening}  ({plan}; "
               f"{args.nodes} worker{'' if args.nodes == 1 else 's'}, profile {cluster.spec.profile}, speedup {args.speedup:g})")
         print(f"  {args.live_policy.describe()}" + "".join(f"\n  note: {n}" for n in args.live_policy.notes))
         warmup = planner_warmup_line(args.live_policy, cluster.spec.split, cluster.spec.speedup)
@@ -1366,7 +1371,8 @@ async def _up(args: argparse.Namespace) -> int:
             print(f"  {metrics_line}")
         for line in tokenizer_lines(args):
             print(f"  {line}")
-        print("READY " + json.dumps(_shown(ready_info(info, args.live_policy, cluster.spec.split, cluster.spec.speedup))),
+        print("READY " + json.dumps(_shown(ready_info(info, args.live_policy, cluster.spec.split, cluster.spec.speedup, end=end,
+                                                      clock_origin=cluster.clock_origin))),
               flush=True)
 
         def restarted(name: str) -> None:
@@ -1436,71 +1442,153 @@ def _evolving_params(pol: LivePolicy) -> Any:
     return params_from(EvolvingParams, parse_planner_args(list(pol.planner_args)), "evolving")
 
 
-def split_plan(pol: LivePolicy, split: str, speedup: float) -> str:
+WARMUP_FIRST_TICK_S = 0.2
+"""Simulated seconds after the cluster's start of the evolving planner's first tick in :func:`warmup_end_s`'s
+estimate before the cluster runs (the simulator's; a live planner ticks first when its start-up adoption ends)."""
+
+WARMUP_ANNOUNCE_WAIT_S = 5.0
+"""Wall seconds ``up`` and ``demo`` wait, once the cluster is ready, for the planner to announce its warm-up's end
+(:meth:`~evolving_infra.cluster.LocalCluster.announced_warmup_end`): it does at its first tick, when its start-up
+adoption ends (at most ``--adopt-grace-s``, 3 wall s, after the planner started, before the cluster is ready; earlier
+once every node has reported). Without an announcement by then, READY gives an estimate and says so."""
+
+
+def _wall(seconds: float) -> str:
+    """Wall seconds as the warm-up lines print them: one decimal under 100 s (``39.6``), whole above (``1860``)."""
+    return f"{seconds:.1f}" if seconds < 100 else f"{seconds:.0f}"
+
+
+def _after_warmup(pol: LivePolicy, split: str) -> str:
+    """What the evolving planner serves after its warm-up, for :func:`split_plan` and :func:`warmup_end_line`."""
+    p = _evolving_params(pol)
+    return f"split {p.initial_split or split}" if p.initial_split or split != "collocated" else \
+        "the split the warm-up predicts best"
+
+
+def split_plan(pol: LivePolicy, split: str, speedup: float, end_s: float | None = None, *, announced: bool = False) -> str:
     """What the cluster's split is and will be, for ``up``'s ready line and the demo's first line: ``split 2P2D`` for
     the static planner; for the evolving planner with a warm-up, that every node serves collocated until it ends and
-    what comes then (``serving collocated until the planner's 1800-s warm-up ends (~1860 s wall), then split 2P2D;
-    planner evolving adapts it``): its first tick (~0.2 s of simulated time after start) switches every node to
-    ``both``, and the line said ``initial split 1P1D`` for the half hour ``up`` served collocated. The wall time is
-    :func:`warmup_end_s` over ``speedup``, from the cluster's start. For the other planners, the split the nodes
-    start in and that the planner adapts it.
+    what comes then: its first tick switches every node to ``both``, and the line said ``initial split 1P1D`` for the
+    half hour ``up`` served collocated. For the other planners, the split the nodes start in and that the planner
+    adapts it.
+
+    With ``end_s`` (``up``, once the cluster is ready): ``serving collocated until t=1980 s, the end of the planner's
+    1800-s warm-up (39.6 s wall after the cluster's start, as the planner announced), then split 2P2D; ...``, or, not
+    ``announced``, ``~`` and "an estimate". Without (``demo``'s header, before the cluster starts): the warm-up's
+    length in wall s from the planner's first tick, as :func:`planner_warmup_line` gives it. Before, the header
+    said "~19 s wall" for an end the planner put at t=1200 (24 s wall at ``--speedup 50``: its first tick comes when
+    its start-up adoption ends, seconds of wall time, each 50 simulated s, after the start).
 
     Args:
         pol: the live policy (its ``planner`` and ``planner_args``).
         split: the split the workers are launched in (``--split`` or the policy's).
         speedup: simulated seconds per wall second (> 0).
+        end_s: when the warm-up ends, simulated s from the cluster's start; None: not known yet.
+        announced: ``end_s`` is the planner's announcement (else an estimate).
     """
     if pol.planner == "static":
         return f"split {split}"
     if pol.planner == "evolving" and (p := _evolving_params(pol)).t_learn_s > 0:
-        after = f"split {p.initial_split or split}" if p.initial_split or split != "collocated" else \
-            "the split the warm-up predicts best"
-        return (f"serving collocated until the planner's {p.t_learn_s:.0f}-s warm-up ends "
-                f"(~{warmup_end_s(pol) / speedup:.0f} s wall), then {after}; planner evolving adapts it")
+        after = _after_warmup(pol, split)
+        if end_s is None:
+            return (f"serving collocated for the planner's {p.t_learn_s:.0f}-s warm-up ({_wall(p.t_learn_s / speedup)} s "
+                    f"wall from its first tick, to the next {p.window_s / p.slices:.0f}-s slice boundary), then {after}; "
+                    "planner evolving adapts it")
+        return f"serving collocated until {_end_words(p.t_learn_s, end_s, speedup, announced)}, then {after}; planner evolving adapts it"
     return f"initial split {split}; planner {pol.planner} adapts it"
 
 
-def ready_info(info: Mapping[str, Any], pol: LivePolicy, split: str, speedup: float) -> dict[str, Any]:
+def _end_words(t_learn_s: float, end_s: float, speedup: float, announced: bool) -> str:
+    """``t=1980 s, the end of the planner's 1800-s warm-up (39.6 s wall after the cluster's start, as the planner
+    announced)``; not ``announced``: ``~`` before the wall figure and "an estimate" instead."""
+    how = "as the planner announced" if announced else "an estimate: the planner had not announced it yet"
+    return (f"t={end_s:.0f} s, the end of the planner's {t_learn_s:.0f}-s warm-up ({'' if announced else '~'}"
+            f"{_wall(end_s / speedup)} s wall after the cluster's start, {how})")
+
+
+def warmup_end_line(pol: LivePolicy, split: str, speedup: float, end_s: float, *, announced: bool) -> str | None:
+    """``demo``'s line once the cluster is ready: ``planner warm-up: every node collocated until t=1200 s, the end of
+    the planner's 900-s warm-up (24.0 s wall after the cluster's start, as the planner announced), then split 2P2D``.
+    None without an evolving warm-up. Args as :func:`split_plan`'s (``end_s`` simulated s from the cluster's start)."""
+    if pol.planner != "evolving" or (p := _evolving_params(pol)).t_learn_s <= 0:
+        return None
+    return f"planner warm-up: every node collocated until {_end_words(p.t_learn_s, end_s, speedup, announced)}, then {_after_warmup(pol, split)}"
+
+
+async def announced_end(cluster: Any, pol: LivePolicy, stop: asyncio.Event) -> tuple[float, bool] | None:
+    """The evolving planner's warm-up end for ``up``'s READY and ``demo``'s line: ``(end_s, True)`` as the planner
+    announced it (:meth:`~evolving_infra.cluster.LocalCluster.announced_warmup_end`, waited for at most
+    :data:`WARMUP_ANNOUNCE_WAIT_S` wall s, or until ``stop`` is set), else ``(estimate, False)``
+    (:func:`warmup_end_s` for a first tick now: ``cluster.cluster_time()``); None without a warm-up (no wait).
+    Simulated seconds from the cluster's start. Raises nothing beyond :func:`_evolving_params`'s."""
+    if warmup_end_s(pol) <= 0:
+        return None
+    waiter = asyncio.ensure_future(cluster.announced_warmup_end(WARMUP_ANNOUNCE_WAIT_S))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({waiter, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    waiter.cancel()
+    end = cluster.planner_warmup_end
+    if end is not None:
+        return float(end), True
+    return warmup_end_s(pol, first_tick_s=max(cluster.cluster_time(), WARMUP_FIRST_TICK_S)), False
+
+
+def ready_info(info: Mapping[str, Any], pol: LivePolicy, split: str, speedup: float, *, end: tuple[float, bool] | None = None,
+               clock_origin: float | None = None) -> dict[str, Any]:
     """``up``'s READY JSON: ``info`` (:meth:`Cluster.describe`) with, after its ``split``, what is served at READY.
 
     * ``split`` (kept as it was): the split the workers are launched in, which the evolving planner serves only after
       its warm-up (``--split`` or the policy's);
     * ``serving``: the split served now, ``"collocated"`` (every node ``both``) during the evolving planner's warm-up
-      (from its first tick, ~0.2 s of simulated time after start), else ``split``. Before, a plain ``up`` printed
-      ``"split": "2P2D"`` and served collocated for its first 1,860 simulated seconds;
-    * ``warmup_end_s``: when the warm-up ends, simulated seconds from the start (:func:`warmup_end_s`; 0.0 without
-      one), and ``warmup_end_wall_s`` the same in wall seconds (over ``speedup``, > 0);
+      (from its first tick), else ``split``. Before, a plain ``up`` printed ``"split": "2P2D"`` and served
+      collocated for its first 1,860 simulated seconds;
+    * ``warmup_end_s``: when the warm-up ends, simulated seconds from the cluster's start (0.0 without one): ``end``'s
+      (:func:`announced_end`), else :func:`warmup_end_s`'s estimate; ``warmup_end_wall_s`` the same in wall seconds
+      after the cluster's start (over ``speedup``, > 0); ``cluster_start_unix``: that start (``clock_origin``, unix s:
+      t=0 of the cluster clock), when given. Before, ``warmup_end_s`` was always the estimate for a first tick at
+      0.2 s: 1860 at ``--speedup 50``, where the planner announced 1980 (its first tick 2-4 wall s, 100-200
+      simulated s, after the start);
+    * ``warmup_end_source`` (with a warm-up): ``"planner"``, the planner's announcement (what ``split get`` says), or
+      ``"estimate"`` (none came within :data:`WARMUP_ANNOUNCE_WAIT_S`, or ``end`` not given);
     * ``split_after_warmup``: the split the planner goes to when the warm-up ends (its ``initial_split`` when given,
       else ``split``), None when ``split`` is ``collocated`` and the warm-up's records choose it; absent without a
       warm-up.
 
     The other keys are ``info``'s, unchanged. Raises nothing beyond :func:`_evolving_params`'s."""
-    end = warmup_end_s(pol)
+    estimate = warmup_end_s(pol)
+    end_s, announced = (end if end is not None and estimate > 0 else (estimate, False))
     out: dict[str, Any] = {}
     for k, v in info.items():
         out[k] = v
         if k == "split":
-            out["serving"] = "collocated" if end > 0 else split
-            out["warmup_end_s"] = end
-            out["warmup_end_wall_s"] = end / speedup
-            if end > 0:
+            out["serving"] = "collocated" if end_s > 0 else split
+            out["warmup_end_s"] = end_s
+            out["warmup_end_wall_s"] = end_s / speedup
+            if clock_origin is not None:
+                out["cluster_start_unix"] = clock_origin
+            if end_s > 0:
+                out["warmup_end_source"] = "planner" if announced else "estimate"
                 p = _evolving_params(pol)
                 out["split_after_warmup"] = p.initial_split or (split if split != "collocated" else None)
     return out
 
 
-def warmup_end_s(pol: LivePolicy) -> float:
-    """When the evolving planner's warm-up ends, in simulated seconds from the cluster's start, for a first tick just
-    after t=0 (the planner's 0.2 s): the first slice boundary (``window_s / slices``) after ``t_learn_s``, as the
-    planner ends it (1,800 s with 60-s slices: 1,860, ``split get``'s "until t=1860s"). 0 for the other planners or
-    without a warm-up. Raises nothing beyond :func:`_evolving_params`'s."""
+def warmup_end_s(pol: LivePolicy, first_tick_s: float = WARMUP_FIRST_TICK_S) -> float:
+    """When the evolving planner's warm-up ends, in simulated seconds from the cluster's start, for a first tick at
+    ``first_tick_s`` (simulated s; the simulator's 0.2 s by default): the first slice boundary (``window_s /
+    slices``) at or after ``first_tick_s + t_learn_s``, as the planner ends it (1,800 s with 60-s slices: 1,860,
+    ``split get``'s "until t=1860s" for a first tick in the first minute; "until t=1980s" for one at t=150, 3 wall s
+    at ``--speedup 50``). An estimate: the live planner announces the real one (:func:`announced_end`). 0 for the
+    other planners or without a warm-up. Raises nothing beyond :func:`_evolving_params`'s."""
     if pol.planner != "evolving":
         return 0.0
     p = _evolving_params(pol)
     if p.t_learn_s <= 0:
         return 0.0
     slice_s = p.window_s / p.slices if p.slices > 0 else 0.0
-    return (math.floor(p.t_learn_s / slice_s) + 1) * slice_s if slice_s > 0 else p.t_learn_s
+    t = first_tick_s + p.t_learn_s
+    return max(first_tick_s, math.ceil(t / slice_s - 1e-9) * slice_s) if slice_s > 0 else t
 
 
 def planner_warmup_line(pol: LivePolicy, split: str, speedup: float) -> str | None:
@@ -1533,7 +1621,8 @@ def planner_warmup_line(pol: LivePolicy, split: str, speedup: float) -> str | No
                  else "the split with the best mean predicted throughput over the warm-up")
     else:
         after = split
-    return (f"planner evolving: every node collocated for its {p.t_learn_s:.0f}-s warm-up ({p.t_learn_s / speedup:.0f} s wall; "
+    return (f"planner evolving: every node collocated for its {p.t_learn_s:.0f}-s warm-up ({_wall(p.t_learn_s / speedup)} s wall "
+            "from its first tick; "
             f"it ends on a {slice_s:.0f}-s slice boundary, `split get` says when), fitting each node's iteration-time "
             f"models; then {after}, re-planned every {p.window_s:.0f} s of simulated time when a candidate is "
             f"significantly better (objective {p.objective})")
@@ -1746,6 +1835,8 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
         for line in (routers_line(spec), context_line(spec), placement_line(spec)):
             if line:
                 print(f"  {line}", flush=True)
+        if (end := await announced_end(cluster, pol, stop)) is not None:  # the header's figure was the warm-up's length
+            print(f"  {warmup_end_line(pol, spec.split, spec.speedup, end[0], announced=end[1])}", flush=True)
         clock = SimClock(spec.speedup, cluster.clock_origin)
         replayer = LiveReplayer(
             cluster.router_url, clock, block_size=token_block, model=spec.model, vocab_size=_vocab_size(spec.tokenizer),

@@ -22,7 +22,8 @@ identity          may publish (relative to ``ei.<partition>.``)
                   ``split.get`` (the current split, at start), ``kv.countsync.<n>`` (its own counts)
 ``operator``      requests ``split.set`` (through the planner), ``split.get``, ``svc.stats.*``
 ``launcher``      ``node.down.*`` (a worker's process exited: routers fence it now); requests ``svc.stats.*``
-                  (reads heartbeats and ``split.applied``)
+                  (reads heartbeats, ``split.applied`` and ``planner.decisions``: the warm-up end ``up``'s READY
+                  line gives)
 ``admin``         everything (``evolving-infra tap``, debugging); no service uses it
 ================  ==============================================================================
 
@@ -234,7 +235,7 @@ def permissions(ident: Identity, partition: str = "p0") -> dict[str, Any]:
         sub = ["svc.heartbeat.*", "split.applied", "split.commands", "planner.decisions", "node.state.*"]
     elif ident.kind == "launcher":
         pub = ["svc.stats.*", "node.down.*"]
-        sub = ["svc.heartbeat.*", "split.applied"]
+        sub = ["svc.heartbeat.*", "split.applied", "planner.decisions"]  # up's READY: the planner's announced warm-up end
     else:
         raise AuthError(f"unknown identity kind {ident.kind!r}")
     pub = [p + s for s in pub] + [f"{p}svc.heartbeat.{ident.kind}"]

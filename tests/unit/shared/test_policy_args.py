@@ -6,7 +6,9 @@ import pytest
 
 from evolving_infra.cli import build_parser
 from evolving_infra.cluster import LocalCluster
-from evolving_infra.launcher import DEMO_PLANNER, _spec, planner_warmup_line, ready_info, split_plan
+from evolving_infra.launcher import (
+    DEMO_PLANNER, _spec, planner_warmup_line, ready_info, split_plan, warmup_end_line, warmup_end_s,
+)
 from evolving_infra.sim.cli import config_from_args
 from evolving_infra.sim.config import resolve
 
@@ -120,14 +122,15 @@ def test_bad_policy_flags_fail_with_the_reason(argv, frag, tmp_path):
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["up"], "collocated for its 1800-s warm-up (1800 s wall; it ends on a 60-s slice boundary, `split get` says when), "
+        (["up"], "collocated for its 1800-s warm-up (1800 s wall from its first tick; it ends on a 60-s slice boundary, "
+                 "`split get` says when), "
                  "fitting each node's iteration-time models; then 2P2D, re-planned every 600 s"),
-        (["demo"], "collocated for its 900-s warm-up (18 s wall;"),
+        (["demo"], "collocated for its 900-s warm-up (18.0 s wall from its first tick;"),
         (["up", "--split", "collocated"], "then the split with the lowest predicted mean latency over the warm-up"),
         (["up", "--planner-opt", "initial_split=3P1D"], "then 3P1D, re-planned"),
         (["up", "--planner-opt", "window_s=300", "--planner-opt", "slices=5"], "on a 60-s slice boundary, `split get` says when), "
                                                                                "fitting each node's iteration-time models; then 2P2D, re-planned every 300 s"),
-        (["up", "--nodes", "3", "--split", "2P1D", "--planner-opt", "t_learn_s=60", "--speedup", "2"], "60-s warm-up (30 s wall;"),
+        (["up", "--nodes", "3", "--split", "2P1D", "--planner-opt", "t_learn_s=60", "--speedup", "2"], "60-s warm-up (30.0 s wall from"),
         (["up", "--planner-opt", "t_learn_s=0"], None),
         (["up", "--policy", "static:3P1D"], None),
         (["up", "--policy", "dynamo"], None),
@@ -144,17 +147,18 @@ def test_up_and_demo_say_that_the_evolving_planner_warms_up_collocated(argv, exp
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        # before: "initial split 2P2D" while every node served collocated for the warm-up (~31 min of wall time)
-        (["up"], "serving collocated until the planner's 1800-s warm-up ends (~1860 s wall), then split 2P2D; "
-                 "planner evolving adapts it"),
-        (["up", "--speedup", "10"], "serving collocated until the planner's 1800-s warm-up ends (~186 s wall), then "
-                                    "split 2P2D; planner evolving adapts it"),
-        (["up", "--planner-opt", "t_learn_s=90"], "serving collocated until the planner's 90-s warm-up ends "
-                                                  "(~120 s wall), then split 2P2D; planner evolving adapts it"),
-        (["up", "--split", "collocated"], "serving collocated until the planner's 1800-s warm-up ends (~1860 s wall), "
-                                          "then the split the warm-up predicts best; planner evolving adapts it"),
-        (["demo"], "serving collocated until the planner's 900-s warm-up ends (~19 s wall), then split 2P2D; "
-                   "planner evolving adapts it"),
+        # before: "initial split 2P2D" while every node served collocated for the warm-up (~31 min of wall time);
+        # before the cluster runs (the demo's header) the warm-up's length from the planner's first tick, as the next
+        # line gives it (it said "~19 s wall" there, "18 s wall" on the next line, and the planner ended at 24 s)
+        (["up"], "serving collocated for the planner's 1800-s warm-up (1800 s wall from its first tick, to the next "
+                 "60-s slice boundary), then split 2P2D; planner evolving adapts it"),
+        (["up", "--speedup", "10"], "serving collocated for the planner's 1800-s warm-up (180 s wall from its first "
+                                    "tick, to the next 60-s slice boundary), then split 2P2D; planner evolving adapts it"),
+        (["up", "--split", "collocated"], "serving collocated for the planner's 1800-s warm-up (1800 s wall from its "
+                                          "first tick, to the next 60-s slice boundary), then the split the warm-up "
+                                          "predicts best; planner evolving adapts it"),
+        (["demo"], "serving collocated for the planner's 900-s warm-up (18.0 s wall from its first tick, to the next "
+                   "60-s slice boundary), then split 2P2D; planner evolving adapts it"),
         (["up", "--planner-opt", "t_learn_s=0"], "initial split 2P2D; planner evolving adapts it"),
         (["up", "--policy", "dynamo"], "initial split 2P2D; planner dynamo adapts it"),
         (["up", "--policy", "static:3P1D"], "split 3P1D"),
@@ -189,6 +193,39 @@ def test_the_ready_json_says_what_is_served_now(argv, serving, end_s, end_wall_s
     assert {k: ready[k] for k in info} == info and list(ready)[:3] == ["router_url", "split", "serving"]
     assert (ready["serving"], ready["warmup_end_s"], ready["warmup_end_wall_s"]) == (serving, end_s, pytest.approx(end_wall_s))
     assert ready.get("split_after_warmup", "absent") == after
+
+
+def test_the_ready_json_gives_the_announced_warmup_end_and_says_whence(tmp_path):
+    """Review 55 M1: at ``--speedup 50`` READY said ``"warmup_end_s": 1860.0, "warmup_end_wall_s": 37.2`` while the
+    planner (first tick when its adoption ended, ~3 wall s = 150 simulated s) announced 1980: READY gives the
+    announced end (``up`` waits for it), says whether it is the planner's or an estimate, and from when the wall
+    figure counts (``cluster_start_unix``)."""
+    args = build_parser().parse_args(["up", "--nodes", "2", "--speedup", "50", "--log-dir", str(tmp_path)])
+    spec = _spec(args)
+    info = {"router_url": "http://127.0.0.1:1", "split": spec.split, "speedup": spec.speedup, "pids": {}}
+    ready = ready_info(info, args.live_policy, spec.split, spec.speedup, end=(1980.0, True), clock_origin=1.7e9)
+    assert {k: ready[k] for k in ("warmup_end_s", "warmup_end_wall_s", "cluster_start_unix", "warmup_end_source")} == {
+        "warmup_end_s": 1980.0, "warmup_end_wall_s": pytest.approx(39.6), "cluster_start_unix": 1.7e9,
+        "warmup_end_source": "planner"}
+    guessed = ready_info(info, args.live_policy, spec.split, spec.speedup, end=(1920.0, False))
+    assert (guessed["warmup_end_s"], guessed["warmup_end_source"]) == (1920.0, "estimate")
+    assert ready_info(info, args.live_policy, spec.split, spec.speedup)["warmup_end_source"] == "estimate"
+    static = build_parser().parse_args(["up", "--policy", "static:1P1D", "--nodes", "2", "--log-dir", str(tmp_path)])
+    _spec(static)
+    plain = ready_info(info, static.live_policy, "1P1D", 1.0, end=None)
+    assert plain["warmup_end_s"] == 0.0 and "warmup_end_source" not in plain
+    # the estimate for a later first tick: the first 60-s slice boundary at or after it + 1800 s
+    assert [warmup_end_s(args.live_policy, first_tick_s=t) for t in (0.2, 60.0, 150.0, 181.0)] == [1860.0, 1860.0, 1980.0, 2040.0]
+    line = split_plan(args.live_policy, spec.split, spec.speedup, 1980.0, announced=True)
+    assert line == ("serving collocated until t=1980 s, the end of the planner's 1800-s warm-up (39.6 s wall after the "
+                    "cluster's start, as the planner announced), then split 1P1D; planner evolving adapts it"), line
+    assert "(~38.4 s wall after the cluster's start, an estimate" in split_plan(args.live_policy, spec.split, spec.speedup, 1920.0)
+    demo = build_parser().parse_args(["demo", "--log-dir", str(tmp_path)])
+    dspec = _spec(demo)  # sets live_policy
+    assert warmup_end_line(demo.live_policy, dspec.split, dspec.speedup, 1200.0, announced=True) == (
+        "planner warm-up: every node collocated until t=1200 s, the end of the planner's 900-s warm-up (24.0 s wall "
+        "after the cluster's start, as the planner announced), then split 2P2D")
+    assert warmup_end_line(static.live_policy, "1P1D", 1.0, 0.0, announced=False) is None
 
 
 _SIM = "--profile gb300-glm52 --block-size 64 --model evolving-infra-sim --tokenizer sim"
