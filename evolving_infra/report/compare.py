@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from evolving_infra.report.html import compare_page, fmt_key, label_of
-from evolving_infra.report.metrics import HEADLINE_METRICS, with_derived
+from evolving_infra.report.metrics import HEADLINE_METRICS, throughput_label, with_derived
 from evolving_infra.report.plots import RunData, plot_compare
 from evolving_infra.report.timeline import timeline_from_builtins
 from evolving_infra.report.write import REPORT_JSON, load_run, not_a_run
@@ -40,7 +40,7 @@ _MORE_ROWS: tuple[tuple[str, bool | None], ...] = (
     ("ttft_p50_s", True),
     ("ttft_node_mean_s", True),
     ("ttft_node_p95_s", True),
-    ("ttft_control_plane_mean_s", True),
+    ("ttft_control_plane_mean_s", None),  # the machine's latency (× --speedup), not the policy's: no best
     ("e2e_p50_s", True),
     ("split_decisions", None),
     ("split_changes", None),
@@ -49,7 +49,7 @@ _MORE_ROWS: tuple[tuple[str, bool | None], ...] = (
     ("ttft_prediction_abs_error_median_s", True),
     ("lost_kv_reuse_eviction_share", None),
     ("wall_s", None),
-    ("sim_speed", False),
+    ("sim_speed", None),  # how fast the machine simulated, not how well the policy served: no best
 )
 
 
@@ -143,9 +143,12 @@ def _direction(lower_is_better: bool | None) -> str | None:
     return None if lower_is_better is None else "lower" if lower_is_better else "higher"
 
 
-def _best(key: str, values: Sequence[Any], lower_is_better: bool | None) -> int | None:
+def _best(key: str, values: Sequence[Any], lower_is_better: bool | None, base: Any = None) -> int | None:
     """Index of the run whose value is the better by ``lower_is_better``; None without a direction, with fewer
-    than two numbers, or when the best value prints (:func:`fmt_key`) as another run's does (a tie as shown)."""
+    than two numbers, or on a tie as the table shows it: the best value prints (:func:`fmt_key`) as another run's
+    does, or its ratio to ``base`` (the first run's value, the ratio column's; None or 0: no ratio shown) prints
+    (``:.2f``) as another run's does (the first run's is 1.00). Before, a KV hit rate of 89.48% / 89.50% (1.00x) /
+    89.51% (1.00x) named the third run best: three values the ratio column shows as equal."""
     if lower_is_better is None:
         return None
     nums = [(i, float(v)) for i, v in enumerate(values)
@@ -156,7 +159,36 @@ def _best(key: str, values: Sequence[Any], lower_is_better: bool | None) -> int 
     shown = fmt_key(key, v)
     if sum(1 for _, w in nums if fmt_key(key, w) == shown) > 1:
         return None
+    ratio = _ratio(v, base)
+    if ratio is not None and sum(1 for _, w in nums if f"{_ratio(w, base):.2f}" == f"{ratio:.2f}") > 1:
+        return None
     return i
+
+
+SIMULATED_TTFT = {"ttft_node_mean_s": "ttft_mean_s", "ttft_node_p95_s": "ttft_p95_s"}
+"""A simulated run's on-node TTFT rows, from its TTFT: the simulator has no control plane (its TTFT is the prefill
+node's arrival → first token), so in a comparison with a live run its TTFT is compared on the node rows."""
+
+
+def _simulated(report: Mapping[str, Any]) -> bool:
+    """Whether ``report`` is a simulated run's (``meta.command`` in :data:`SIMULATED_COMMANDS`)."""
+    meta = report.get("meta")
+    return isinstance(meta, Mapping) and meta.get("command") in SIMULATED_COMMANDS
+
+
+def with_node_ttft(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of ``reports`` where, when one is live (has ``ttft_node_mean_s``), each simulated run
+    (:func:`_simulated`) without on-node TTFT gets it from its TTFT (:data:`SIMULATED_TTFT`). Before, a live
+    run compared with a simulated one showed the simulation's TTFT only on the client rows ("+ control plane",
+    which it has none of) and "-" on the on-node rows the notes say to compare on."""
+    out = [dict(r) for r in reports]
+    if any(r.get("ttft_node_mean_s") is not None for r in out):
+        for r in out:
+            if _simulated(r):
+                for node, own in SIMULATED_TTFT.items():
+                    if r.get(node) is None:
+                        r[node] = r.get(own)
+    return out
 
 
 def compare_table(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -178,17 +210,26 @@ def compare_table(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     (:func:`control_plane_share`, no direction: it measures the machine, not the policy) among them.
     """
     rows: list[dict[str, Any]] = []
-    derived = [with_derived(r) for r in reports]
+    derived = with_node_ttft([with_derived(r) for r in reports])
     live = any(r.get("ttft_node_mean_s") is not None for r in derived)
     if live:
         for r in derived:
             r["ttft_control_plane_share"] = control_plane_share(r)
-    keys: list[tuple[str, str, bool | None]] = [(k, label, lib) for k, label, _, lib in HEADLINE_METRICS]
+    # the throughput's unit as the summary says it: per simulated second unless every run is live at --speedup 1
+    tput = throughput_label([r.get("meta") for r in derived])
+    keys: list[tuple[str, str, bool | None]] = [(k, tput if k == "throughput_rps" else label, lib)
+                                                 for k, label, _, lib in HEADLINE_METRICS]
     keys += [(k, label_of(k), lib) for k, lib in _MORE_ROWS]
     if live:
         lib_of = {k: lib for k, _, lib in keys} | {"ttft_control_plane_share": None}
-        first = [(k, _LIVE_LABELS.get(k, label_of(k)), lib_of[k]) for k in LIVE_TTFT_FIRST]
-        keys = first + [(k, _LIVE_LABELS.get(k, label), lib) for k, label, lib in keys if k not in LIVE_TTFT_FIRST]
+        labels = dict(_LIVE_LABELS)
+        if any(_simulated(r) for r in derived):  # its TTFT is on the node rows; the client rows hold it as it is
+            labels |= {k: v.replace("(+ control plane)", "(+ control plane; a simulation has none)")
+                       for k, v in _LIVE_LABELS.items() if "(+ control plane)" in v}
+            labels["ttft_node_mean_s"] = "TTFT on node mean (queue + prefill: the policies'; a simulation's TTFT)"
+            labels["ttft_node_p95_s"] = "TTFT on node P95 (queue + prefill; a simulation's TTFT P95)"
+        first = [(k, labels.get(k, label_of(k)), lib_of[k]) for k in LIVE_TTFT_FIRST]
+        keys = first + [(k, labels.get(k, label), lib) for k, label, lib in keys if k not in LIVE_TTFT_FIRST]
     for key, label, lib in keys:
         values = [r.get(key) if key != "wall_s" else (r.get("wall_s") or (r.get("meta") or {}).get("wall_s")) for r in derived]
         if all(v is None for v in values):
@@ -196,7 +237,7 @@ def compare_table(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         base = None if _shows_as_zero(key, values[0]) else values[0]
         ratios = [None] + [_ratio(v, base) for v in values[1:]]
         rows.append({"key": key, "label": label, "values": values, "ratios": ratios, "lower_is_better": lib,
-                     "better": _direction(lib), "best": _best(key, values, lib)})
+                     "better": _direction(lib), "best": _best(key, values, lib, base)})
     return rows
 
 
@@ -208,7 +249,7 @@ def compare_notes(reports: Sequence[Mapping[str, Any]], labels: Sequence[str]) -
     share, and which run the on-node TTFT favours. Empty for simulated runs (their TTFT has no control plane)."""
     from evolving_infra.report.write import CONTROL_PLANE_DOMINANT
 
-    reports = list(reports)
+    reports = with_node_ttft(reports)
     if not any(r.get("ttft_node_mean_s") is not None for r in reports):
         return []
     notes = ["TTFT rows: 'on node' = prefill node arrival → first token (queue + prefill: what the policies decide); "
@@ -222,9 +263,12 @@ def compare_notes(reports: Sequence[Mapping[str, Any]], labels: Sequence[str]) -
             at = f" at --speedup {speedup:g}" if isinstance(speedup, (int, float)) and not isinstance(speedup, bool) else ""
             dominated.append(f"{100 * share:.0f}% of {lab}'s mean client TTFT "
                              f"({fmt_key('ttft_mean_s', r.get('ttft_control_plane_mean_s'))} of {fmt_key('ttft_mean_s', r.get('ttft_split_client_mean_s'))}{at})")
+    if simulated := [lab for lab, r in zip(labels, reports) if _simulated(r)]:
+        notes.append(f"{', '.join(simulated)}: simulated; a simulation's TTFT has no control plane, it is the TTFT on "
+                     "the node (its on-node rows), the row to compare with a live run's")
     if dominated:
         node = [r.get("ttft_node_mean_s") for r in reports]
-        best = _best("ttft_node_mean_s", node, True)
+        best = _best("ttft_node_mean_s", node, True, node[0] if node and node[0] else None)
         favours = (f"; on the node, {labels[best]} is the better ("
                    + " vs ".join(f"{fmt_key('ttft_node_mean_s', v)}" for v in node) + " mean)") if best is not None else ""
         notes.append("the control plane is " + "; ".join(dominated) + ": the client TTFT rows measure this machine's "

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from evolving_infra.report.metrics import HEADLINE_METRICS, fmt_value, with_derived
+from evolving_infra.report.metrics import HEADLINE_METRICS, fmt_value, throughput_label, with_derived
 from evolving_infra.report.plots import PlotFile
 from evolving_infra.report.write import ttft_split_lines
 
@@ -192,6 +192,11 @@ shown by their report.json names, are defined: the page named none of them."""
 
 def _summary_table(report: Mapping[str, Any]) -> str:
     report = with_derived(report)
+    labels = {"throughput_rps": throughput_label([report.get("meta")])}  # per simulated second, as the summary
+
+    def label_of(k: str) -> str:
+        return labels.get(k) or _LABELS.get(k, k)
+
     rows: list[str] = []
     shown: set[str] = set()
     for section, keys in _SECTIONS:
@@ -227,7 +232,12 @@ def _ttft_split(report: Mapping[str, Any]) -> str:
             "(over the requests with a node arrival):</div>" f'<ul class="notes">{items}</ul>')
 
 
-def _periods_table(periods: Sequence[Mapping[str, Any]]) -> str:
+def _periods_table(periods: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] | None = None) -> str:
+    labels = {"throughput_rps": throughput_label([meta])}
+
+    def label_of(k: str) -> str:
+        return labels.get(k) or _LABELS.get(k, k)
+
     cols = ("throughput_rps", "requests_sent", "ttft_mean_s", "ttft_p95_s", "e2e_mean_s", "e2e_p95_s", "tpot_mean_s",
             "kv_hit_rate", "prefill_queue_mean_s", "prefill_queue_imbalance", "switches", "final_split")
     head = '<tr><th class="k">Period</th><th>Span (s)</th>' + "".join(f"<th>{_e(label_of(c))}</th>" for c in cols) + "</tr>"
@@ -288,7 +298,7 @@ def run_page(report: Mapping[str, Any], plots: Sequence[PlotFile], *, base: Path
     parts = [f"<h1>{_e(title)}</h1>", f'<div class="sub">{_e(meta.get("date", ""))}</div>', _meta_list(meta)]
     parts.append("<h2>Summary</h2>" + _summary_table(report) + _ttft_split(report))
     if report.get("periods"):
-        parts.append("<h2>Per period</h2>" + _periods_table(report["periods"]))
+        parts.append("<h2>Per period</h2>" + _periods_table(report["periods"], report.get("meta")))
     if report.get("prefill_queue_by_node"):
         parts.append("<h2>Prefill queue by node</h2>" + _queue_table(report["prefill_queue_by_node"]))
     if plots:

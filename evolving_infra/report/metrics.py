@@ -84,6 +84,31 @@ HEADLINE_METRICS: tuple[tuple[str, str, str, bool | None], ...] = (
 """The metrics every view shows (terminal, HTML, compare), in display order."""
 
 
+PER_SIMULATED_SECOND = "req/s per simulated second"
+"""The throughput's unit wherever a run's clock is not the wall clock (a simulation; a live run under ``--speedup``
+N ≠ 1, whose cluster clock counts N simulated seconds per wall second): the summary, report.html, compare.html, the
+compare text and the sweep's lines say it alike. Before, only the summary did; the others said "req/s", read as a
+wall rate 50 times too low for ``make demo``."""
+
+
+def _speedup(meta: Mapping[str, Any] | None) -> float | None:
+    """A live run's ``meta["speedup"]`` (> 0), None for a simulation (it records none) or a malformed value."""
+    v = meta.get("speedup") if isinstance(meta, Mapping) else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+
+
+def throughput_unit(metas: Sequence[Mapping[str, Any] | None]) -> str:
+    """The unit of ``throughput_rps`` for runs with these ``meta`` dicts: ``"req/s"`` when every one is a live run
+    at ``--speedup 1`` (its cluster clock is the wall clock), else :data:`PER_SIMULATED_SECOND`. Raises nothing."""
+    return "req/s" if metas and all(_speedup(m) == 1.0 for m in metas) else PER_SIMULATED_SECOND
+
+
+def throughput_label(metas: Sequence[Mapping[str, Any] | None]) -> str:
+    """The throughput row's label for runs with these ``meta`` dicts: ``Throughput (req/s per simulated second)``,
+    or ``Throughput (req/s)`` (:func:`throughput_unit`). Raises nothing."""
+    return f"Throughput ({throughput_unit(metas)})"
+
+
 def _pct(values: Sequence[float], q: float) -> float | None:
     """``float(np.percentile(values, q))`` (linear interpolation, numpy's default), None without values.
 

@@ -20,7 +20,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatterSciNotation
 
-from evolving_infra.report.metrics import HEADLINE_METRICS, cdf, fmt_value
+from evolving_infra.report.metrics import HEADLINE_METRICS, cdf, fmt_value, throughput_label, throughput_unit
 from evolving_infra.report.records import RequestRecord
 from evolving_infra.report.timeline import RunTimeline
 
@@ -197,7 +197,7 @@ def plot_throughput(out: Path, report: Mapping[str, Any]) -> PlotFile | None:
     if report.get("throughput_rps"):
         ax.axhline(report["throughput_rps"], color="C3", linestyle="--", linewidth=1, label=f"run mean {report['throughput_rps']:.3f}")
     ax.set_xlabel("time since first request (min)")
-    ax.set_ylabel("completed requests / s")
+    ax.set_ylabel(f"completed requests ({throughput_unit([report.get('meta')])})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("Throughput over time")
@@ -409,7 +409,9 @@ def compare_latency_cdf(out: Path, runs: Sequence[RunData], attr: str, name: str
 
 def compare_metrics(out: Path, runs: Sequence[RunData]) -> PlotFile | None:
     """One bar chart per headline metric that at least one run has; ratio to the first run on each bar."""
-    keys = [(k, label, kind) for k, label, kind, _ in HEADLINE_METRICS if any(r.report.get(k) is not None for r in runs)]
+    tput = throughput_label([r.report.get("meta") for r in runs])  # per simulated second, as the table says
+    keys = [(k, tput if k == "throughput_rps" else label, kind) for k, label, kind, _ in HEADLINE_METRICS
+            if any(r.report.get(k) is not None for r in runs)]
     if not keys:
         return None
     cols = 3
@@ -453,7 +455,7 @@ def compare_throughput(out: Path, runs: Sequence[RunData]) -> PlotFile | None:
     if not drawn:
         return None
     ax.set_xlabel("time since first request (min)")
-    ax.set_ylabel("completed requests / s")
+    ax.set_ylabel(f"completed requests ({throughput_unit([r.report.get('meta') for r in runs])})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("Throughput over time")

@@ -30,6 +30,7 @@ from evolving_infra.report.metrics import (
     prefill_queue_imbalance,
     split_decisions,
     summarize,
+    throughput_unit,
     time_series,
     timeline_metrics,
 )
@@ -322,10 +323,9 @@ def _throughput_line(rps: Any, speedup: Any) -> str:
     if not isinstance(rps, (int, float)) or isinstance(rps, bool) or not rps:
         return "throughput -"
     live = isinstance(speedup, (int, float)) and not isinstance(speedup, bool) and speedup > 0
-    if live and speedup == 1:  # a live run at --speedup 1: its cluster clock is the wall clock
-        return f"throughput {rps:.3f} req/s"
-    line = f"throughput {rps:.3f} req/s per simulated second"
-    if live:
+    # req/s alone for a live run at --speedup 1 (its cluster clock is the wall clock): the pages' rule too
+    line = f"throughput {rps:.3f} {throughput_unit([{'speedup': speedup}])}"
+    if live and speedup != 1:
         line += f" ({rps * speedup:.2f} req/s of wall time at --speedup {speedup:g})"
     return line
 
@@ -395,7 +395,7 @@ def print_summary(report: Mapping[str, Any], file: TextIO | None = None) -> None
             lines.append(f"{name} {show(g(key))}")
     for p in g("periods") or []:
         lines.append(
-            f"period     {p.get('name')}: {fmt_value(p.get('throughput_rps'), 'rps')} req/s, "
+            f"period     {p.get('name')}: {fmt_value(p.get('throughput_rps'), 'rps')} {throughput_unit([meta])}, "
             f"E2E mean {fmt_seconds(p.get('e2e_mean_s'))}, TTFT p95 {fmt_seconds(p.get('ttft_p95_s'))}, "
             f"split {p.get('final_split') or '-'}"
         )

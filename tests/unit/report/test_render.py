@@ -601,3 +601,76 @@ def test_compare_of_simulated_runs_marks_direction_without_live_notes(tmp_path: 
     assert table["notes"] == [] and table["metrics"][0]["key"] == "throughput_rps"
     rows = {r["key"]: r for r in table["metrics"]}
     assert rows["final_split"]["better"] is None and rows["final_split"]["best"] is None
+
+
+def test_compare_calls_a_difference_the_ratio_column_shows_as_1_00x_a_tie():
+    """Review 55 L1: a KV hit rate of 89.48% / 89.50% (1.00x) / 89.51% (1.00x) was given "best static:2P2D": three
+    values the ratio column shows as equal. A row whose ratios all print 1.00x is a tie; a best whose ratio differs
+    as printed is still named."""
+    rows = {r["key"]: r for r in compare_table([
+        {"kv_hit_rate": 0.8948, "ttft_mean_s": 1.000, "e2e_mean_s": 1.0},
+        {"kv_hit_rate": 0.8950, "ttft_mean_s": 1.002, "e2e_mean_s": 2.0},
+        {"kv_hit_rate": 0.8951, "ttft_mean_s": 1.004, "e2e_mean_s": 0.5},
+    ])}  # fmt: skip
+    assert [f"{r:.2f}" for r in rows["kv_hit_rate"]["ratios"][1:]] == ["1.00", "1.00"]
+    assert rows["kv_hit_rate"]["best"] is None
+    assert rows["ttft_mean_s"]["best"] is None  # 1.000 s / 1.002 s (1.00x) / 1.004 s (1.00x)
+    assert rows["e2e_mean_s"]["best"] == 2  # 0.50x
+
+
+def test_compare_gives_no_best_to_rows_that_rank_the_machine(tmp_path: Path):
+    """Review 55 L2: "Simulation speed ... best dynamo" and a best on the live control plane's TTFT ranked the
+    machine (how fast it simulated, its router/bus latency × --speedup), not the policy."""
+    rows = {r["key"]: r for r in compare_table([
+        {"sim_speed": 3000.0, "ttft_node_mean_s": 0.5, "ttft_control_plane_mean_s": 9.0, "ttft_mean_s": 9.5},
+        {"sim_speed": 6000.0, "ttft_node_mean_s": 0.8, "ttft_control_plane_mean_s": 4.0, "ttft_mean_s": 4.8},
+    ])}  # fmt: skip
+    for key in ("sim_speed", "ttft_control_plane_mean_s"):
+        assert (rows[key]["better"], rows[key]["best"]) == (None, None), rows[key]
+    assert rows["ttft_node_mean_s"]["best"] == 0
+
+
+def test_compare_of_a_live_and_a_simulated_run_puts_the_simulation_s_ttft_on_the_node_rows(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """Review 55 L4: ``report compare runs/vs-baselines/evolving D`` labelled the simulated run's TTFT "TTFT client
+    mean (+ control plane)" (a simulation has none) and showed "-" on its "TTFT on node" row, the row the note says
+    to compare on. Its TTFT is on-node: it fills those rows, and the labels say so."""
+    live = _live(make_run(tmp_path, "demo", scale=1.0, timeline=False, plots=False), client=10.0, node=0.48)
+    sim = make_run(tmp_path, "evolving", scale=2.0, timeline=False, plots=False, command="simulate")
+    sim_report = json.loads((sim / "report.json").read_text())
+    out = tmp_path / "cmp"
+    assert main(["report", "compare", str(live), str(sim), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    table = json.loads((out / "compare.json").read_text())
+    rows = {r["key"]: r for r in table["metrics"]}
+    assert rows["ttft_node_mean_s"]["values"] == [0.48, sim_report["ttft_mean_s"]]
+    assert rows["ttft_node_p95_s"]["values"] == [0.96, sim_report["ttft_p95_s"]]
+    assert rows["ttft_node_mean_s"]["best"] == 0  # 0.48 s against the simulation's ~2 s
+    assert rows["ttft_mean_s"]["label"] == "TTFT client mean (+ control plane; a simulation has none)"
+    assert "a simulation's TTFT" in rows["ttft_node_mean_s"]["label"]
+    assert any("evolving: simulated; a simulation's TTFT has no control plane" in n for n in table["notes"]), table["notes"]
+    node_line = next(line for line in printed.splitlines() if line.startswith("TTFT on node mean"))
+    assert " - " not in f" {node_line} "
+
+
+def test_every_view_says_throughput_is_per_simulated_second(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """Review 55 L3: "per simulated second" reached only the printed summary; report.html, compare.html and the
+    compare text said "Throughput (req/s)". A live run at --speedup 1 keeps plain req/s."""
+    a = make_run(tmp_path, "a", scale=1.0, timeline=False, plots=False, command="demo", speedup=50.0)
+    b = make_run(tmp_path, "b", scale=2.0, timeline=False, plots=False, command="simulate")
+    out = tmp_path / "cmp"
+    assert main(["report", "compare", str(a), str(b), "--out", str(out)]) == 0
+    assert any(line.startswith("Throughput (req/s per simulated second)") for line in capsys.readouterr().out.splitlines())
+    assert "Throughput (req/s per simulated second)" in (out / "compare.html").read_text(encoding="utf-8")
+    from evolving_infra.report.html import run_page
+
+    def page_of(run: Path) -> str:  # report.html as write_report makes it (plots=False writes none)
+        return run_page(json.loads((run / "report.json").read_text()), [], base=run)
+
+    assert "Throughput (req/s per simulated second)" in page_of(a)
+    c = make_run(tmp_path, "c", scale=1.0, timeline=False, plots=False, command="replay", speedup=1.0)
+    d = make_run(tmp_path, "d", scale=2.0, timeline=False, plots=False, command="replay", speedup=1.0)
+    page = page_of(c)
+    assert "Throughput (req/s)" in page and "per simulated second" not in page
+    assert main(["report", "compare", str(c), str(d), "--out", str(tmp_path / "cmp1")]) == 0
+    assert any(line.startswith("Throughput (req/s) ") for line in capsys.readouterr().out.splitlines())
