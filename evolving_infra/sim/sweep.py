@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from evolving_infra.report.metrics import PER_SIMULATED_SECOND
 from evolving_infra.sim.config import SimConfig, SimConfigError, seed_unused_note
 from evolving_infra.sim.policies import PolicyError, policy_set, serving
 from evolving_infra.sim.pool import fork_pool
@@ -42,6 +43,7 @@ SUMMARY_KEYS = (
     "relaunches",
     "out_of_service_share",
     "requests_completed",
+    "requests_failed",
     "wall_s",
     "sim_speed",
 )
@@ -252,32 +254,62 @@ def never_adapted_note(row: dict[str, Any]) -> str | None:
 
 
 def _item_line(row: dict[str, Any]) -> str:
-    return (f"  {row['label']}: {row['throughput_rps'] or 0:.3f} req/s, TTFT {row['ttft_mean_s'] or 0:.2f} s, "
+    return (f"  {row['label']}: {row['throughput_rps'] or 0:.3f} {PER_SIMULATED_SECOND}, TTFT {row['ttft_mean_s'] or 0:.2f} s, "
             f"E2E {row['e2e_mean_s'] or 0:.2f} s")
 
 
+def throughput_top(rows: Sequence[dict[str, Any]]) -> tuple[str, list[str]]:
+    """The best throughput as printed (``0.118``, req/s per simulated second, 3 decimals) and the labels of every
+    item that prints it (more than one: a tie; in ``rows``' order); ``("", [])`` without rows."""
+    shown = [(r["label"], f"{r.get('throughput_rps') or 0:.3f}") for r in rows]
+    if not shown:
+        return "", []
+    top = max(shown, key=lambda t: float(t[1]))[1]
+    return top, [lab for lab, v in shown if v == top]
+
+
+def _served(rows: Sequence[dict[str, Any]]) -> str:
+    """``evolving 118 completed / 0 failed, dynamo 90 / 28``: what each item served (``requests_completed``,
+    ``requests_failed``; ``?`` where a row lacks one)."""
+    def n(v: Any) -> str:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else "?"
+
+    return ", ".join(f"{r['label']} {n(r.get('requests_completed'))}" + (" completed / " if i == 0 else " / ")
+                     + n(r.get("requests_failed")) + (" failed" if i == 0 else "") for i, r in enumerate(rows))
+
+
 def best_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """The sweep's last verdict lines, from its items' rows (``label``, ``throughput_rps`` req/s, ``ttft_mean_s``
-    s, either None): the best throughput (higher is better), or, when the best ties with another item as printed
-    (``0.118 req/s``: a closed loop's agents send the same requests whichever policy serves them), that tie and
-    the items in it; then the lowest TTFT mean (lower is better) with every item's. Before, a sweep of three
-    policies that all served 0.118 req/s ended "best by throughput: evolving (0.118 req/s)", the first of the
-    tie, and never named the TTFT, where they differed (0.59 s against 1.34 s and 1.33 s)."""
+    """The sweep's last verdict lines, from its items' rows (``label``, ``throughput_rps`` req/s per simulated
+    second, ``ttft_mean_s`` s, either None; ``requests_completed`` / ``requests_failed``): the best throughput
+    (higher is better), or, when the best ties with another item as printed (``0.118``: a closed loop's agents
+    send the same requests whichever policy serves them), that tie and the items in it, or, when no item completed
+    a request, that (not "a tie at 0.000"); then the lowest TTFT mean (lower is better) with every item's, a tie as
+    printed (3 decimals) named as one, and, when the throughputs differ as printed, what each item completed and
+    failed: a policy that served fewer requests can win the TTFT. Before, a sweep of three policies that all
+    served 0.118 req/s ended "best by throughput: evolving (0.118 req/s)", the first of the tie, and never named
+    the TTFT, where they differed (0.59 s against 1.34 s and 1.33 s)."""
     lines = []
-    shown = [(r["label"], f"{r['throughput_rps'] or 0:.3f}") for r in rows]
-    if shown:
-        top = max(shown, key=lambda t: float(t[1]))[1]
-        tied = [lab for lab, v in shown if v == top]
-        if len(tied) > 1:
-            lines.append(f"best by throughput (higher is better): a tie at {top} req/s ({', '.join(tied)}): a closed "
-                         "loop's agents send the same requests whichever policy serves them; compare the latencies")
-        else:
-            lines.append(f"best by throughput (higher is better): {tied[0]} ({top} req/s)")
+    top, tied = throughput_top(rows)
+    unit = PER_SIMULATED_SECOND
+    if tied and float(top) == 0:
+        lines.append(f"best by throughput (higher is better): none, no item completed a request ({_served(rows)})")
+    elif len(tied) > 1:
+        lines.append(f"best by throughput (higher is better): a tie at {top} {unit} ({', '.join(tied)}): a closed "
+                     "loop's agents send the same requests whichever policy serves them; compare the latencies")
+    elif tied:
+        lines.append(f"best by throughput (higher is better): {tied[0]} ({top} {unit})")
     ttft = [(r["label"], r["ttft_mean_s"]) for r in rows if isinstance(r.get("ttft_mean_s"), (int, float))]
     if len(ttft) > 1:
         lab, v = min(ttft, key=lambda t: t[1])
-        others = ", ".join(f"{o} {w:.3f} s" for o, w in ttft if o != lab)
-        lines.append(f"best by TTFT mean (lower is better): {lab} ({v:.3f} s; {others})")
+        same = [o for o, w in ttft if f"{w:.3f}" == f"{v:.3f}"]
+        others = ", ".join(f"{o} {w:.3f} s" for o, w in ttft if o not in same)
+        if len(same) > 1:
+            line = f"best by TTFT mean (lower is better): a tie at {v:.3f} s ({', '.join(same)}" + (f"; {others})" if others else ")")
+        else:
+            line = f"best by TTFT mean (lower is better): {lab} ({v:.3f} s; {others})"
+        if len({f"{r.get('throughput_rps') or 0:.3f}" for r in rows}) > 1:
+            line += f"; the throughputs differ, requests served: {_served(rows)}"
+        lines.append(line)
     return lines
 
 
@@ -359,7 +391,9 @@ def run_sweep(
     dirs = [Path(r["dir"]) for r in rows]
     best = max(rows, key=lambda r: r["throughput_rps"] or 0.0)
     timed = [r for r in rows if isinstance(r.get("ttft_mean_s"), (int, float))]
+    _, tied = throughput_top(rows)
     summary = {"sweep": list(spec), "items": rows, "best_by_throughput": best["label"],
+               "throughput_tie": tied if len(tied) > 1 else [],
                "best_by_ttft_mean": min(timed, key=lambda r: r["ttft_mean_s"])["label"] if timed else None}
     (out / "sweep.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     if len(dirs) >= 2:

@@ -92,6 +92,10 @@ def test_sweep_writes_runs_comparison_and_summary(tmp_path, capsys):
     summary = json.loads((tmp_path / "sweep.json").read_text())
     assert [i["label"] for i in summary["items"]] == ["static:1P2D", "static:2P1D"]
     assert summary["best_by_throughput"] in ("static:1P2D", "static:2P1D")
+    # review 55 L5 (d): a tie names every item in it, not only the first
+    tops = {f"{i['throughput_rps']:.3f}" for i in summary["items"]}
+    assert summary["throughput_tie"] == (["static:1P2D", "static:2P1D"] if len(tops) == 1 else [])
+    assert all(i["requests_failed"] == 0 for i in summary["items"])
     for d in ("static_1P2D", "static_2P1D"):
         rep = json.loads((tmp_path / d / "report.json").read_text())
         assert rep["requests_completed"] == len(reqs) and rep["meta"]["label"] == d.replace("_", ":")
@@ -112,13 +116,33 @@ def test_a_sweep_says_a_throughput_tie_and_the_best_ttft():
             {"label": "dynamo", "throughput_rps": 0.11808, "ttft_mean_s": 1.339},
             {"label": "static:2P2D", "throughput_rps": 0.11810, "ttft_mean_s": 1.333}]
     assert best_lines(rows) == [
-        "best by throughput (higher is better): a tie at 0.118 req/s (evolving, dynamo, static:2P2D): a closed loop's "
-        "agents send the same requests whichever policy serves them; compare the latencies",
+        "best by throughput (higher is better): a tie at 0.118 req/s per simulated second (evolving, dynamo, "
+        "static:2P2D): a closed loop's agents send the same requests whichever policy serves them; compare the latencies",
         "best by TTFT mean (lower is better): evolving (0.586 s; dynamo 1.339 s, static:2P2D 1.333 s)",
     ]
     rows[1]["throughput_rps"], rows[2]["ttft_mean_s"] = 0.2, None
-    assert best_lines(rows) == ["best by throughput (higher is better): dynamo (0.200 req/s)",
-                                "best by TTFT mean (lower is better): evolving (0.586 s; dynamo 1.339 s)"]
+    assert best_lines(rows) == [
+        "best by throughput (higher is better): dynamo (0.200 req/s per simulated second)",
+        "best by TTFT mean (lower is better): evolving (0.586 s; dynamo 1.339 s); the throughputs differ, requests "
+        "served: evolving ? completed / ? failed, dynamo ? / ?, static:2P2D ? / ?"]
+
+
+def test_a_sweep_s_verdict_says_what_the_ttft_winner_served_and_no_tie_of_nothing():
+    """Review 55 L5: (a) an item that served fewer requests won "best by TTFT mean" with no word of it; (b) items
+    that all failed read "a tie at 0.000 req/s"; (c) a TTFT tie as printed went to the first item."""
+    rows = [{"label": "evolving", "throughput_rps": 0.05, "ttft_mean_s": 0.2, "requests_completed": 50, "requests_failed": 70},
+            {"label": "dynamo", "throughput_rps": 0.118, "ttft_mean_s": 1.3, "requests_completed": 120, "requests_failed": 0}]
+    assert best_lines(rows)[1] == ("best by TTFT mean (lower is better): evolving (0.200 s; dynamo 1.300 s); the "
+                                   "throughputs differ, requests served: evolving 50 completed / 70 failed, dynamo 120 / 0")
+    failed = [{"label": "a", "throughput_rps": 0.0, "ttft_mean_s": None, "requests_completed": 0, "requests_failed": 9},
+              {"label": "b", "throughput_rps": None, "ttft_mean_s": None, "requests_completed": 0, "requests_failed": 9}]
+    assert best_lines(failed) == ["best by throughput (higher is better): none, no item completed a request "
+                                  "(a 0 completed / 9 failed, b 0 / 9)"]
+    tied = [{"label": "x", "throughput_rps": 0.1, "ttft_mean_s": 0.5004},
+            {"label": "y", "throughput_rps": 0.1, "ttft_mean_s": 0.5001},
+            {"label": "z", "throughput_rps": 0.1, "ttft_mean_s": 0.9}]
+    assert best_lines(tied)[1] == "best by TTFT mean (lower is better): a tie at 0.500 s (x, y; z 0.900 s)"
+    assert best_lines(tied[:2])[1] == "best by TTFT mean (lower is better): a tie at 0.500 s (x, y)"
 
 
 def test_cli_simulate_writes_a_report(tmp_path, capsys):
