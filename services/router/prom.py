@@ -127,6 +127,11 @@ if TYPE_CHECKING:
 REDISPATCH_KINDS = ("prefill", "decode", "handoff")
 """What a re-dispatched request lost with its fenced node (``RouterService._redispatch``'s ``redispatch.<kind>`` counters)."""
 
+_MODEL_HELP = ("model = the served model name, every response's model (up and demo: their first --served-model-name, "
+               "else the --model folder's name with --engine torch, evolving-infra-sim with sim; the router's own --model)")
+"""The ``model`` label's meaning in the sequence-length histograms' help: ``up`` users set the served name with
+``--served-model-name``; the router's ``--model`` is what ``up`` passes it (review 55 L6: the help said ``--model``)."""
+
 
 def router_families(svc: "RouterService") -> Iterator[Metric]:
     """Every router family (table in the module docstring) from ``svc``'s core and counters."""
@@ -145,13 +150,13 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
     yield histogram_family(
         "ei_router_input_sequence_tokens",
         "Input sequence length (tokens): each request's prompt tokens (usage.prompt_tokens) when its first output "
-        "token arrives; model = the served model name (--model); Dynamo's dynamo_frontend_input_sequence_tokens",
+        f"token arrives; {_MODEL_HELP}; Dynamo's dynamo_frontend_input_sequence_tokens",
         {model: mt.isl}, ["model"],
     )
     yield histogram_family(
         "ei_router_output_sequence_tokens",
         "Output sequence length (tokens): each served request's output tokens (usage.completion_tokens) when it ends; "
-        "model = the served model name (--model); Dynamo's dynamo_frontend_output_sequence_tokens",
+        f"{_MODEL_HELP}; Dynamo's dynamo_frontend_output_sequence_tokens",
         {model: mt.osl}, ["model"],
     )
     yield histogram_family(
