@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e._up import read_ready
+
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -77,15 +79,7 @@ def test_up_writes_the_state_file_split_and_tap_use_it_and_it_is_removed(tmp_pat
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        info = None
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and info is None:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if line.startswith("READY "):
-                info = json.loads(line[len("READY ") :])
-        assert info is not None
+        info = read_ready(proc)
         (path,) = state.glob("up-*.json")
         saved = json.loads(path.read_text())
         assert saved["pid"] == proc.pid and saved["nats_url"] == info["nats_url"] and saved["router_url"] == info["router_url"]

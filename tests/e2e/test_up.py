@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -10,6 +9,8 @@ import sys
 import time
 
 import httpx
+
+from tests.e2e._up import read_ready
 
 BS = 4
 
@@ -33,18 +34,7 @@ def test_up_stops_cleanly_without_orphans(tmp_path):
         "--port", "0", "--log-dir", str(tmp_path / "logs"),
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    info = None
-    deadline = time.monotonic() + 90
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("READY "):
-            info = json.loads(line[len("READY "):])
-            break
-    assert info is not None, "".join(lines)
+    info = read_ready(proc, timeout_s=90)
     # the default (evolving) planner serves collocated for its warm-up: "split" alone named the split after it
     assert (info["split"], info["serving"], info["split_after_warmup"]) == ("1P1D", "collocated", "1P1D")
     pids = info["pids"]

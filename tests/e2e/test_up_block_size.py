@@ -6,14 +6,14 @@ profile's is refused before anything starts (status 2, both sizes and the flag t
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+
+from tests.e2e._up import read_ready
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,13 +34,7 @@ def test_up_with_the_tiny_profile_takes_its_block_size(tmp_path):
     proc = _cli("up", "--nodes", "2", "--split", "1P1D", "--profile", "tiny", "--speedup", "20",
                 "--port", "0", "--log-dir", str(tmp_path / "logs"))  # fmt: skip
     try:
-        info = None
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and (line := proc.stdout.readline()):
-            if line.startswith("READY "):
-                info = json.loads(line[len("READY ") :])
-                break
-        assert info is not None, proc.stderr.read() if proc.poll() is not None else "no READY line"
+        info = read_ready(proc)
         for i in range(2):
             body = {"messages": [{"role": "user", "content": f"a prompt of several tiny blocks, take {i}"}], "max_tokens": 4}
             r = httpx.post(info["router_url"] + "/v1/chat/completions", json=body, timeout=60)

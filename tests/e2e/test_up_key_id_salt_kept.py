@@ -6,13 +6,13 @@ warning; absent, one is made as before."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tests.e2e._up import read_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,17 +26,7 @@ def _up(tmp_path: Path, logs: Path) -> tuple[str, str]:
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:
-        deadline = time.monotonic() + 90
-        info = None
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()  # type: ignore[union-attr]
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("READY "):
-                info = json.loads(line[len("READY "):])
-                break
-        assert info is not None, "".join(lines)
+        info = read_ready(proc, lines, timeout_s=90)
         environ = Path(f"/proc/{info['pids']['router']}/environ").read_bytes().split(b"\0")
         used = next(v for v in environ if v.startswith(b"EI_API_KEY_ID_SALT=")).split(b"=", 1)[1].decode()
         proc.send_signal(signal.SIGINT)

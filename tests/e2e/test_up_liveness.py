@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.e2e._up import read_ready
+
 pytestmark = pytest.mark.timeout(240)
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -25,26 +27,22 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def _up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], dict[str, object], list[str]]:
     """``up`` on a free port with ``extra`` flags, once READY: the process, the READY line's JSON, and the list its
     output lines keep being appended to (a thread reads them)."""
-    import json
 
     cmd = [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "2", "--split", "1P1D", "--profile", "tiny",
            "--port", "0", "--policy", "static", "--speedup", "50", "--log-dir", str(tmp_path / "logs"), *extra]  # fmt: skip
     env = {**os.environ, "EI_STATE_DIR": str(tmp_path / "state")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
-    deadline = time.monotonic() + 120
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(ANSI.sub("", line))
-        if line.startswith("READY "):
-            out = proc.stdout
-            threading.Thread(target=lambda: [lines.append(ANSI.sub("", x)) for x in out], daemon=True).start()
-            return proc, json.loads(line[len("READY "):]), lines
-    _stop(proc)
-    pytest.fail("up never READY:\n" + "".join(lines)[-3000:])
+    try:
+        ready = read_ready(proc, lines)
+    except AssertionError as e:
+        _stop(proc)
+        pytest.fail(f"up never READY: {e}")
+    lines[:] = [ANSI.sub("", x) for x in lines]
+    out = proc.stdout
+    assert out is not None
+    threading.Thread(target=lambda: [lines.append(ANSI.sub("", x)) for x in out], daemon=True).start()
+    return proc, ready, lines
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:

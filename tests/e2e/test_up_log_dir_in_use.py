@@ -7,15 +7,15 @@ the first still serves."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+
+from tests.e2e._up import read_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,17 +36,7 @@ def test_a_second_up_on_a_log_dir_in_use_is_refused_and_the_first_still_serves(t
                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
     lines: list[str] = []
     try:
-        deadline = time.monotonic() + 90
-        info = None
-        while time.monotonic() < deadline:
-            line = first.stdout.readline()  # type: ignore[union-attr]
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("READY "):
-                info = json.loads(line[len("READY "):])
-                break
-        assert info is not None, "".join(lines)
+        info = read_ready(first, lines, timeout_s=90)
         kept = {p.name: p.read_bytes() for p in sorted((logs / "nats-creds").iterdir())}
         kept |= {n: (logs / n).read_bytes() for n in ("cluster.json", "router.port")}
         second = subprocess.run(_cmd(logs), cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=60)

@@ -21,20 +21,9 @@ import httpx
 import pytest
 
 from evolving_infra.state import _alive  # a zombie counts as dead
+from tests.e2e._up import read_ready, read_until
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _read_until(proc: subprocess.Popen[str], prefix: str, lines: list[str], timeout_s: float = 120.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith(prefix):
-            return line
-    pytest.fail(f"no line starting {prefix!r}:\n{''.join(lines)[-3000:]}")
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -56,7 +45,7 @@ def _running_up(tmp_path: Path, nodes: int, *extra: str) -> Iterator[tuple[subpr
                             text=True, env=_env(tmp_path))  # fmt: skip
     lines: list[str] = []
     try:
-        yield proc, json.loads(_read_until(proc, "READY ", lines)[len("READY "):]), lines
+        yield proc, read_ready(proc, lines), lines
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -79,7 +68,7 @@ def test_up_with_keys_file_on_two_nodes_keeps_its_state_file_current(tmp_path):
         assert json.loads(path.read_text())["pids"] == info["pids"]
         old = info["pids"]["worker-w1"]
         os.kill(old, signal.SIGKILL)
-        _read_until(proc, "restarted worker-w1", lines, timeout_s=60)
+        read_until(proc, "restarted worker-w1", lines, timeout_s=60)
         state = json.loads(path.read_text())  # was the READY-time file: the dead pid, restarts 0
         new = state["pids"]["worker-w1"]
         assert new != old and _alive(new) and state["restarts"]["worker-w1"] == 1, state
@@ -103,7 +92,7 @@ def test_an_interrupted_demo_stops_its_cluster_and_removes_its_state_and_nats_st
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []
     try:
-        _read_until(proc, "cluster ready in", lines)
+        read_until(proc, "cluster ready in", lines)
         deadline = time.monotonic() + 10
         while not list(state_dir.glob("up-*.json")) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -139,7 +128,7 @@ def test_a_router_restarted_after_its_key_file_was_deleted_keeps_the_keys_none_i
         router = info["pids"]["router"]
         assert b"k-secret-rl36" not in Path(f"/proc/{router}/cmdline").read_bytes()  # world-readable (ps)
         os.kill(router, signal.SIGKILL)
-        _read_until(proc, "restarted router", lines, timeout_s=60)
+        read_until(proc, "restarted router", lines, timeout_s=60)
         url, auth = info["router_url"], {"Authorization": "Bearer k-secret-rl36"}
         deadline = time.monotonic() + 30
         while True:  # the restarted router listens on the same port
@@ -178,7 +167,7 @@ def test_up_sigusr1_rotates_the_keys_and_a_router_restarted_later_keeps_the_rota
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-2000:]
             time.sleep(0.02)
         proc.send_signal(signal.SIGUSR1)  # during the start
-        info = json.loads(_read_until(proc, "READY ", lines)[len("READY "):])
+        info = read_ready(proc, lines)
         url = info["router_url"]
 
         def code(key: str) -> int:
@@ -187,7 +176,7 @@ def test_up_sigusr1_rotates_the_keys_and_a_router_restarted_later_keeps_the_rota
         assert code("k-before-rot") == 200
         keys.write_text("k-after-rot\n")
         proc.send_signal(signal.SIGUSR1)
-        line = _read_until(proc, "SIGUSR1: ", lines, timeout_s=30)
+        line = read_until(proc, "SIGUSR1: ", lines, timeout_s=30)
         assert line.startswith(f"SIGUSR1: {keys} holds 1 keys; SIGHUP sent to 1 router (router); each logs"), line
         deadline = time.monotonic() + 30
         while code("k-after-rot") != 200:
@@ -204,7 +193,7 @@ def test_up_sigusr1_rotates_the_keys_and_a_router_restarted_later_keeps_the_rota
         assert hashlib.sha256(b"k-after-rot").hexdigest()[:8] not in router_log
         keys.unlink()
         os.kill(info["pids"]["router"], signal.SIGKILL)
-        _read_until(proc, "restarted router", lines, timeout_s=60)
+        read_until(proc, "restarted router", lines, timeout_s=60)
         deadline = time.monotonic() + 30
         while True:  # the restarted router listens on the same port, with the keys of the last SIGUSR1
             with contextlib.suppress(httpx.HTTPError):
@@ -261,9 +250,7 @@ def test_up_whose_stdout_reader_went_stops_its_cluster_and_removes_its_nats_stor
         assert proc.stdout.readline().startswith("cluster ready")  # type: ignore[union-attr]
         # the whole banner is read before the close: closed after its first line, the banner's next print could
         # fail first, up then stopped by itself and the SIGINT below met the exiting interpreter (-2, not 141)
-        while (line := proc.stdout.readline()) and not line.startswith("READY"):  # type: ignore[union-attr]
-            pass
-        assert line.startswith("READY"), proc.stderr.read()[-2000:]  # type: ignore[union-attr]
+        read_until(proc, "READY")
         proc.stdout.close()  # type: ignore[union-attr]
         time.sleep(0.5)  # 'stopping ...' is the next print, the first to meet the closed pipe
         proc.send_signal(signal.SIGINT)
@@ -317,7 +304,7 @@ def test_a_clean_stop_keeps_the_temp_logs_and_deletes_the_generated_credentials(
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(tmp_path, TMPDIR=str(tmp)))
     lines: list[str] = []
     try:
-        ready = json.loads(_read_until(proc, "READY ", lines)[len("READY "):])
+        ready = read_ready(proc, lines)
         banner = next(line for line in lines if line.startswith("cluster ready"))
         assert "collocated; 1 worker, profile tiny" in banner, banner  # was '1 workers'
         logs = Path(ready["log_dir"])

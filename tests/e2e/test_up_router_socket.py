@@ -8,7 +8,6 @@ would take that queue, and the address the socket is bound to.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from tests.conftest import ipv6_loopback
+from tests.e2e._up import read_ready
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,19 +31,14 @@ def _up(tmp_path: Path, *extra: str, lines: list[str] | None = None) -> tuple[su
            "--port", "0", "--policy", "static", "--log-dir", str(tmp_path / "logs"), *extra]  # fmt: skip
     env = {**os.environ, "EI_STATE_DIR": str(tmp_path / "state")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    seen: list[str] = [] if lines is None else lines
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if line.startswith("READY "):
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
-            return proc, json.loads(line[len("READY "):])
-    _stop(proc)
-    pytest.fail("up never READY:\n" + "".join(seen)[-3000:])
+    try:
+        ready = read_ready(proc, lines)
+    except AssertionError as e:
+        _stop(proc)
+        pytest.fail(f"up never READY: {e}")
+    assert proc.stdout is not None
+    threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
+    return proc, ready
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e._up import read_ready
+
 pytestmark = pytest.mark.timeout(180)
 
 EXIT_WITHIN_S = 30.0
@@ -107,7 +109,6 @@ def test_sigterm_before_ready_stops_the_embedded_server_and_services(tmp_path):
 def test_sighup_stops_a_ready_cluster_cleanly_unless_ignored(tmp_path, ignored):
     """A closed terminal (SIGHUP) killed `up` without its clean stop (its state file stayed behind);
     under `nohup` (SIGHUP ignored) it must keep running."""
-    import json
 
     cmd = [sys.executable, *(["-c", "import signal, sys, runpy; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
                                "sys.argv = ['evolving-infra', *sys.argv[1:]]; runpy.run_module('evolving_infra.cli', run_name='__main__')"]
@@ -120,15 +121,7 @@ def test_sighup_stops_a_ready_cluster_cleanly_unless_ignored(tmp_path, ignored):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
-        deadline = time.monotonic() + 120
-        ready = None
-        while ready is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if line.startswith("READY "):
-                ready = json.loads(line[len("READY "):])
-        assert ready is not None, proc.poll()
+        read_ready(proc)
         assert len(list((tmp_path / "state").glob("up-*.json"))) == 1
         proc.send_signal(signal.SIGHUP)
         if ignored:
@@ -153,20 +146,10 @@ def test_no_restart_a_service_that_exits_cleanly_is_no_error(tmp_path, sig, stat
     of ``up`` (0: Ctrl-C, SIGTERM to up), which a supervisor restarting on failure or a CI step must tell apart (it
     exited 0, as if asked). Before that, it printed "error: router exited with code 0" (and the log's tail) and
     exited 1, as for a crash; a crash (SIGKILL) still is one."""
-    import json
 
     proc = _up(tmp_path, "--no-restart")
     try:
-        ready = None
-        deadline = time.monotonic() + 120
-        while ready is None and time.monotonic() < deadline:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if line.startswith("READY "):
-                ready = json.loads(line[len("READY "):])
-        assert ready is not None, proc.poll()
+        ready = read_ready(proc)
         os.kill(int(ready["pids"]["router"]), sig)
         out, _ = proc.communicate(timeout=EXIT_WITHIN_S)
     finally:

@@ -18,6 +18,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
 from shared.tokenizer import load_tokenizer  # noqa: E402
+from tests.e2e._up import read_ready  # noqa: E402
 from tests.unit.router.helpers import write_bpe_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -32,25 +33,12 @@ def _up(tmp_path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _ready(proc: subprocess.Popen[str]) -> dict:
-    lines = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("READY "):
-            return json.loads(line[len("READY ") :])
-    raise AssertionError("up did not get ready:\n" + "".join(lines))
-
-
 def test_real_tokenizer_counts_match_usage_and_one_token_per_chunk(tmp_path):
     folder = write_bpe_tokenizer(tmp_path / "tok")
     tok = load_tokenizer(f"hf:{folder}")
     proc = _up(tmp_path, "--tokenizer", f"hf:{folder}")
     try:
-        url = _ready(proc)["router_url"]
+        url = read_ready(proc)["router_url"]
         for i in range(3):
             body = {
                 "messages": [{"role": "user", "content": f"tell me about the router and the planner, take {i}"}],
