@@ -1,4 +1,5 @@
-"""Reading a started ``evolving-infra up`` (or ``demo``) until a line: the loop the e2e tests shared by copy.
+"""Reading a started ``evolving-infra up`` (or ``demo``) until a line, and the other steps the e2e tests shared by
+copy: stopping ``up``, and waiting until a ``demo`` has answered requests.
 
 ``up`` prints its banner, then one ``READY {json}`` line once every service answers (``evolving_infra.cli``); a
 test starts it with ``stdout=subprocess.PIPE, text=True`` and reads until that line. Here the reading is done by a
@@ -12,8 +13,12 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import signal
 import subprocess
 import threading
+import time
+import urllib.request
+from pathlib import Path
 
 READY = "READY "
 """The prefix of ``up``'s ready line; the rest of the line is a JSON object (``router_url``, ``pids``, ...)."""
@@ -79,3 +84,45 @@ def _stderr_tail(proc: subprocess.Popen[str]) -> str:
     t.start()
     t.join(5.0)
     return f"\nstderr:\n{out[0][-3000:]}" if out and out[0] else ""
+
+
+def stop(proc: subprocess.Popen[str], timeout_s: float = 30.0) -> None:
+    """Stop a still running ``up`` as a service manager does: SIGTERM, then SIGKILL if it has not exited within
+    ``timeout_s`` seconds; returns once it is reaped. Nothing if it has exited already."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def finished_ok(router_url: str) -> float:
+    """Requests the router at ``router_url`` finished with a completion (its ``/metrics``:
+    ``ei_router_requests_finished_total``, reason length or stop); 0 when it does not answer within 5 s."""
+    try:
+        with urllib.request.urlopen(router_url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(("ei_router_requests_finished_total{reason=\"length\"",
+                                   "ei_router_requests_finished_total{reason=\"stop\"")))  # fmt: skip
+
+
+def demo_answering(proc: subprocess.Popen[str], state_dir: Path, answers: int = 2, timeout_s: float = 120.0) -> dict:
+    """Wait until ``demo`` (``proc``, run with ``EI_STATE_DIR=state_dir``) has written its state file (it does once its
+    cluster is ready, before the replay) and its router has finished ``answers`` requests with a completion
+    (:func:`finished_ok`); return the state file's JSON (``router_url``, ``pids``: service name -> pid, ...).
+    ``timeout_s``: seconds for both. Raises AssertionError (the demo's exit status) if the demo exits or the time
+    runs out first."""
+    deadline = time.monotonic() + timeout_s
+    while not list(state_dir.glob("up-*.json")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+        time.sleep(0.05)
+    state: dict = json.loads(next(state_dir.glob("up-*.json")).read_text())
+    while finished_ok(state["router_url"]) < answers:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+        time.sleep(0.1)
+    return state

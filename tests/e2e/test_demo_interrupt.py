@@ -11,27 +11,14 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
 from evolving_infra.launcher import demo_trace_path
 from evolving_infra.traces.io import read_trace
+from tests.e2e._up import demo_answering
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _finished_ok(router_url: str) -> float:
-    """Requests the router finished with a completion (``ei_router_requests_finished_total``, reason length or
-    stop); 0 when it does not answer."""
-    try:
-        with urllib.request.urlopen(router_url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
-        return 0.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(("ei_router_requests_finished_total{reason=\"length\"",
-                                   "ei_router_requests_finished_total{reason=\"stop\"")))  # fmt: skip
 
 
 def _alive(pid: int) -> bool:
@@ -53,14 +40,7 @@ def test_ctrl_c_during_the_replay_writes_the_partial_report_stops_the_cluster_an
     # speed-up 25: the replay takes ~15 wall s; Ctrl-C once 2 requests are done, so some are answered and some not sent
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        deadline = time.monotonic() + 120
-        while not list(state_dir.glob("up-*.json")):  # written once the cluster is ready, before the replay
-            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
-            time.sleep(0.05)
-        state = json.loads(next(state_dir.glob("up-*.json")).read_text())
-        while _finished_ok(state["router_url"]) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
-            time.sleep(0.1)
+        state = demo_answering(proc, state_dir)  # its cluster ready, 2 requests answered (120 s)
         time.sleep(1.0)  # the router's finished count leads the client's last chunk: let those answers arrive
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=150)

@@ -17,26 +17,14 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from evolving_infra.report.records import read_records
+from tests.e2e._up import demo_answering
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _finished_ok(router_url: str) -> float:
-    """Requests the router finished with a completion (reason length or stop); 0 when it does not answer."""
-    try:
-        with urllib.request.urlopen(router_url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
-        return 0.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(("ei_router_requests_finished_total{reason=\"length\"",
-                                   "ei_router_requests_finished_total{reason=\"stop\"")))  # fmt: skip
 
 
 def _lines(path: Path) -> list[str]:
@@ -63,15 +51,8 @@ def test_a_sigkilled_demo_leaves_the_answered_requests_records_each_a_whole_json
         found = list(out_dir.glob("requests.partial-*.jsonl"))
         return found[0] if len(found) == 1 else out_dir / "requests.partial-none.jsonl"
     try:
-        deadline = time.monotonic() + 120
-        while not list(state_dir.glob("up-*.json")):  # written once the cluster is ready, before the replay
-            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
-            time.sleep(0.05)
-        state = json.loads(next(state_dir.glob("up-*.json")).read_text())
+        state = demo_answering(proc, state_dir)  # its cluster ready, 2 requests answered (120 s)
         pids = {k: int(v) for k, v in state["pids"].items()}
-        while _finished_ok(state["router_url"]) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
-            time.sleep(0.1)
         # the router's count leads the client's last chunk: give those answers 10 s to reach the file
         until = time.monotonic() + 10
         while len(_lines(records())) < 2 and time.monotonic() < until:

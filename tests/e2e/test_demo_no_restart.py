@@ -11,28 +11,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 
 from evolving_infra.launcher import demo_trace_path
 from evolving_infra.traces.io import read_trace
+from tests.e2e._up import demo_answering
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _finished_ok(router_url: str) -> float:
-    """Requests the router finished with a completion (``ei_router_requests_finished_total``, reason length or
-    stop); 0 when it does not answer."""
-    try:
-        with urllib.request.urlopen(router_url + "/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
-        return 0.0
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(("ei_router_requests_finished_total{reason=\"length\"",
-                                   "ei_router_requests_finished_total{reason=\"stop\"")))  # fmt: skip
 
 
 @pytest.mark.parametrize(("service", "sig", "status"), [("planner", signal.SIGTERM, 3), ("planner", signal.SIGKILL, 1),
@@ -51,14 +37,7 @@ def test_a_service_that_exits_during_the_replay_ends_the_demo_with_a_partial_rep
     # speed-up 25: the replay takes ~15 wall s (7 s at 50, measured quiet); the service dies once 2 requests are done
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        deadline = time.monotonic() + 120
-        while not list(state_dir.glob("up-*.json")):  # written once the cluster is ready, before the replay
-            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
-            time.sleep(0.05)
-        state = json.loads(next(state_dir.glob("up-*.json")).read_text())
-        while _finished_ok(state["router_url"]) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
-            time.sleep(0.1)
+        state = demo_answering(proc, state_dir)  # its cluster ready, 2 requests answered (120 s)
         os.kill(int(state["pids"][service]), sig)
         out, err = proc.communicate(timeout=150)
     finally:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.e2e._up import read_ready
+from tests.e2e._up import stop as _stop
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -43,16 +44,6 @@ def _up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], dict[str, o
     assert out is not None
     threading.Thread(target=lambda: [lines.append(ANSI.sub("", x)) for x in out], daemon=True).start()
     return proc, ready, lines
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _gone(pid: int) -> bool:

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from tests.conftest import ipv6_loopback
 from tests.e2e._up import read_ready
+from tests.e2e._up import stop as _stop
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -39,16 +40,6 @@ def _up(tmp_path: Path, *extra: str, lines: list[str] | None = None) -> tuple[su
     assert proc.stdout is not None
     threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
     return proc, ready
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_no_restart_router_drain_answers_a_new_connection_at_once(tmp_path):
