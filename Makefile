@@ -52,9 +52,9 @@ demo: $(STAMP)
 	$(BIN)/evolving-infra demo --out demo-out
 
 # Two pytest-xdist workers, one per core of the 2-core CI box: the live lane (tests/e2e, tests/integration:
-# clusters of real processes, one at a time) and the rest (unit, property, deploy, and the few live files with no
-# tight time bound that REST_LANE_LIVE_FILES lists to even the lanes; at nice +5), as tests/conftest.py assigns
-# them; the 25 slowest tests are listed at the end.
+# clusters of real processes, one at a time) and the rest (unit, property, deploy, and the live files with no
+# tight time bound that REST_LANE_LIVE_FILES lists to even the lanes, 19 now; at nice +5), as tests/conftest.py
+# assigns them; the 25 slowest tests are listed at the end.
 test: $(STAMP) $(MOONCAKE) $(HF) $(TORCH)
 	EI_REQUIRE_MOONCAKE=1 $(BIN)/python -m pytest -q -n 2 --durations=25
 
