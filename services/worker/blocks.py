@@ -638,8 +638,11 @@ class GpuBlockPool:
             runs[-1] = self._split(last, n - last.depth)
         q = self.queue
         for r in runs:
-            if r.ref == 0:
-                q.unlink(r)
+            if r.ref == 0:  # q.unlink(r), inline (one per run a hit takes out of the queue)
+                p, nx = r.prev, r.next
+                p.next = nx
+                nx.prev = p
+                r.prev = r.next = None
                 q.blocks -= len(r.keys)
             r.ref += 1
         return True
@@ -809,8 +812,13 @@ class GpuBlockPool:
                 for c in ch.values():
                     if c.ref == ref and (ref > 0 or q.head.prev is c):
                         self._merge(r, c)  # same holders: one run again
-            if ref == 0:
-                q.append(r)
+            if ref == 0:  # q.append(r), inline (one per run released: ~10,000 a 600-s run at 512)
+                h = q.head
+                t = h.prev
+                r.prev = t
+                r.next = h
+                t.next = r
+                h.prev = r
                 q.blocks += len(r.keys)
             r = r.parent
 
@@ -1207,7 +1215,12 @@ class RunHostPool:
             r = first.get(path[pos])
             if r is None:
                 break
-            pos += _common(r.keys, path, pos, n)
+            keys = r.keys
+            end = pos + len(keys)
+            if end <= n and path[end - 1] == keys[-1]:  # _common's O(1) case, inline: the whole run
+                pos = end
+                continue
+            pos += _common(keys, path, pos, n)
         return pos
 
     def _locate(self, path: Sequence[int], n: int) -> list[tuple[int, int, int, _HostRun | None]]:
@@ -1235,8 +1248,11 @@ class RunHostPool:
         del first[keys[0]]
         q = self.queues[r.group]
         q.blocks -= c
-        if c >= len(keys):
-            q.unlink(r)
+        if c >= len(keys):  # q.unlink(r), inline
+            p, nx = r.prev, r.next
+            p.next = nx
+            nx.prev = p
+            r.prev = r.next = None
             return
         r.parent = keys[c - 1]
         del keys[:c]
@@ -1297,7 +1313,12 @@ class RunHostPool:
         r = _HostRun(keys, depth, parent, self._stamp + 1, group)
         self._stamp += len(keys)
         q = self.queues[group]
-        q.append(r)
+        h = q.head  # q.append(r), inline (one per run queued)
+        t = h.prev
+        r.prev = t
+        r.next = h
+        t.next = r
+        h.prev = r
         q.blocks += len(keys)
         self.first[keys[0]] = r
         if entering:
@@ -2339,7 +2360,9 @@ class BranchRunHostPool(RunHostPool):
             keys = r.keys
             k = len(keys)
             if pos + k <= end and hashes[pos + k - 1] == keys[-1]:
-                self._mark(r, 0, k, counts, pos, on)
+                iv = r.counted
+                if not (on and len(iv) == 1 and iv[0][0] == 0 and iv[0][1] >= k):  # else counted whole: _mark sets nothing
+                    self._mark(r, 0, k, counts, pos, on)
                 pos += k
                 below = r.children
                 if below is None:
