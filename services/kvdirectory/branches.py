@@ -722,13 +722,13 @@ class BranchTable:
                 if not hit:
                     return
                 counts = R.counts_of(hit) if type(R) is _NodeCounts else _values(R, hit)
+            if self.chain_depths and self.chained and not self.keep_counted_copies and len(hit) == len(newly):
+                self.out_depth[n][id(hit)] = (hit, None)  # all counted: the store's chain (a longer one's is set above)
         if self.keep_counted_copies:
             cc = self._cc[n]
             cc[HOST] += len(hit)
             if tiers == 2:
                 cc[GPU] += len(hit)
-        elif self.chain_depths and self.chained and len(hit) == len(newly):  # all counted: the store's chain
-            self.out_depth[n][id(hit)] = (hit, None)
         out = self.outbox[n]
         if not out:
             self.out_nodes.append(n)

@@ -32,6 +32,7 @@ The discrete-event simulator drives the same object in virtual time.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Any
 
 from shared.messages import KvLookupReply, NodeState, PlannerModels, PrefillWork, RequestAbort, RoutePlaced, RouteSent, SplitCommand
@@ -46,6 +47,9 @@ from services.router.faults import usable_lookup
 from services.router.metrics import RouteMetrics, TtftSample
 from services.router.nodes import NO_SUCH_NODE, FencedNode, NodeLoad, NodeLoadView, kv_blocks
 from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy
+
+_PHASE = attrgetter("phase")
+"""A :class:`NodeLoad`'s phase (read in C by :meth:`RouterCore.route`'s check for prefill-only nodes)."""
 
 
 class NoRoute(FrozenValue):
@@ -225,7 +229,8 @@ class RouterCore:
         if not pre:
             return NoRoute(self.view.no_candidate_reason("prefill", now))
         dec = self.view.decode_candidates(now)
-        offered = pre if dec else [n for n in pre if n.phase == "both"]
+        # with no decode node only collocated ones: pre itself when it lists no prefill-only node (a C-level scan)
+        offered = pre if dec or "prefill" not in map(_PHASE, pre) else [n for n in pre if n.phase == "both"]
         need = self._room(req)
         if need and offered:  # some node is too small for it: offer only those that hold it
             pneed = kv_blocks(req.prompt_tokens, 0, self.block_size)  # a prefill node that hands the decode on

@@ -408,14 +408,15 @@ class NodeLoadView(Value):
                 return False
             rec.down = None
             self.reported_alive += 1
-        if old is not None and not rec.fenced and boot_older(state.boot, old.boot):
+        if old is not None and not rec.fenced and state.boot != old.boot and boot_older(state.boot, old.boot):
             # a process superseded under this node id (frozen, restarted, then resumed) until it stops itself:
             # its states would read as a restart of the node at each alternation (fence, re-dispatch). Once the
             # later one is fenced (silent) the earlier one's states count again (a restart on a host whose clock
             # is behind is then let in after fence_after, not never)
             self.superseded_states += 1
             return False
-        self._forgotten.discard(state.node)
+        if self._forgotten:  # (a forgotten node reporting again: rare; no call per state otherwise)
+            self._forgotten.discard(state.node)
         if old is not None and not rec.fenced and state.seq < old.seq:
             rec.restarted = True  # a new process: what the old one held is gone (issue #22)
         rec.state = state

@@ -897,8 +897,7 @@ class TtftPredictor:
             src_nodes: set[str] = set()
             prefixes: dict[str, tuple[int, int]] | None = None
         else:
-            prefixes, srcs, _ = view
-            src_nodes = {r[0] for r in srcs}
+            prefixes, srcs, _, src_nodes = view
             bs = lookup.block_size
             cap = ((t_in - 1) // bs) * bs
             longest_t = lookup.longest_any * bs
@@ -1076,13 +1075,14 @@ class TtftPredictor:
 
     @staticmethod
     def _lookup_view(lookup: KvLookupReply | None) -> _LookupView | None:
-        """A lookup's per-node prefixes by name, its source ranges and the longest prefix a node
-        holds in its own memory, blocks (None: nothing cached). Built once per decision."""
+        """A lookup's per-node prefixes by name, its source ranges, the longest prefix a node
+        holds in its own memory (blocks) and the nodes its ranges name (None: nothing cached).
+        Built once per decision."""
         if lookup is None or lookup.error is not None or lookup.longest_any <= 0:
             return None
-        # a plain loop and a comprehension, not attrgetter maps: their attribute reads use the
-        # interpreter's inline caches (measured: fewer instructions per decision); one loop for the
-        # prefixes and the longest, not a comprehension each (each is a call)
+        # plain loops, not attrgetter maps: their attribute reads use the interpreter's inline caches
+        # (measured: fewer instructions per decision); one loop for the prefixes and the longest, one
+        # for the ranges and their nodes, not a comprehension each (each is a call; a lookup has 1-3 ranges)
         prefixes: dict[str, tuple[int, int]] = {}
         longest = 0
         for p in lookup.nodes:
@@ -1090,7 +1090,13 @@ class TtftPredictor:
             prefixes[p.node] = (local, p.gpu_blocks)
             if local > longest:
                 longest = local
-        return prefixes, [(r.node, r.start, r.end) for r in lookup.sources], longest
+        srcs: list[tuple[str, int, int]] = []
+        src_nodes: set[str] = set()
+        for r in lookup.sources:
+            sn = r.node
+            srcs.append((sn, r.start, r.end))
+            src_nodes.add(sn)
+        return prefixes, srcs, longest, src_nodes
 
     def _works(
         self,
@@ -1107,7 +1113,7 @@ class TtftPredictor:
             for n in candidates:
                 append((n.node, t_in, 0, 0, 0, 0))
             return works
-        prefixes, srcs, _ = view
+        prefixes, srcs, _, _ = view
         bs = lookup.block_size
         cap = ((t_in - 1) // bs) * bs
         min_fetch = self._fetch_min
@@ -1213,9 +1219,9 @@ def _node_work(
     return t_in - t_c, t_c, t_c - (g if g < t_c else t_c), x, local_t
 
 
-_LookupView = tuple[dict[str, tuple[int, int]], list[tuple[str, int, int]], int]
+_LookupView = tuple[dict[str, tuple[int, int]], list[tuple[str, int, int]], int, set[str]]
 """What :meth:`TtftPredictor._lookup_view` returns: ``(local_blocks, gpu_blocks)`` by node, ``(node,
-start, end)`` source ranges, the longest own prefix (blocks)."""
+start, end)`` source ranges, the longest own prefix (blocks), the nodes the ranges name."""
 _PRUNE_BATCH = 8
 """Candidates scored per step of the pruned search (amortises the per-call work)."""
 _BOUND_SLACK_S = 1e-9
@@ -1272,13 +1278,16 @@ class TtftPolicy(RoutingPolicy):
         self.block_size = block_size
         self._decode_reserved: dict[str, int] = {}
         self._rid_decode: dict[str, tuple[str, int]] = {}
+        self._chosen: tuple[PrefillChoice, tuple[Any, ...]] | None = None
+        """The last choice made here and its node's estimate (plain tuple): :meth:`on_dispatch` of that
+        choice (the router core's next call, the usual case) reads it there without a search."""
 
     def choose_prefill(self, req: RouteRequest, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], now: float) -> PrefillChoice:
         best, raw, ties, fetch, longest = self.predictor._decide(req, lookup, candidates, now)  # predict(), no Prediction
         total = len(req.block_hashes)
         matched = longest if longest < total else total
         # loads / matches stay empty: every candidate's estimate (queue, own prefix) is in ``estimates``
-        return PrefillChoice(  # positional, in field order (one per decision)
+        choice = PrefillChoice(  # positional, in field order (one per decision)
             best[0],  # node
             "ttft" if ties == 1 else "ttft_tie",  # path
             matched,  # matched_blocks
@@ -1289,6 +1298,8 @@ class TtftPolicy(RoutingPolicy):
             CandidateEstimates(raw),  # estimates
             fetch,
         )
+        self._chosen = (choice, best)
+        return choice
 
     def choose_decode(self, req: RouteRequest, candidates: Sequence[NodeLoad], now: float) -> DecodeChoice | None:
         if not candidates:
@@ -1306,8 +1317,13 @@ class TtftPolicy(RoutingPolicy):
         self.predictor.apply_state(state, now)
 
     def on_dispatch(self, req: RouteRequest, choice: PrefillChoice, decode_node: str | None, now: float) -> None:
-        ests = choice.estimates
-        est = ests.find_raw(choice.node) if isinstance(ests, CandidateEstimates) else None
+        chosen = self._chosen
+        if chosen is not None and chosen[0] is choice:  # the choice just made here: its estimate is at hand
+            est: tuple[Any, ...] | None = chosen[1]
+            self._chosen = None
+        else:
+            ests = choice.estimates
+            est = ests.find_raw(choice.node) if isinstance(ests, CandidateEstimates) else None
         if est is None:  # a choice made elsewhere: charge the whole prompt
             self.predictor.on_dispatch(req.rid, choice.node, uncached_tokens=req.prompt_tokens)
         else:  # uncached, cached and restore tokens of its estimate (CandidateEstimate field order)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
@@ -409,6 +410,31 @@ def test_planner_models_replace_the_profile_per_node():
 def _core() -> RouterCore:
     pol = TtftPolicy(predictor(copy_price_s_per_token=1e-7), block_size=BS)
     return RouterCore(pol, block_size=BS)
+
+
+def test_on_dispatch_of_the_choice_just_made_reads_its_estimate_without_a_search(monkeypatch):
+    """The router core dispatches the choice the policy has just made: its estimate is kept, not searched
+    for among the candidates' (a choice built elsewhere is still searched)."""
+    pol = TtftPolicy(predictor(), block_size=BS)
+    for n in ("a", "b", "c"):
+        pol.on_state(st(n, 0.0, phase="both"), 0.0)
+    look = KvLookupReply(
+        block_size=BS, nodes=[NodePrefix(node="b", gpu_blocks=1, local_blocks=2)], longest_any=2, sources=[FetchRange(node="b", start=0, end=2, tier="host")]
+    )
+    req = RouteRequest(rid="r", prompt_tokens=5 * BS, block_hashes=list(range(5)))
+    choice = pol.choose_prefill(req, look, cand("a", "b", "c"), 0.0)
+    est = choice.estimates.find(choice.node)
+    assert choice.node == "b" and est is not None and est.restore_tokens > 0
+    searched = []
+    real = ttft_mod.CandidateEstimates.find_raw
+    monkeypatch.setattr(ttft_mod.CandidateEstimates, "find_raw", lambda self, node: searched.append(node) or real(self, node))
+    pol.on_dispatch(req, choice, None, 0.0)
+    work = pol.predictor._nodes["b"].sends["r"].work
+    assert searched == [] and (work.uncached_tokens, work.cached_tokens, work.restore_tokens) == (est.uncached_tokens, est.cached_tokens, est.restore_tokens)
+    again = msgspec.structs.replace(choice)  # the same decision, another object: searched
+    pol.on_dispatch(RouteRequest(rid="r2", prompt_tokens=5 * BS, block_hashes=list(range(5))), again, None, 0.0)
+    work = pol.predictor._nodes["b"].sends["r2"].work
+    assert searched == ["b"] and (work.uncached_tokens, work.cached_tokens, work.restore_tokens) == (est.uncached_tokens, est.cached_tokens, est.restore_tokens)
 
 
 def test_registry_builds_ttft_from_a_profile_and_a_wrapper_forwards_hooks():
