@@ -465,7 +465,8 @@ class NodeState(Msg, frozen=True, kw_only=True):
     running: NonNeg = 0
     """Requests in the running batch (prefilling or decoding)."""
     waiting: NonNeg = 0
-    """Requests queued for prefill (or waiting for decode KV room)."""
+    """Requests queued for prefill (or waiting for decode KV room), and on a decode node the hand-offs waiting in its
+    queue for hand-off buffer room (``handoffkv.KvAssembler.queue``)."""
     decoding: NonNeg = 0
     remaining_s: NonNegF = 0.0
     """Remaining time of the iteration in flight."""
@@ -841,6 +842,8 @@ class KvChunk(Msg, frozen=True, kw_only=True):
     crc32: NonNeg = 0
     """``zlib.crc32`` of ``data``: the decode node refuses a piece whose bytes differ."""
     data: bytes = b""
+    """The piece's bytes; none: an ask (``handoffkv.ask_of``) of a transfer waiting in the decode node's queue for
+    room, answered ``error`` "" when its turn came (the piece follows), else as its piece would be."""
     attempt: NonNeg = 0
     """The hand-off's ``DecodeWork.attempt``: an abort of this rid at this attempt or a later one frees the K/V on
     the decode node at once (not one of an older attempt: a re-dispatched request's new K/V stays)."""

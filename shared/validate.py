@@ -498,7 +498,8 @@ def _decode(w: m.DecodeWork, p: dict[str, str], nodes: Collection[str] | None) -
 
 
 def _kv_chunk(c: m.KvChunk, p: dict[str, str], nodes: Collection[str] | None) -> None:
-    """A piece of a hand-off's K/V (``services/worker/handoffkv.py`` checks it against its transfer)."""
+    """A piece of a hand-off's K/V (``services/worker/handoffkv.py`` checks it against its transfer); one without
+    ``data`` is a queued transfer's ask for its turn (``handoffkv.ask_of``)."""
     _tok(c.transfer, "transfer")
     _tok(c.rid, "rid")
     _int(c.total, "total", MAX_BIG, 1)
@@ -507,7 +508,7 @@ def _kv_chunk(c: m.KvChunk, p: dict[str, str], nodes: Collection[str] | None) ->
     _int(c.crc32, "crc32", 2**32 - 1)
     _int(c.attempt, "attempt", MAX_SEQ)
     _tok(c.router, "router", optional=True)
-    if not c.data or c.offset + len(c.data) > c.total:
+    if c.offset + len(c.data) > c.total or not c.data and c.offset >= c.total:  # no data: an ask for its turn
         raise Invalid(f"piece of {len(c.data)} B at offset {c.offset} does not fit a K/V of {c.total} B")
 
 

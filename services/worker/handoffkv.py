@@ -50,7 +50,7 @@ import bisect
 import mmap
 import zlib
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from shared import messages as m
@@ -130,9 +130,18 @@ TICKET_IDLE_S = 3.0
 """A ticket whose sender has not asked again for this many seconds is dropped (counted ``queue.expired``): a live
 waiting sender asks at least every :data:`FULL_BACKOFF_MAX_S` (1 s, :func:`queue_poll_s`), so one gone quiet
 (stopped, cancelled without its ``KvCancel`` arriving, crashed) holds the queue at most this long."""
-QUEUE_POLL_S = 0.05
+QUEUE_POLL_S = 0.2
 """Seconds a sender whose transfer is first in the queue waits before asking again (:func:`queue_poll_s`): room is
-given only to the asker at the head, so it asks often; one further back asks less often."""
+given only to the asker at the head, which finds it at most this late; one further back asks less often. An ask
+carries no K/V (a data-less ``KvChunk``: :meth:`KvAssembler.add`), and the piece follows once the answer says its
+turn came. Before, each ask carried a whole piece (up to 8 MiB) every 0.05 s: 16 queued hand-offs sent ~460 MiB/s
+of asks (review 55)."""
+HEAD_HOLD_S = 5.0
+"""Seconds the first ticket in the queue holds the others back while it cannot fit (from its first ask refused for
+room as the first one waiting): past them, transfers behind it (and newcomers) are admitted as they fit, while it
+keeps its place and is admitted when it fits at its ask. Bounds what one large (or forged) announcement at the head
+costs the rest: before, a ticket that could never fit blocked every hand-off for its sender's whole wait (review 55:
+both real requests 500 after 30 s)."""
 QUEUE_WAIT_EDGES_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Bucket edges (s) of :attr:`KvAssembler.queue_waits` (``ei_node_handoff_queue_wait_seconds``)."""
 
@@ -142,6 +151,13 @@ def queue_poll_s(place: int) -> float:
     :data:`QUEUE_POLL_S` × ``place``, at most :data:`FULL_BACKOFF_MAX_S` (so its ticket, kept
     :data:`TICKET_IDLE_S` without an ask, stays alive)."""
     return min(FULL_BACKOFF_MAX_S, QUEUE_POLL_S * max(1, place))
+
+
+def ask_of(c: m.KvChunk) -> m.KvChunk:
+    """The data-less ask for ``c``'s transfer (its fields, no ``data``, ``crc32`` 0): what a sender whose transfer
+    waits in the queue sends to ask for its turn (:meth:`KvAssembler.add` answers "" when it came: send the piece)."""
+    return m.KvChunk(transfer=c.transfer, rid=c.rid, index=c.index, count=c.count, offset=c.offset, total=c.total,
+                     crc32=0, data=b"", attempt=c.attempt, router=c.router)  # fmt: skip
 
 
 class KvSendFailed(Exception):
@@ -282,7 +298,14 @@ class Ticket:
     """``now`` of its first ask (monotonic s): the wait :attr:`KvAssembler.queue_waits` records counts from it."""
     last: float
     """``now`` of its last ask: dropped :data:`TICKET_IDLE_S` after it."""
+    attempt: int = 0
+    """The hand-off's attempt (``KvChunk.attempt``): an abort of its rid at this attempt or later drops the ticket."""
+    router: str = ""
+    """The hand-off's owning router (``KvChunk.router``)."""
     asks: int = 1
+    blocked: float | None = None
+    """``now`` of its first ask refused for room while first in the queue: it holds the others back at most
+    :data:`HEAD_HOLD_S` from then."""
 
 
 @dataclass(slots=True, eq=False)
@@ -326,10 +349,14 @@ class KvAssembler:
       by its first ask, and its sender is told the place (:meth:`place`; the shell's ``KvChunkAck.queued``): room
       that frees goes to the oldest ticket first, so while one waits, a younger one or a newcomer is refused
       ``full`` even when it would fit (first come, first served; a ticket of a sender at its
-      :data:`OPEN_PER_SENDER` waits for its sender, not for room, and holds nobody back). Before, the room went to
+      :data:`OPEN_PER_SENDER` waits for its sender, not for room, and holds nobody back; so does, for other
+      senders, one whose total does not fit beside its own sender's stored bytes; a first ticket that cannot fit
+      holds the others back at most :data:`HEAD_HOLD_S`: :meth:`_holds_back`). A waiting sender asks without data
+      (:func:`ask_of`). Before, the room went to
       whichever sender's retry came first, and one that waited past its 2.5 s of retries failed although the
       buffer drained (review 54: 3 of 36 hand-offs, 12 at once into a buffer that holds one). A ticket whose
-      sender stops asking for :data:`TICKET_IDLE_S` (stopped, crashed) or cancels (:meth:`cancel`) leaves the
+      sender stops asking for :data:`TICKET_IDLE_S` (stopped, crashed), cancels (:meth:`cancel`) or whose transfer
+      the shell discards or refuses (:meth:`discard`, :meth:`refuse`, :meth:`tickets`: an abort of its rid) leaves the
       queue, so it holds the others at most that long; at most :data:`QUEUE_MAX` wait, :data:`QUEUE_PER_SENDER`
       of one sender (past that: ``full`` without a place, counted ``queue.refused``);
     * a piece that would take the bytes stored past ``max_bytes`` (a transfer that was quiet when another was
@@ -359,7 +386,8 @@ class KvAssembler:
     sender gave it up), ``cancelled_unheld`` (a cancel of a transfer not held: remembered as ended); the queue's
     ``queue.entered`` (tickets given), ``queue.admitted`` (transfers admitted from it; their waits in
     :attr:`queue_waits`), ``queue.expired`` (tickets whose sender stopped asking), ``queue.cancelled``,
-    ``queue.refused`` (no place: the queue at its bound).
+    ``queue.discarded`` (its transfer discarded or refused, its rid aborted), ``queue.refused`` (no place: the queue
+    at its bound), ``queue.asks`` (data-less asks).
 
     Raises:
         ValueError: ``max_bytes`` < 1, or ``idle_s`` or ``piece_idle_s`` <= 0.
@@ -383,6 +411,9 @@ class KvAssembler:
         """Transfer id → its cancel, for cancels of transfers not held (the newest :data:`CANCELLED_UNHELD_KEPT`)."""
         self.by_src: Counter[str] = Counter()
         """Sender (``Assembly.src``) → its transfers in :attr:`open` (:data:`OPEN_PER_SENDER`)."""
+        self.held_by_src: Counter[str] = Counter()
+        """Sender → bytes stored for its transfers in :attr:`open`: a ticket of it whose total does not fit beside them
+        waits for its sender, not for room (:meth:`_holds_back`)."""
         self.queue: OrderedDict[str, Ticket] = OrderedDict()
         """New transfers refused for want of room, waiting their turn, by id, oldest first ask first
         (:data:`QUEUE_MAX`)."""
@@ -393,6 +424,8 @@ class KvAssembler:
         self.last_admitted: Ticket | None = None
         """The ticket of the last transfer :meth:`add` admitted from the queue (the shell logs it and clears this)."""
         self._seq = 0
+        self._now = float("-inf")
+        """The last :meth:`add`'s ``now``."""
         self.counters: Counter[str] = Counter()
 
     def add(self, c: m.KvChunk, now: float) -> str:
@@ -402,14 +435,24 @@ class KvAssembler:
         leaves its transfer as it was (the sender asks again); any other drops the transfer (its sender fails the
         hand-off with these words). A piece of a new transfer is admitted only when no older ticket waits for room
         (its own ticket, if any, first) and it fits; refused, it gets a ticket at the end of :attr:`queue`. O(open +
-        queue) for a piece of a new transfer, O(1) for one of a transfer held."""
+        queue) for a piece of a new transfer, O(1) for one of a transfer held.
+
+        A piece without ``data`` is an ask (:func:`ask_of`, counted ``queue.asks``): a queued transfer's sender asking
+        for its turn without sending K/V. It is answered as its piece would be, but "" means "its turn came: send
+        the piece" (nothing is stored or opened; the ticket keeps its place, so the piece that follows is admitted
+        unless room went meanwhile to a transfer held, which then queues it again)."""
+        self._now = now
         a = self.open.get(c.transfer)
+        if not c.data:
+            self.counters["queue.asks"] += 1
+            if a is not None:  # admitted already (another piece of it): its pieces go
+                return _fits(a, c, ask=True)
         if a is None:
             gone = self.ended.get(c.transfer) or self.cancelled_unheld.get(c.transfer)
             if gone is not None:
                 self.counters["refused.ended"] += 1
                 return f"transfer {c.transfer} of {c.rid} ended here already: {gone}"
-            why = _shape(c)
+            why = _shape(c) if c.data else (f"piece {c.index} of a transfer of {c.count}" if c.index >= c.count else "")
             if why:
                 self.counters["refused.mismatch"] += 1
                 return why
@@ -418,18 +461,26 @@ class KvAssembler:
                 return (f"a K/V of {c.total} B can never fit this node's {self.max_bytes} B hand-off buffer "
                         f"(--handoff-buffer-bytes)")  # fmt: skip
             reserved = self.reserved(now)
+            other = self._ticket(c)
+            if other:
+                self.counters["refused.mismatch"] += 1
+                return other
             t = self._ask(c.transfer, now)
-            ahead = self._ahead(t)
-            if (ahead or self.held_bytes + reserved + c.total > self.max_bytes or len(self.open) >= OPEN_MAX
-                    or self.by_src[c.src] >= OPEN_PER_SENDER):  # fmt: skip
+            ahead = self._ahead(t, now, c.src)
+            no_room = self.held_bytes + reserved + c.total > self.max_bytes or len(self.open) >= OPEN_MAX
+            if ahead or no_room or self.by_src[c.src] >= OPEN_PER_SENDER:
                 self.counters["full_refusals"] += 1
                 why = self._full(c.total, "a new transfer of", reserved, c.src)
+                if t is not None and not ahead and no_room and t.blocked is None:
+                    t.blocked = now  # first in line and no room: it holds the others back HEAD_HOLD_S at most
                 if t is None:
                     t = self._enqueue(c, now)
                     if t is None:
                         self.counters["queue.refused"] += 1
                         return f"{why}; its queue of transfers waiting for room is full ({len(self.queue)} waiting)"
                 return f"{why}; waiting for room, {ahead + 1} of {len(self.queue)} in line"
+            if not c.data:  # an ask: its turn came (its ticket keeps its place for the piece that follows)
+                return ""
             size = len(c.data) if c.index < c.count - 1 else (c.offset // c.index if c.index else c.total)
             try:
                 buf = mmap.mmap(-1, c.total)
@@ -470,6 +521,7 @@ class KvAssembler:
         a.got += 1
         a.stored += len(c.data)
         self.held_bytes += len(c.data)
+        self.held_by_src[a.src] += len(c.data)
         a.last = now
         self.counters["chunks"] += 1
         self.counters["bytes"] += len(c.data)
@@ -512,7 +564,9 @@ class KvAssembler:
     def discard(self, transfer: str, why: str = "its work was not served here") -> bool:
         """Drop ``transfer``: its work will not be served here (an older attempt, a duplicate rid, an abort of its
         rid, a node that serves prefill now and cannot hand it back: ``why``, which a late piece or work of it is
-        told). True if it was held."""
+        told). True if it was held. A ticket of it leaves the queue (counted ``queue.discarded``): before, an aborted
+        request's hand-off kept its place and was admitted ahead of live ones (review 55)."""
+        self._drop_ticket(transfer)
         a = self.open.get(transfer)
         if a is None:
             return False
@@ -522,7 +576,9 @@ class KvAssembler:
 
     def refuse(self, transfer: str, why: str) -> None:
         """Remember that the shell refused ``transfer``'s pieces before they reached :meth:`add` (``why``: a node that
-        serves prefill now): its work, when it comes, is told why (not "no piece of it came"). Counted by the shell."""
+        serves prefill now): its work, when it comes, is told why (not "no piece of it came"); a ticket of it leaves the
+        queue (``queue.discarded``). Counted by the shell."""
+        self._drop_ticket(transfer)
         if transfer not in self.open:
             self._remember(transfer, f"refused: {why}")
 
@@ -580,12 +636,36 @@ class KvAssembler:
             due = tick if due is None else min(due, tick)
         return due
 
-    def place(self, transfer: str) -> int:
-        """``transfer``'s place in the queue of transfers waiting for room (1 = next), or 0 when it holds no ticket.
-        Tickets of a sender at its :data:`OPEN_PER_SENDER` do not count: they wait for their sender, not for room.
-        O(queue)."""
+    def place(self, transfer: str, now: float | None = None) -> int:
+        """``transfer``'s place in the queue of transfers waiting for room at ``now`` (monotonic s; None: the last
+        :meth:`add`'s; 1 = next), or 0 when it holds no ticket. Tickets that hold nobody back (:meth:`_holds_back`)
+        do not count. O(queue)."""
         t = self.queue.get(transfer)
-        return 0 if t is None else self._ahead(t) + 1
+        return 0 if t is None else self._ahead(t, self._now if now is None else now, t.src) + 1
+
+    def tickets(self, keep: Callable[[Ticket], bool], why: str) -> list[Ticket]:
+        """Drop every ticket for which ``keep`` is false (an abort of its rid; counted ``queue.discarded``), its
+        transfer remembered as ended (``why``: a late piece of it is refused, not queued again); returns them."""
+        gone = [t for t in self.queue.values() if not keep(t)]
+        for t in gone:
+            self._drop_ticket(t.transfer)
+            self._remember(t.transfer, f"discarded: {why}")
+        return gone
+
+    def _drop_ticket(self, transfer: str) -> None:
+        t = self.queue.get(transfer)
+        if t is not None:
+            self._dequeue(t)
+            self.counters["queue.discarded"] += 1
+
+    def _ticket(self, c: m.KvChunk) -> str | None:
+        """Why ``c`` cannot ask for its transfer's ticket (another sender's, or another rid's or total's: a ticket
+        is its first asker's), or None."""
+        t = self.queue.get(c.transfer)
+        if t is None or (t.src, t.rid, t.total) == (c.src, c.rid, c.total):
+            return None
+        return (f"transfer {c.transfer} waits for room for {t.src or 'no src'} ({t.total} B of {t.rid}); this piece "
+                f"names {c.src or 'no src'}, {c.total} B of {c.rid}")  # fmt: skip
 
     def _ask(self, transfer: str, now: float) -> Ticket | None:
         """Drop the tickets idle past :data:`TICKET_IDLE_S`, then record an ask of ``transfer``'s ticket at ``now``;
@@ -597,16 +677,27 @@ class KvAssembler:
             t.asks += 1
         return t
 
-    def _ahead(self, t: Ticket | None) -> int:
-        """Tickets before ``t`` in the queue (all of them when None) that wait for room: those of a sender at its
-        :data:`OPEN_PER_SENDER` transfers open wait for their sender instead, and hold nobody back."""
+    def _ahead(self, t: Ticket | None, now: float, src: str) -> int:
+        """Tickets before ``t`` in the queue (all of them when None) that hold back a transfer of sender ``src`` at
+        ``now`` (:meth:`_holds_back`)."""
         n = 0
         for x in self.queue.values():
             if x is t:
                 break
-            if self.by_src[x.src] < OPEN_PER_SENDER:
+            if self._holds_back(x, now, src):
                 n += 1
         return n
+
+    def _holds_back(self, x: Ticket, now: float, src: str) -> bool:
+        """Whether ticket ``x`` holds back a transfer of sender ``src`` behind it at ``now``: not when it waits for its
+        own sender (at its :data:`OPEN_PER_SENDER` transfers open; or, for another sender's, its total does not fit
+        beside the bytes its own sender's transfers store: room that frees cannot go to it before they end), nor
+        past :data:`HEAD_HOLD_S` of being first in line without room. A sender's own transfers keep their order.
+        Before, one sender's ticket that could never fit beside its own stored transfer (a forged announcement of
+        the whole buffer) kept every other hand-off out for its sender's whole wait (review 55)."""
+        if self.by_src[x.src] >= OPEN_PER_SENDER or x.blocked is not None and now - x.blocked >= HEAD_HOLD_S:
+            return False
+        return x.src == src or self.held_by_src[x.src] + x.total <= self.max_bytes
 
     def _enqueue(self, c: m.KvChunk, now: float) -> Ticket | None:
         """A ticket for ``c``'s new transfer at the end of the queue, or None past :data:`QUEUE_MAX` or
@@ -614,7 +705,7 @@ class KvAssembler:
         if len(self.queue) >= QUEUE_MAX or self.queue_by_src[c.src] >= QUEUE_PER_SENDER:
             return None
         self._seq += 1
-        t = Ticket(c.transfer, c.rid, c.total, c.src, self._seq, now, now)
+        t = Ticket(c.transfer, c.rid, c.total, c.src, self._seq, now, now, attempt=c.attempt, router=c.router)
         self.queue[c.transfer] = t
         self.queue_by_src[c.src] += 1
         self.counters["queue.entered"] += 1
@@ -668,6 +759,9 @@ class KvAssembler:
         self.by_src[a.src] -= 1
         if self.by_src[a.src] <= 0:
             del self.by_src[a.src]
+        self.held_by_src[a.src] -= a.stored
+        if self.by_src[a.src] <= 0:
+            del self.held_by_src[a.src]
         self._remember(a.transfer, what)
 
     def _remember(self, transfer: str, what: str) -> None:
@@ -697,11 +791,14 @@ def _shape(c: m.KvChunk) -> str:
     return ""
 
 
-def _fits(a: Assembly, c: m.KvChunk) -> str:
-    """Why piece ``c`` is not one of transfer ``a``'s (rid, count, total or layout differ), or ""."""
+def _fits(a: Assembly, c: m.KvChunk, ask: bool = False) -> str:
+    """Why piece ``c`` (``ask``: its data-less ask) is not one of transfer ``a``'s (rid, count, total or layout
+    differ), or ""."""
     if (c.rid, c.count, c.total) != (a.rid, a.count, a.total):
         return (f"piece {c.index} names {c.count} pieces, {c.total} B of {c.rid}; transfer {a.transfer} has {a.count} "
                 f"pieces, {a.total} B of {a.rid}")  # fmt: skip
+    if ask:
+        return ""
     why = _shape(c)
     if why:
         return why

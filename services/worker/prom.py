@@ -64,7 +64,8 @@ name                                       type     meaning
 ``ei_node_handoff_queue_wait_seconds{node}`` histogram wall seconds each hand-off admitted from the queue waited there
 ``ei_node_handoff_queue_dropped_total{node,reason}`` counter hand-offs that left the queue unadmitted or got no place:
                                                     ``expired`` (its sender stopped asking for ``TICKET_IDLE_S``, 3 s),
-                                                    ``cancelled`` (``KvCancel``), ``refused`` (the queue at its bound)
+                                                    ``cancelled`` (``KvCancel``), ``discarded`` (its request aborted,
+                                                    or the node serves prefill now), ``refused`` (the queue at its bound)
 ``ei_node_handoffs_queued_total{node}``    counter  hand-offs this prefill node sent that waited in a decode node's queue
 =========================================  =======  ===============================================================
 
@@ -99,7 +100,7 @@ PHASES = ("prefill", "decode", "both")
 HANDOFF_KV_DROPS = ("expired", "refused", "lost", "discarded", "cancelled")
 """``reason`` label values of ``ei_node_handoff_kv_dropped_total`` (each exported from 0)."""
 
-HANDOFF_QUEUE_DROPS = ("expired", "cancelled", "refused")
+HANDOFF_QUEUE_DROPS = ("expired", "cancelled", "discarded", "refused")
 """``reason`` label values of ``ei_node_handoff_queue_dropped_total`` (each exported from 0)."""
 
 OWNER_DROP_REASONS = ("router_gone", "not_in_flight")
@@ -206,11 +207,13 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
     yield histogram_family("ei_node_handoff_queue_wait_seconds", "Wall seconds each hand-off admitted from this decode "
                            "node's queue waited there (its first ask to its admission)", {(n,): svc._kv_in.queue_waits},
                            ["node"])  # fmt: skip
-    qleft = {"expired": kc["queue.expired"], "cancelled": kc["queue.cancelled"], "refused": kc["queue.refused"]}
+    qleft = {"expired": kc["queue.expired"], "cancelled": kc["queue.cancelled"], "discarded": kc["queue.discarded"],
+             "refused": kc["queue.refused"]}
     yield counter_family(
         "ei_node_handoff_queue_dropped",
         "Hand-offs that left this decode node's queue for room without being admitted, or were refused a place: expired "
-        "(its sender stopped asking for 3 s), cancelled (its sender gave it up), refused (the queue at its bound of "
+        "(its sender stopped asking for 3 s), cancelled (its sender gave it up), discarded (its request aborted, or "
+        "the node serves prefill now), refused (the queue at its bound of "
         "1,024, or 128 of one sender: refused full without a place)",
         {(n, k): float(qleft[k]) for k in HANDOFF_QUEUE_DROPS}, ["node", "reason"],
     )

@@ -164,7 +164,15 @@ went round without sending until the batch was due (a spin, as the heartbeat's i
 
 HANDOFF_SENDS_MAX = 16
 """A step's hand-offs going out at once beside the step loop (``WorkerService._handoff_aside``; their K/V bytes held
-until every piece is answered): past it the step waits for one to end."""
+until every piece is answered), not counting those waiting in a decode node's queue for room
+(:data:`HANDOFF_QUEUED_MAX`): past it the step waits for one to end or to be queued."""
+HANDOFF_QUEUED_MAX = handoffkv.QUEUE_PER_SENDER - HANDOFF_SENDS_MAX
+"""A step's hand-offs waiting in decode nodes' queues for room at once (``KvChunkAck.queued``), apart from
+:data:`HANDOFF_SENDS_MAX`; their K/V bytes are bounded too, by ``--handoff-buffer-bytes`` (what this node would hold
+of hand-offs coming in as a decode node). Past either, the step waits. 112: with the 16 being sent, one prefill
+node's hand-offs never pass the 128 tickets one sender may hold on a decode node (``handoffkv.QUEUE_PER_SENDER``).
+Before, queued hand-offs counted toward the 16: a full decode node held every other request's first token on this
+node up to ``--handoff-queue-wait-s`` (30 s; review 55: 15 of a burst and the next probe waited 30.5-31.6 s)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -176,6 +184,10 @@ class _QueueGate:
     admitted: asyncio.Event = field(default_factory=asyncio.Event)
     asker: int | None = None
     since: float | None = None
+    nbytes: int = 0
+    """The transfer's K/V bytes (held on this node until every piece is answered)."""
+    counted: bool = False
+    """In ``WorkerService._queued_sends`` (queued, not yet admitted)."""
 
 
 KV_READY_SLACK_WALL_S = 1.0
@@ -494,6 +506,14 @@ class WorkerService:
         :meth:`_deliver_aside` tasks: a drain waits for them as for :attr:`_handing_off` (a step's requests have left
         the core by then)."""
         self._deliveries: set[asyncio.Task[None]] = set()
+        self._queued_sends = 0
+        """Hand-offs of :attr:`_deliveries` (and :meth:`_handoff`'s) waiting in a decode node's queue for room, not yet
+        admitted (:data:`HANDOFF_QUEUED_MAX`)."""
+        self._queued_send_bytes = 0
+        """Their K/V bytes (bounded by ``--handoff-buffer-bytes``)."""
+        self._send_room = asyncio.Event()
+        """Set when a hand-off being sent ends or starts waiting in a decode node's queue: the step waiting for room
+        to send (:meth:`_handoff_aside`) looks again."""
         """A step's hand-offs going out beside the step loop (:meth:`_handoff_aside`), at most
         :data:`HANDOFF_SENDS_MAX`: each rid is in :attr:`_handing_off` too until its DecodeWork is out (or failed)."""
         self._kv_in = handoffkv.KvAssembler(cfg.handoff_buffer_bytes, cfg.handoff_kv_timeout_s, cfg.handoff_piece_idle_s)
@@ -916,7 +936,7 @@ class WorkerService:
                     self.log.info("hand-off K/V admitted from the queue", rid=t.rid, transfer=t.transfer, prefill=t.src,
                                   ticket=t.seq, waited_s=round(now - t.first, 3), asks=t.asks, kv_total=t.total)  # fmt: skip
         full = error.startswith(handoffkv.FULL_PREFIX)
-        queued = self._kv_in.place(c.transfer) if full else 0
+        queued = self._kv_in.place(c.transfer, now) if full else 0
         if error:
             self._kv_log.event("handoff_kv_refused", "hand-off K/V piece refused", rid=c.rid, transfer=c.transfer, piece=c.index,
                                pieces=c.count, prefill=c.src, error=error, full=full, queued=queued)  # fmt: skip
@@ -1121,12 +1141,25 @@ class WorkerService:
         if held is not None and held.attempt > msg.attempt:
             self.counters["aborts.stale_attempt"] += 1  # aimed at an attempt this node no longer holds
             return
+        def other(a: handoffkv.Assembly | handoffkv.Ticket) -> bool:
+            return not (a.rid == msg.rid and a.attempt <= msg.attempt and (not sender or _Owner(router=a.router).router_id == sender))
+
+        why = f"its request was aborted ({msg.reason})" if msg.reason else "its request was aborted"
         if self._kv_in.open:
             # hand-off K/V of that attempt (or an older one) of that router's request, its work not come yet: the
             # work will be dropped (_aborted), so the K/V goes now (before, it was held --handoff-kv-timeout-s)
-            self._discard_kv(f"its request was aborted ({msg.reason})" if msg.reason else "its request was aborted",
-                             lambda a: not (a.rid == msg.rid and a.attempt <= msg.attempt
-                                            and (not sender or _Owner(router=a.router).router_id == sender)))  # fmt: skip
+            self._discard_kv(why, other)
+        if self._kv_in.queue and self._kv_in.tickets(other, why):
+            # and its place in the queue for room (before, it was admitted ahead of live hand-offs: review 55)
+            self._arm_kv_timer()
+        delivery = self._handing_off.get(msg.rid)
+        if held is not None and delivery in self._deliveries:
+            # its hand-off is going out from here (a step's, beside the step loop): stopped, and its K/V freed on the
+            # decode node (_send_kv's KvCancel drops its ticket there too). Before, it went on waiting in the decode
+            # node's queue up to --handoff-queue-wait-s and was admitted ahead of live ones (review 55)
+            assert delivery is not None
+            delivery.cancel()
+            self.counters["handoff.aborted"] += 1
         if not await self._drop(msg.rid, msg.reason, attempt=msg.attempt, router=msg.router):
             self.counters["aborts.unknown"] += 1
             # its work may still come (behind a wait for a step, or overtaken on the bus): dropped then
@@ -2299,10 +2332,14 @@ class WorkerService:
         registration meanwhile). Before, the step awaited every piece's answer: a stalled decode node held all
         prefill work here for up to ``handoffkv.TRIES`` × ``--handoff-chunk-timeout-s`` per hand-off
         (``tests/integration/test_torch_handoff_aside_live.py``). At most :data:`HANDOFF_SENDS_MAX` go out at once
-        (their bytes held): the step waits for one to end past that."""
-        while len(self._deliveries) >= HANDOFF_SENDS_MAX:
+        (their bytes held), not counting those waiting in a decode node's queue (at most :data:`HANDOFF_QUEUED_MAX`
+        of them, their bytes at most ``--handoff-buffer-bytes``): the step waits for one to end or be queued past
+        that."""
+        while (len(self._deliveries) - self._queued_sends >= HANDOFF_SENDS_MAX or self._queued_sends >= HANDOFF_QUEUED_MAX
+               or self._queued_send_bytes >= self.cfg.handoff_buffer_bytes):  # fmt: skip
             self.counters["handoff.waited_for_send"] += 1
-            await asyncio.wait(set(self._deliveries), return_when=asyncio.FIRST_COMPLETED)
+            self._send_room.clear()
+            await self._send_room.wait()
         self._sending_handoffs += 1
         try:
             work, headers = await self._take_handoff(h)
@@ -2321,6 +2358,7 @@ class WorkerService:
             self._sending_handoffs -= 1
             me = asyncio.current_task()
             self._deliveries.discard(me)
+            self._send_room.set()
             if self._handing_off.get(h.rid) is me:
                 del self._handing_off[h.rid]
             self._input()  # a drain may be over (_maybe_switch), KV freed
@@ -2394,7 +2432,7 @@ class WorkerService:
         self._transfers += 1
         transfer = f"{self._transfer_tag}-{self._transfers}"
         pending: set[asyncio.Task[None]] = set()
-        gate = _QueueGate()
+        gate = _QueueGate(nbytes=len(kv))
 
         def settle(done: set[asyncio.Task[None]]) -> None:
             errors = [t.exception() for t in done]  # each one's outcome taken, so none is logged as never retrieved
@@ -2420,7 +2458,16 @@ class WorkerService:
                 why = "the prefill node stopped sending it" if isinstance(e, asyncio.CancelledError) else str(e)
                 await self._cancel_kv(decode_node, transfer, rid, why)
             raise
+        finally:
+            self._unqueue(gate)
         return transfer, handoffkv.pieces(len(kv), size)
+
+    def _unqueue(self, gate: _QueueGate) -> None:
+        """``gate``'s transfer no longer waits in a decode node's queue (admitted, or its send ended)."""
+        if gate.counted:
+            gate.counted = False
+            self._queued_sends -= 1
+            self._queued_send_bytes -= gate.nbytes
 
     async def _cancel_kv(self, decode_node: str, transfer: str, rid: str, why: str) -> None:
         """Tell ``decode_node`` that ``transfer`` (``rid``'s hand-off K/V) will not be completed (``KvCancel`` on
@@ -2457,9 +2504,10 @@ class WorkerService:
         last: BusError | None = None
         unanswered = full = 0
         waited = 0.0
+        ask = False  # the next send is the transfer's data-less ask for its turn (handoffkv.ask_of), not the piece
         while unanswered < handoffkv.TRIES:
             try:
-                ack = await self.bus.request(WORK_KV, piece, timeout=timeout, node=decode_node)
+                ack = await self.bus.request(WORK_KV, handoffkv.ask_of(piece) if ask else piece, timeout=timeout, node=decode_node)
             except (RequestRefused, PermissionDenied) as e:  # sending it again changes nothing
                 raise handoffkv.KvSendFailed(f"piece {piece.index} of {piece.count}: {e}") from None
             except BusError as e:  # no answer in time, nobody serving (the decode node restarting), a reconnect
@@ -2470,11 +2518,14 @@ class WorkerService:
                     if isinstance(e, NoResponders):  # answered at once: give a restarting decode node a moment
                         await asyncio.sleep(min(0.5, timeout))
                 continue
+            unanswered = 0  # answered: TRIES counts sends unanswered in a row (before, 3 spread over a queue wait failed it)
+            asked, ask = ask, False
             if ack.transfer != piece.transfer or ack.index != piece.index:
                 raise handoffkv.KvSendFailed(f"decode node {decode_node} refused piece {piece.index} of {piece.count}: "
                                              f"its answer names piece {ack.index} of {ack.transfer}")  # fmt: skip
             if ack.error and ack.full and ack.queued:  # its transfer waits its turn for room: first come, first served
                 await self._wait_turn(decode_node, piece, gate, ack)
+                ask = gate.asker == piece.index and not gate.admitted.is_set()
                 continue
             if ack.error and ack.full:
                 full += 1
@@ -2490,6 +2541,9 @@ class WorkerService:
                 continue
             if ack.error:
                 raise handoffkv.KvSendFailed(f"decode node {decode_node} refused piece {piece.index} of {piece.count}: {ack.error}")
+            if asked:  # its turn came: the piece itself follows (admitted unless room went meanwhile: queued again)
+                continue
+            self._unqueue(gate)
             gate.admitted.set()  # the transfer is in: pieces held back by its queued ask go now
             return
         raise handoffkv.KvSendFailed(f"piece {piece.index} of {piece.count} unanswered by {decode_node} after "
@@ -2507,6 +2561,11 @@ class WorkerService:
         if gate.since is None:
             gate.since = now
             self.counters["handoff.queued"] += 1
+            if not gate.admitted.is_set():  # it waits: no longer one of the HANDOFF_SENDS_MAX being sent
+                gate.counted = True
+                self._queued_sends += 1
+                self._queued_send_bytes += gate.nbytes
+                self._send_room.set()
         left = gate.since + self.cfg.handoff_queue_wait_s - now
         if left <= 0:
             raise handoffkv.KvSendFailed(
@@ -2789,8 +2848,12 @@ class WorkerService:
     async def _publish_state(self, now: float) -> None:
         """Publish ``node.state`` as of ``now`` (simulated s, local; its ``ts`` goes out wall-based)."""
         self.state_seq += 1
+        st = self.core.state(now)
         st = msgspec.structs.replace(
-            self.core.state(now),
+            st,
+            # hand-offs waiting in this decode node's queue for room are decode work waiting too: the router's decode
+            # choice (running + waiting) sees a full decode node as loaded. Before, it kept binding requests to it
+            waiting=st.waiting + len(self._kv_in.queue),
             ts=self._to_wall(now),
             seq=self.state_seq,
             epoch=self.epoch,
@@ -2816,7 +2879,7 @@ class WorkerService:
         ``simulate`` (which samples the exact state every 5 s), predicted decode batches ~10× too large
         and moved to 1P3D where ``simulate`` kept 2P2D. O(1) when the counts did not change."""
         st = self.core.state(now, with_queue=False)
-        if (st.running, st.waiting, st.decoding) != self._last_state_counts:
+        if (st.running, st.waiting + len(self._kv_in.queue), st.decoding) != self._last_state_counts:
             self.counters["state.on_stop"] += 1
             await self._publish_state(now)
 

@@ -358,7 +358,8 @@ def test_the_edge_refuses_pieces_and_works_of_no_shape():
     kv = os.urandom(3000)
     c = _pieces(kv, 1024)[0]
     assert check(c) is None
-    assert "does not fit" in (check(msgspec.structs.replace(c, data=b"")) or "")
+    assert check(hk.ask_of(c)) is None  # a data-less ask for its turn
+    assert "does not fit" in (check(msgspec.structs.replace(c, data=b"", offset=3000)) or "")
     assert "does not fit" in (check(msgspec.structs.replace(c, offset=2990)) or "")
     assert "index" in (check(msgspec.structs.replace(c, index=3)) or "")
     assert "count" in (check(msgspec.structs.replace(c, count=3001)) or "")
@@ -899,3 +900,262 @@ def test_room_that_frees_goes_to_the_oldest_ask_first_and_a_ticket_ends_when_its
     why = a.add(msgspec.structs.replace(new["B"][0], transfer="H"), 4.4)
     assert "its queue of transfers waiting for room is full (1 waiting)" in why and a.place("H") == 0
     assert a.counters["queue.refused"] == 1 and list(a.queue) == ["F2"]
+
+
+def _from(c: m.KvChunk, src: str, **kw) -> m.KvChunk:  # type: ignore[no-untyped-def]
+    return msgspec.structs.replace(c, src=src, **kw)
+
+
+def test_a_ticket_that_cannot_fit_beside_its_own_senders_bytes_holds_nobody_back_and_a_head_at_most_head_hold_s():
+    """Review 55 H1: a forging sender admits f-1 (1 KiB stored, announcing the whole buffer), then asks for f-2 (the
+    whole buffer): f-2 can never fit while its own f-1 holds bytes, yet as the first ticket it kept every other
+    sender's hand-off out for their whole wait (both real requests 500 after 30 s). Now a ticket whose total does not
+    fit beside its own sender's stored bytes holds other senders back no more (it keeps its place, and its sender's
+    own later transfers stay behind it); and a head that cannot fit holds the rest back at most ``HEAD_HOLD_S``."""
+    a = hk.KvAssembler(600_000, 60.0, 15.0)
+    f1 = _pieces(os.urandom(600_000), 1024, transfer="f-1", rid="rf1")
+    f2 = _pieces(os.urandom(600_000), 1024, transfer="f-2", rid="rf2")
+    assert a.add(_from(f1[0], "forger"), 0.0) == ""
+    why = a.add(_from(f2[0], "forger"), 0.0)
+    assert why.startswith(hk.FULL_PREFIX) and list(a.queue) == ["f-2"] and a.place("f-2", 0.0) == 1
+    real = _pieces(os.urandom(100_000), 50_000, transfer="w0-1", rid="r1")
+    assert a.add(_from(real[0], "worker-w0"), 0.5) == "" and "w0-1" in a.open  # f-2 waits for its own sender
+    mine = _from(_pieces(os.urandom(2048), 1024, transfer="f-3", rid="rf3")[0], "forger")
+    assert a.add(mine, 0.6).startswith(hk.FULL_PREFIX) and a.place("f-3", 0.6) == 2  # its own sender's keep their order
+    a.cancel("f-1", "rf1", "gone")
+    a.cancel("f-3", "rf3", "gone")
+    # a large legit head that cannot fit (w0-1 holds 100 KB): others wait behind it HEAD_HOLD_S, then go as they fit
+    assert a.add(_from(f2[0], "forger"), 1.0).startswith(hk.FULL_PREFIX) and a.queue["f-2"].blocked == 1.0
+    small = _from(_pieces(os.urandom(2048), 1024, transfer="w2-1", rid="r2")[0], "worker-w2")
+    why = a.add(small, 1.1)
+    assert why.startswith(hk.FULL_PREFIX) and "2 of 2 in line" in why
+    for t in (3.0, 5.5):  # their senders keep asking (their tickets stay)
+        assert a.add(_from(f2[0], "forger"), t).startswith(hk.FULL_PREFIX)
+        assert a.add(small, t).startswith(hk.FULL_PREFIX) and a.place("w2-1", t) == 2
+    assert a.add(small, 1.0 + hk.HEAD_HOLD_S) == "" and "w2-1" in a.open and a.place("f-2", 6.1) == 1
+    assert a.add(_from(f2[0], "forger"), 6.2).startswith(hk.FULL_PREFIX) and a.place("f-2", 6.2) == 1  # its place kept
+    a.discard("w0-1")
+    a.discard("w2-1")
+    assert a.add(_from(f2[0], "forger"), 6.3) == "" and "f-2" in a.open and not a.queue
+
+
+def test_a_discard_or_refusal_or_abort_drops_its_ticket_and_an_ask_without_data_asks_for_its_turn():
+    """Review 55 M2: an aborted request's hand-off kept its place in the queue (``discard`` and ``refuse`` left its
+    ticket) and was admitted ahead of live ones. M3: an ask carried a whole piece (up to 8 MiB); a data-less ask
+    (``ask_of``) is answered "" when the transfer's turn came, stores nothing and keeps the ticket's place. L2: a
+    piece of another sender (or rid, or total) naming a queued transfer is refused, not taken as its ask."""
+    a = hk.KvAssembler(10_000, 60.0, 15.0)
+    for c in _pieces(os.urandom(6000), 2048, transfer="t0", rid="r0"):
+        assert a.add(c, 0.0) == ""
+    new = {x: _pieces(os.urandom(6000), 2048, transfer=x, rid=f"r{x}") for x in "ABCD"}
+    for i, x in enumerate("ABCD"):
+        assert a.add(_from(new[x][0], f"s{x}", attempt=2, router="router-a"), 0.1 * i).startswith(hk.FULL_PREFIX)
+    a.discard("A", "its request was aborted")
+    a.refuse("B", "serves prefill now")
+    assert list(a.queue) == ["C", "D"] and a.counters["queue.discarded"] == 2 and a.place("C", 0.5) == 1
+    gone = a.tickets(lambda t: not (t.rid == "rC" and t.attempt <= 2), "its request was aborted")
+    assert [t.transfer for t in gone] == ["C"] and list(a.queue) == ["D"]
+    assert "its request was aborted" in a.add(_from(new["C"][0], "sC"), 0.6)  # a late piece of it: refused, not queued
+    # L2: another sender's piece naming D's transfer is refused (D's ticket untouched), not counted as D's ask
+    why = a.add(_from(new["D"][0], "sX"), 0.7)
+    assert not why.startswith(hk.FULL_PREFIX) and "waits for room for sD" in why and a.queue["D"].asks == 1
+    # M3: D asks without data: still no room, then its turn: "" and nothing stored, its place kept for the piece
+    ask = _wire(_from(hk.ask_of(new["D"][1]), "sD"))
+    assert ask.data == b"" and check(ask) is None
+    assert a.add(ask, 0.8).startswith(hk.FULL_PREFIX) and a.place("D", 0.8) == 1 and a.queue["D"].asks == 2
+    a.take("t0", "r0", 3, 6000)
+    newcomer = _from(_pieces(os.urandom(1024), 1024, transfer="E", rid="rE")[0], "sE")
+    assert a.add(ask, 0.9) == "" and "D" not in a.open and a.held_bytes == 0 and list(a.queue) == ["D"]
+    assert a.add(newcomer, 0.95).startswith(hk.FULL_PREFIX)  # D's turn: a newcomer waits behind it
+    assert a.add(_from(new["D"][1], "sD"), 1.0) == "" and "D" in a.open and a.held_bytes == 2048
+    assert a.add(ask, 1.1) == ""  # an ask of a transfer let in: its pieces go
+    assert a.counters["queue.asks"] == 3 and a.counters["queue.admitted"] == 1
+
+
+def test_one_senders_tickets_are_bounded_and_a_buffer_the_kernel_refuses_gives_the_place_up(monkeypatch):
+    """Review 55 L1: ``QUEUE_PER_SENDER`` keeps one sender from taking the whole queue (refused ``full`` without a
+    place, counted ``queue.refused``); a ticket whose turn came but whose buffer the kernel refused (ENOMEM) leaves
+    the queue, so the next one goes."""
+    real_mmap = hk.mmap.mmap
+    monkeypatch.setattr(hk, "QUEUE_PER_SENDER", 2)
+    a = hk.KvAssembler(10_000, 60.0, 15.0)
+    for c in _pieces(os.urandom(6000), 2048, transfer="t0", rid="r0"):
+        assert a.add(c, 0.0) == ""
+    xs = [_from(_pieces(os.urandom(6000), 2048, transfer=f"x{i}", rid=f"rx{i}")[0], "sx") for i in range(3)]
+    assert a.add(xs[0], 0.1).startswith(hk.FULL_PREFIX) and a.add(xs[1], 0.2).startswith(hk.FULL_PREFIX)
+    why = a.add(xs[2], 0.3)
+    assert "its queue of transfers waiting for room is full (2 waiting)" in why and a.place("x2", 0.3) == 0
+    assert a.counters["queue.refused"] == 1 and a.queue_by_src["sx"] == 2
+    y = _from(_pieces(os.urandom(6000), 2048, transfer="y", rid="ry")[0], "sy")  # another sender still gets a place
+    assert a.add(y, 0.4).startswith(hk.FULL_PREFIX) and a.place("y", 0.4) == 3
+    a.take("t0", "r0", 3, 6000)
+
+    def refuse(*_a: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(hk.mmap, "mmap", refuse)
+    assert "cannot allocate 6000 B" in a.add(xs[0], 0.5) and list(a.queue) == ["x1", "y"]
+    assert a.counters["refused.nomem"] == 1
+    monkeypatch.setattr(hk.mmap, "mmap", real_mmap)
+    assert a.add(xs[1], 0.6) == "" and list(a.queue) == ["y"]
+
+
+async def test_a_queued_hand_off_asks_without_data_and_an_abort_on_the_prefill_node_gives_its_place_up(monkeypatch):
+    """Review 55 M3: a queued transfer's asks carried a whole piece each (up to 8 MiB, 20 a second): now one data-less
+    ask (``ask_of``) every ``queue_poll_s``, the piece once its turn came. M2: an abort of a request whose hand-off
+    waits in the decode node's queue kept its place there (the prefill node went on asking, up to
+    ``--handoff-queue-wait-s``) and was admitted ahead of live ones: now the prefill node stops the hand-off and its
+    ``KvCancel`` drops the ticket."""
+    import time
+
+    from services.worker.plan import HandOff
+    from services.worker.service import _Owner
+
+    monkeypatch.setattr(hk, "QUEUE_POLL_S", 0.001)
+    pbus, dbus = _Bus(), _Bus()
+    p, d = _worker("p", "prefill", pbus), _worker("d", "decode", dbus)
+    kv = os.urandom(70_000)
+    p.engine.handoff = lambda w: msgspec.structs.replace(w, kv=kv)  # type: ignore[method-assign]
+    d._kv_in.max_bytes = 100_000
+    for c in _pieces(os.urandom(40_000), 16_384, transfer="x-1", rid="rx"):  # 70,000 more do not fit
+        assert d._kv_in.add(c, time.monotonic()) == ""
+    queued = asyncio.Event()
+
+    async def answer(c: m.KvChunk) -> m.KvChunkAck:
+        ack = await d._on_kv_chunk(c, "")
+        assert ack is not None
+        if ack.queued and sum(1 for r in pbus.requests if not r.data) >= 5:
+            queued.set()
+        return ack
+
+    pbus.answer = answer
+    p._owners["r1"] = _Owner(attempt=0, router="")
+    await p._handoff_aside(HandOff("r1", "d", _work(), 0.0))
+    await asyncio.wait_for(queued.wait(), 5.0)
+    asks = [r for r in pbus.requests if not r.data]
+    assert len({r.index for r in asks}) == 1 and len(pbus.requests) - len(asks) == hk.WINDOW, pbus.requests
+    assert list(d._kv_in.queue) and d._kv_in.counters["queue.asks"] >= 5
+    # its turn comes: the ask is answered "", then the piece itself, then the rest
+    d._kv_in.discard("x-1")
+    while p._handing_off:
+        await asyncio.sleep(0.001)
+    assert not _errors(pbus) and p.counters["requests.handed_off"] == 1 and d._kv_in.counters["queue.admitted"] == 1
+    (r1,) = d._kv_in.open
+    assert d._kv_in.open[r1].complete and d._kv_in.held_bytes == 70_000
+    # M2: aborted while queued: the prefill node stops its hand-off and the decode node's queue forgets it
+    queued.clear()
+    pbus.requests.clear()
+    p._owners["r2"] = _Owner(attempt=0, router="")
+    await p._handoff_aside(HandOff("r2", "d", _work("r2"), 0.0))
+    await asyncio.wait_for(queued.wait(), 5.0)
+    assert [t.rid for t in d._kv_in.queue.values()] == ["r2"]
+    await p._on_abort(m.RequestAbort(rid="r2", reason="client went away"), "")
+    while p._handing_off:
+        await asyncio.sleep(0.001)
+    assert p.counters["handoff.aborted"] == 1 and p.counters["requests.handoff_failed"] == 0
+    cancels = [msg for t, msg, kw in pbus.published if t == "work.{node}.kvcancel"]
+    assert [c.rid for c in cancels] == ["r2"]
+    await d._on_kv_cancel(cancels[0], "")
+    assert not d._kv_in.queue and d._kv_in.counters["queue.cancelled"] == 1
+    # and an abort reaching the decode node drops its ticket too (its sender may not have heard)
+    late = _from(_pieces(os.urandom(70_000), 16_384, transfer="p-2-9", rid="r3")[0], "worker-q")
+    assert (await d._on_kv_chunk(late, "")).queued == 1
+    await d._on_abort(m.RequestAbort(rid="r3", reason="gone"), "")
+    assert not d._kv_in.queue and "its request was aborted" in (await d._on_kv_chunk(late, "")).error
+    from services.worker.prom import worker_families
+
+    fams = {f.name: f for f in worker_families(d)}  # L1: what the queue's metrics say of all this
+    dropped = {s.labels["reason"]: s.value for s in fams["ei_node_handoff_queue_dropped"].samples}
+    assert dropped == {"expired": 0.0, "cancelled": 1.0, "discarded": 1.0, "refused": 0.0}, dropped
+    assert [s.value for s in fams["ei_node_handoff_queue_depth"].samples] == [0.0]
+    waits = {s.name: s.value for s in fams["ei_node_handoff_queue_wait_seconds"].samples}
+    assert waits["ei_node_handoff_queue_wait_seconds_count"] == 1.0, waits
+    pf = {f.name: f for f in worker_families(p)}
+    assert [s.value for s in pf["ei_node_handoffs_queued"].samples if s.name.endswith("_total")] == [2.0]
+    await asyncio.gather(p.stop(), d.stop())
+
+
+async def test_hand_offs_waiting_in_a_full_decode_nodes_queue_do_not_hold_up_the_prefill_nodes_other_work(monkeypatch):
+    """Review 55 M1: the step loop waits when ``HANDOFF_SENDS_MAX`` hand-offs are being sent; those waiting in a full
+    decode node's queue counted, so it waited up to ``--handoff-queue-wait-s`` (30 s) and every other request's
+    first token with it (15 of a burst and the next probe: 30.5-31.6 s). Now queued ones count apart, bounded by
+    ``HANDOFF_QUEUED_MAX`` and their bytes by ``--handoff-buffer-bytes``: a hand-off to another decode node goes."""
+    import time
+
+    from services.worker import service as ws
+    from services.worker.plan import HandOff
+
+    monkeypatch.setattr(hk, "QUEUE_POLL_S", 0.001)
+    monkeypatch.setattr(ws, "HANDOFF_SENDS_MAX", 2)
+    monkeypatch.setattr(ws, "HANDOFF_QUEUED_MAX", 3)
+
+    class _Two(_Bus):
+        async def request(self, subject, msg, **kw):  # type: ignore[no-untyped-def]
+            self.requests.append(msg)
+            node = nodes[kw["node"]]
+            ack = await node._on_kv_chunk(msgspec.msgpack.decode(m.encode(msg), type=subject.msg_type), "")
+            for a in [a for a in node._kv_in.open.values() if a.complete and a.rid != "rx"]:  # its work takes it
+                node._kv_in.take(a.transfer, a.rid, a.count, a.total)
+            return ack
+
+    pbus = _Two()
+    p = _worker("p", "prefill", pbus)
+    nodes = {"d": _worker("d", "decode", _Bus()), "e": _worker("e", "decode", _Bus())}
+    p.engine.handoff = lambda w: msgspec.structs.replace(w, kv=os.urandom(70_000))  # type: ignore[method-assign]
+    d = nodes["d"]
+    d._kv_in.max_bytes = 100_000
+    for c in _pieces(os.urandom(40_000), 16_384, transfer="x-1", rid="rx"):  # d is full: 70,000 more do not fit
+        assert d._kv_in.add(c, time.monotonic()) == ""
+    for i in range(3):  # before, the third waited here for one of the first two to end
+        await asyncio.wait_for(p._handoff_aside(HandOff(f"d{i}", "d", _work(f"d{i}"), 0.0)), 2.0)
+    for _ in range(2000):
+        if p._queued_sends == 3:
+            break
+        await asyncio.sleep(0.001)
+    assert p._queued_sends == 3 and p._queued_send_bytes == 210_000 and len(d._kv_in.queue) == 3, (p.counters, _errors(pbus), d._kv_in.counters)
+    with pytest.raises(TimeoutError):  # bounded: HANDOFF_QUEUED_MAX waiting, the step waits
+        await asyncio.wait_for(p._handoff_aside(HandOff("e0", "e", _work("e0"), 0.0)), 0.2)
+    monkeypatch.setattr(ws, "HANDOFF_QUEUED_MAX", 16)
+    p.cfg = msgspec.structs.replace(p.cfg, handoff_buffer_bytes=210_000)
+    with pytest.raises(TimeoutError):  # and by their bytes
+        await asyncio.wait_for(p._handoff_aside(HandOff("e0", "e", _work("e0"), 0.0)), 0.2)
+    p.cfg = msgspec.structs.replace(p.cfg, handoff_buffer_bytes=hk.CHUNK_CAP_BYTES)
+    await asyncio.wait_for(p._handoff_aside(HandOff("e1", "e", _work("e1"), 0.0)), 2.0)  # another decode node: goes
+    for _ in range(2000):
+        if p.counters["requests.handed_off"] == 1:
+            break
+        await asyncio.sleep(0.001)
+    assert p.counters["requests.handed_off"] == 1 and p._queued_sends == 3 and not _errors(pbus)
+    d._kv_in.discard("x-1")  # room on d: its three go, one after another
+    while p._handing_off:
+        await asyncio.sleep(0.001)
+    assert p.counters["requests.handed_off"] == 4 and p._queued_sends == 0 and p._queued_send_bytes == 0 and not _errors(pbus)
+    await asyncio.gather(p.stop(), *(n.stop() for n in nodes.values()))
+
+
+async def test_a_decode_nodes_state_counts_the_hand_offs_waiting_in_its_queue_so_the_router_binds_elsewhere():
+    """Review 55 M1's catch: the router kept binding requests to a full decode node (its state showed nothing
+    waiting while hand-offs queued for its buffer). Now its ``NodeState.waiting`` counts them, and the router's
+    decode choice (least ``running + waiting``) goes to another node."""
+    import time
+
+    from services.router.policy import NodeLoad, least_loaded_decode
+
+    bus = _Bus()
+    d = _worker("d", "decode", bus)
+    d._kv_in.max_bytes = 10_000
+    for c in _pieces(os.urandom(6000), 2048, transfer="x-1", rid="rx"):
+        assert d._kv_in.add(c, time.monotonic()) == ""
+    for i in range(2):
+        c = _from(_pieces(os.urandom(6000), 2048, transfer=f"q-{i}", rid=f"rq{i}")[0], f"worker-p{i}")
+        assert (await d._on_kv_chunk(c, "")).queued == i + 1
+    await d._publish_state(d.clock.local_now())
+    (st,) = [msg for _t, msg, _kw in bus.published if isinstance(msg, m.NodeState)]
+    assert st.waiting == 2 and d._last_state_counts[1] == 2
+    await d._publish_if_stopped(d.clock.local_now())  # nothing changed: no second state
+    assert sum(isinstance(msg, m.NodeState) for _t, msg, _kw in bus.published) == 1
+    loads = [NodeLoad("d", "decode", 0, 0, 0, st.running, st.waiting, st.decoding, 0, 0, 0.0, st),
+             NodeLoad("e", "decode", 0, 0, 0, 1, 0, 1, 0, 0, 0.0, None)]  # fmt: skip
+    choice = least_loaded_decode(loads)
+    assert choice is not None and choice.node == "e"
+    await d.stop()
