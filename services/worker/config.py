@@ -203,8 +203,8 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     handoff_queue_wait_s: Annotated[
         float, Meta(gt=0, description="PD hand-off: wall seconds the prefill node waits in the decode node's queue of "
                     "hand-offs waiting for room in its buffer (a new transfer refused for room gets a place; room that "
-                    "frees goes to the oldest first, the others told their place; it asks again every 0.05 s x its place, "
-                    "at most 1 s): past this the hand-off fails saying the buffer was full (the request errors)")
+                    "frees goes to the oldest first, the others told their place; it asks again, without data, every 0.2 s x "
+                    "its place, at most 1 s): past this the hand-off fails saying the buffer was full (the request errors)")
     ] = 30.0
     handoff_buffer_bytes: Annotated[
         int, Meta(ge=1, description="bytes of hand-off K/V a decode node stores at once (every transfer not yet taken "
@@ -215,6 +215,12 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
                   "prefill node sends it again after a short backoff (6 sends over 2.5 s), then fails the hand-off "
                   "saying the buffer was full (the request errors); a total past it is refused at once")
     ] = 8 * 1024**3
+    handoff_queued_bytes: Annotated[
+        int, Meta(ge=1, description="PD hand-off, prefill node: bytes of K/V it holds for its hand-offs waiting in decode "
+                  "nodes' queues for room (apart from the 16 being sent, at most 112 of them): past it (or the 112) the "
+                  "prefill step waits before it takes the next hand-off; below it, a full decode node does not hold up "
+                  "this node's other requests")
+    ] = 4 * 1024**3
     owner_check_interval_s: Annotated[
         float, Meta(ge=0, description="wall seconds between asks to each owning router (route.held) which of this node's "
                     "requests it no longer has in flight (a router SIGKILLed or restarted sends no abort): those are "

@@ -168,8 +168,8 @@ until every piece is answered), not counting those waiting in a decode node's qu
 (:data:`HANDOFF_QUEUED_MAX`): past it the step waits for one to end or to be queued."""
 HANDOFF_QUEUED_MAX = handoffkv.QUEUE_PER_SENDER - HANDOFF_SENDS_MAX
 """A step's hand-offs waiting in decode nodes' queues for room at once (``KvChunkAck.queued``), apart from
-:data:`HANDOFF_SENDS_MAX`; their K/V bytes are bounded too, by ``--handoff-buffer-bytes`` (what this node would hold
-of hand-offs coming in as a decode node). Past either, the step waits. 112: with the 16 being sent, one prefill
+:data:`HANDOFF_SENDS_MAX`; their K/V bytes are bounded too, by ``--handoff-queued-bytes`` (4 GiB). Past either, the
+step waits. 112: with the 16 being sent, one prefill
 node's hand-offs never pass the 128 tickets one sender may hold on a decode node (``handoffkv.QUEUE_PER_SENDER``).
 Before, queued hand-offs counted toward the 16: a full decode node held every other request's first token on this
 node up to ``--handoff-queue-wait-s`` (30 s; review 55: 15 of a burst and the next probe waited 30.5-31.6 s)."""
@@ -510,7 +510,7 @@ class WorkerService:
         """Hand-offs of :attr:`_deliveries` (and :meth:`_handoff`'s) waiting in a decode node's queue for room, not yet
         admitted (:data:`HANDOFF_QUEUED_MAX`)."""
         self._queued_send_bytes = 0
-        """Their K/V bytes (bounded by ``--handoff-buffer-bytes``)."""
+        """Their K/V bytes (bounded by ``--handoff-queued-bytes``)."""
         self._send_room = asyncio.Event()
         """Set when a hand-off being sent ends or starts waiting in a decode node's queue: the step waiting for room
         to send (:meth:`_handoff_aside`) looks again."""
@@ -2333,10 +2333,10 @@ class WorkerService:
         prefill work here for up to ``handoffkv.TRIES`` × ``--handoff-chunk-timeout-s`` per hand-off
         (``tests/integration/test_torch_handoff_aside_live.py``). At most :data:`HANDOFF_SENDS_MAX` go out at once
         (their bytes held), not counting those waiting in a decode node's queue (at most :data:`HANDOFF_QUEUED_MAX`
-        of them, their bytes at most ``--handoff-buffer-bytes``): the step waits for one to end or be queued past
+        of them, their bytes at most ``--handoff-queued-bytes``): the step waits for one to end or be queued past
         that."""
         while (len(self._deliveries) - self._queued_sends >= HANDOFF_SENDS_MAX or self._queued_sends >= HANDOFF_QUEUED_MAX
-               or self._queued_send_bytes >= self.cfg.handoff_buffer_bytes):  # fmt: skip
+               or self._queued_send_bytes >= self.cfg.handoff_queued_bytes):  # fmt: skip
             self.counters["handoff.waited_for_send"] += 1
             self._send_room.clear()
             await self._send_room.wait()

@@ -1079,7 +1079,7 @@ async def test_hand_offs_waiting_in_a_full_decode_nodes_queue_do_not_hold_up_the
     """Review 55 M1: the step loop waits when ``HANDOFF_SENDS_MAX`` hand-offs are being sent; those waiting in a full
     decode node's queue counted, so it waited up to ``--handoff-queue-wait-s`` (30 s) and every other request's
     first token with it (15 of a burst and the next probe: 30.5-31.6 s). Now queued ones count apart, bounded by
-    ``HANDOFF_QUEUED_MAX`` and their bytes by ``--handoff-buffer-bytes``: a hand-off to another decode node goes."""
+    ``HANDOFF_QUEUED_MAX`` and their bytes by ``--handoff-queued-bytes``: a hand-off to another decode node goes."""
     import time
 
     from services.worker import service as ws
@@ -1116,10 +1116,10 @@ async def test_hand_offs_waiting_in_a_full_decode_nodes_queue_do_not_hold_up_the
     with pytest.raises(TimeoutError):  # bounded: HANDOFF_QUEUED_MAX waiting, the step waits
         await asyncio.wait_for(p._handoff_aside(HandOff("e0", "e", _work("e0"), 0.0)), 0.2)
     monkeypatch.setattr(ws, "HANDOFF_QUEUED_MAX", 16)
-    p.cfg = msgspec.structs.replace(p.cfg, handoff_buffer_bytes=210_000)
+    p.cfg = msgspec.structs.replace(p.cfg, handoff_queued_bytes=210_000)
     with pytest.raises(TimeoutError):  # and by their bytes
         await asyncio.wait_for(p._handoff_aside(HandOff("e0", "e", _work("e0"), 0.0)), 0.2)
-    p.cfg = msgspec.structs.replace(p.cfg, handoff_buffer_bytes=hk.CHUNK_CAP_BYTES)
+    p.cfg = msgspec.structs.replace(p.cfg, handoff_queued_bytes=hk.CHUNK_CAP_BYTES)
     await asyncio.wait_for(p._handoff_aside(HandOff("e1", "e", _work("e1"), 0.0)), 2.0)  # another decode node: goes
     for _ in range(2000):
         if p.counters["requests.handed_off"] == 1:
