@@ -506,6 +506,9 @@ class WorkerService:
         :meth:`_deliver_aside` tasks: a drain waits for them as for :attr:`_handing_off` (a step's requests have left
         the core by then)."""
         self._deliveries: set[asyncio.Task[None]] = set()
+        self._bound_sends: set[str] = set()
+        """rids whose :meth:`_hand_off_bound` task is sending their hand-off (:meth:`_handoff`): an abort stops it, as it
+        stops one of :attr:`_deliveries`."""
         self._queued_sends = 0
         """Hand-offs of :attr:`_deliveries` (and :meth:`_handoff`'s) waiting in a decode node's queue for room, not yet
         admitted (:data:`HANDOFF_QUEUED_MAX`)."""
@@ -1153,10 +1156,10 @@ class WorkerService:
             # and its place in the queue for room (before, it was admitted ahead of live hand-offs: review 55)
             self._arm_kv_timer()
         delivery = self._handing_off.get(msg.rid)
-        if held is not None and delivery in self._deliveries:
-            # its hand-off is going out from here (a step's, beside the step loop): stopped, and its K/V freed on the
-            # decode node (_send_kv's KvCancel drops its ticket there too). Before, it went on waiting in the decode
-            # node's queue up to --handoff-queue-wait-s and was admitted ahead of live ones (review 55)
+        if held is not None and (delivery in self._deliveries or msg.rid in self._bound_sends):
+            # its hand-off is going out from here (a step's beside the step loop, or after its binding): stopped, and
+            # its K/V freed on the decode node (_send_kv's KvCancel drops its ticket there too). Before, it went on
+            # waiting in the decode node's queue up to --handoff-queue-wait-s and was admitted ahead of live ones
             assert delivery is not None
             delivery.cancel()
             self.counters["handoff.aborted"] += 1
@@ -1728,7 +1731,11 @@ class WorkerService:
             if isinstance(out, TokensOut):
                 await self._emit_tokens(out, now)
             elif isinstance(out, HandOff):
-                await self._handoff(out)
+                self._bound_sends.add(rid)
+                try:
+                    await self._handoff(out)
+                finally:
+                    self._bound_sends.discard(rid)
 
     def _start_transfers(self) -> None:
         """Real-bytes mode: move the bytes of every fetch the core started (Mooncake)."""
