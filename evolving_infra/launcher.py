@@ -233,7 +233,7 @@ def _add_cluster_args(
         default=None,
         metavar="FILE",
         help="API keys the router accepts, one per line (# comments), with EI_API_KEYS's: every request then needs "
-        "'Authorization: Bearer <key>' (401 otherwise) except /healthz, /health, /ping, /metrics (default: EI_API_KEYS_FILE, "
+        "'Authorization: Bearer <key>' (401 otherwise) except /livez, /healthz, /health, /ping, /metrics (default: EI_API_KEYS_FILE, "
         "EI_API_KEYS; neither = open)",
     )
     g.add_argument("--partition", default="p0", help="partition name; subjects live under ei.<partition>. (default p0)")
@@ -772,7 +772,7 @@ def api_keys_line(args: argparse.Namespace, port: int | None = None) -> str | No
                                           ("EI_API_KEYS", bool(os.environ.get("EI_API_KEYS", "").strip()))) if on)  # fmt: skip
     env_paths = os.environ.get("EI_API_KEY_PUBLIC_PATHS")
     if env_paths is None:
-        public = "/healthz, /health, /ping, /metrics; EI_API_KEY_PUBLIC_PATHS=P1,P2 sets others"
+        public = "/livez, /healthz, /health, /ping, /metrics; EI_API_KEY_PUBLIC_PATHS=P1,P2 sets others"
     else:
         paths = [q for q in (p.strip() for p in env_paths.split(",")) if q]
         public = (", ".join(paths) or "none") + " from EI_API_KEY_PUBLIC_PATHS"

@@ -290,7 +290,7 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     ] = ""
     api_key_public_paths: Annotated[
         list[str], Meta(description="paths served without an API key, comma-separated")
-    ] = msgspec.field(default_factory=lambda: ["/healthz", "/health", "/ping", "/metrics"])
+    ] = msgspec.field(default_factory=lambda: ["/livez", "/healthz", "/health", "/ping", "/metrics"])
     api_key_max_inflight: Annotated[
         int, Meta(ge=0, description="requests one API key may have in flight (streams until they end); one more gets 429; 0 = unlimited")
     ] = 256

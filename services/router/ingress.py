@@ -1,7 +1,7 @@
 """Router ingress guards: API keys, per-key concurrency, header read timeout (issue 18).
 
 * :class:`IngressGuard` (ASGI middleware): with API keys configured, every path
-  except the public ones (``/healthz``, ``/health``, ``/ping``, ``/metrics`` by default)
+  except the public ones (``/livez``, ``/healthz``, ``/health``, ``/ping``, ``/metrics`` by default)
   needs ``Authorization: Bearer <key>``; a missing or unknown key gets 401 with
   ``WWW-Authenticate: Bearer``; ``Authorization`` sent twice with different values gets 400
   (:func:`authorization_of`: which one counts would be a guess); each body is the API's
@@ -183,7 +183,7 @@ class IngressGuard:
             (400, 401, 429) before it is answered (the router's ``--log-requests`` line); never given the key.
     """
 
-    def __init__(self, app: ASGIApp, keys: Iterable[str], *, public_paths: Iterable[str] = ("/healthz", "/health", "/ping", "/metrics"),
+    def __init__(self, app: ASGIApp, keys: Iterable[str], *, public_paths: Iterable[str] = ("/livez", "/healthz", "/health", "/ping", "/metrics"),
                  max_inflight: int = 0, counters: Counter[str] | None = None,
                  on_refused: Callable[[Scope, int, str], None] | None = None) -> None:
         self.app = app

@@ -17,6 +17,9 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
                                        else 503 with the reason ("router draining" during a SIGTERM's drain,
                                        ``--shutdown-grace-s``; "router stopping" during the stop)
 ``GET /ping``, ``POST /ping``          the same answer (vLLM's: the SageMaker-style health check, GET or POST)
+``GET /livez``                         liveness: 200 ``{"status": "ok"}`` whenever the HTTP server answers, draining
+                                       and stopping included (a liveness probe on ``/healthz`` restarted a draining
+                                       router, failing its open streams); nothing else is checked
 ``GET /v1/cluster``                    nodes, phases, state ages, fencing, in-flight counts, the clock's speedup
 ``GET /metrics``                       Prometheus text format (``services/router/prom.py`` lists the metrics)
 ``POST /v1/branches/{id}/end``         end an agent branch (publishes ``BranchEnd``)
@@ -408,7 +411,8 @@ def _peer_fields(scope: Scope) -> dict[str, str]:
 
 
 HTTP_ENDPOINTS = frozenset({
-    "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/cluster", "/healthz", "/health", "/ping", "/metrics",
+    "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/cluster", "/livez", "/healthz", "/health", "/ping",
+    "/metrics",
     "/version", "/tokenize", "/detokenize", "/docs", "/openapi.json",
 })  # fmt: skip
 """Paths counted under their own ``endpoint`` label in ``ei_router_http_responses_total`` (:func:`endpoint_label`)."""
@@ -3033,6 +3037,7 @@ class RouterService(WatchedService):
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self._model, methods=["GET"]),  # OpenAI's models.retrieve
+                Route("/livez", self._livez, methods=["GET"]),  # liveness: 200 while HTTP answers (draining too)
                 Route("/healthz", self._healthz, methods=["GET"]),
                 Route("/health", self._healthz, methods=["GET"]),  # the name guidellm and vLLM use
                 Route("/ping", self._healthz, methods=["GET", "POST"]),  # vLLM's /ping (SageMaker's check): /health's answer
@@ -3201,6 +3206,13 @@ class RouterService(WatchedService):
         if model and model not in self._model_names:
             served = ", ".join(map(repr, self._served_names))
             raise api.ApiError(404, f"model {model[:256]!r} not found; this router serves {served}", param="model")
+
+    async def _livez(self, request: Request) -> Response:
+        """``GET /livez``: liveness, 200 ``{"status": "ok"}`` whenever this HTTP server answers, also while the router
+        drains (SIGTERM, ``--shutdown-grace-s``), stops, or has NATS down or no node to place on: what a liveness
+        probe (Kubernetes' ``livenessProbe``) reads. ``/healthz`` is readiness (503 through a drain): a liveness probe
+        on it restarted a draining router and failed the streams the drain was finishing. Public with API keys."""
+        return self._json({"status": "ok"})
 
     async def _healthz(self, request: Request) -> Response:
         """``/healthz``, ``/health``, ``/ping`` (GET or POST, as vLLM's, whose ``/ping`` answers as its ``/health``

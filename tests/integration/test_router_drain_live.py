@@ -146,6 +146,10 @@ async def test_sigterm_drains_open_streams_and_refuses_new_requests(nats_url, tm
             assert time.monotonic() < deadline, "healthz still 200 after SIGTERM"
             await asyncio.sleep(0.02)
         assert hz.status_code == 503 and hz.json()["error"]["message"] == "router draining"
+        # liveness stays 200 through the drain: a liveness probe on /livez leaves the drain to finish (one on the
+        # readiness /healthz, the only health path before, restarted the router mid-drain and failed its streams)
+        lz = await http.get("/livez")
+        assert lz.status_code == 200 and lz.json() == {"status": "ok"}, lz.text
         r = await http.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
         assert r.status_code == 503 and "router draining" in r.json()["error"]["message"] and r.headers["retry-after"] == "1"
         # Prometheus sees the drain's refusal (before: only /v1/stats' JSON had it), and the other counters this

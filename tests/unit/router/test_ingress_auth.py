@@ -109,3 +109,18 @@ def test_the_readmes_key_id_recipe_gives_the_routers_id_with_the_salt_off_its_co
     out = subprocess.run([sys.executable, "-c", recipes[0], str(salt_file)], input=b"k-ops", capture_output=True,
                          check=True, timeout=60).stdout.decode()  # fmt: skip
     assert out == ingress.key_id("k-ops") + "\n"
+
+
+async def test_livez_is_public_by_default_as_the_readiness_paths_are():
+    """``/livez`` (the router's liveness, 200 through a drain) is what a Kubernetes liveness probe reads, and a probe
+    sends no key: with API keys on, the guard's default public paths and the router's ``--api-key-public-paths``
+    default both hold it (a 401 there would read as dead and restart the router), and it is counted under its own
+    ``endpoint`` label, not ``other``."""
+    from services.router.config import RouterConfig
+    from services.router.service import endpoint_label
+
+    guard = IngressGuard(_ok, ["good"])
+    assert (await _call(guard, [], path="/livez"))[0] == 200
+    assert (await _call(guard, [], path="/v1/completions"))[0] == 401
+    assert "/livez" in RouterConfig().api_key_public_paths
+    assert endpoint_label("/livez") == "/livez"

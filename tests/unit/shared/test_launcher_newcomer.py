@@ -216,7 +216,7 @@ def test_api_keys_line_names_the_public_paths_in_effect_and_how_up_sets_them(tmp
     _spec(args)
     line = api_keys_line(args)
     assert line is not None and "--api-key-public-paths" not in line
-    assert "(/healthz, /health, /ping, /metrics; EI_API_KEY_PUBLIC_PATHS=P1,P2 sets others)" in line
+    assert "(/livez, /healthz, /health, /ping, /metrics; EI_API_KEY_PUBLIC_PATHS=P1,P2 sets others)" in line
     with pytest.raises(SystemExit):  # what the old line told the user to pass
         build_parser("up").parse_args(["up", "--api-key-public-paths", "/health"])
     monkeypatch.setenv("EI_API_KEY_PUBLIC_PATHS", "/health, /healthz")
