@@ -82,3 +82,49 @@ def test_api_keys_reach_the_router_and_only_the_router():
     env = {k: v for k, v in os.environ.items() if k != "EI_API_KEYS"}
     unset = re.findall(r"^      EI_API_KEYS:(.*)$", resolved_services(env)["router"], re.M)
     assert unset in ([], [" ''"]), unset  # open by default (empty = no keys)
+
+
+def test_api_keys_can_reach_the_router_as_a_file_secret_not_in_its_environment():
+    """Keys in ``EI_API_KEYS`` are in the router container's configuration: ``docker inspect`` shows them to anyone
+    who may talk to the Docker daemon, and compose had no other way to pass them (the router's ``EI_API_KEYS_FILE``
+    was not in its environment list). ``EI_API_KEYS_FILE`` now passes through, and ``deploy/docker/compose-api-keys.yml``
+    mounts a keys file as a compose secret and points the router at it: the router's configuration holds the path,
+    never a key, and no other service gets either. Resolved by ``docker-compose config`` (no engine needed)."""
+    import os
+    import shutil
+
+    import pytest
+
+    if shutil.which("docker-compose") is None:
+        pytest.skip("needs docker-compose (Debian package; .ci/run installs it)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEYS")}
+    services = resolved_services(dict(env, EI_API_KEYS_FILE="/keys/api-keys.txt"))
+    assert re.search(r"^      EI_API_KEYS_FILE: /keys/api-keys.txt$", services["router"], re.M), services["router"]
+    assert sorted(n for n, text in services.items() if n != "router" and "EI_API_KEYS" in text) == []
+    unset = re.findall(r"^      EI_API_KEYS_FILE:(.*)$", resolved_services(env)["router"], re.M)
+    assert unset in ([], [" ''"]), unset  # empty: no file (the router reads none)
+
+    secret = "k-not-in-the-config-0123456789"
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        keys = Path(d) / "api-keys.txt"
+        keys.write_text(f"{secret}\n")
+        out = subprocess.run(["docker-compose", "-f", str(REPO / "docker-compose.yml"), "-f",
+                              str(REPO / "deploy" / "docker" / "compose-api-keys.yml"), "config"],
+                             env=dict(env, EI_API_KEYS_SECRET=str(keys)), capture_output=True, text=True, timeout=60, check=True).stdout
+    import yaml
+
+    doc = yaml.safe_load(out)
+    router = doc["services"]["router"]
+    assert router["environment"]["EI_API_KEYS_FILE"] == "/run/secrets/ei_api_keys", router["environment"]
+    assert [s["source"] if isinstance(s, dict) else s for s in router["secrets"]] == ["ei_api_keys"], router["secrets"]
+    assert doc["secrets"]["ei_api_keys"]["file"] == str(keys), doc["secrets"]
+    assert secret not in out  # the keys stay in the file
+    assert [n for n, svc in doc["services"].items() if n != "router" and ("secrets" in svc or "EI_API_KEYS_FILE" in str(svc))] == []
+    # without the file named, compose refuses with the variable's name rather than mounting nothing
+    bad = subprocess.run(["docker-compose", "-f", str(REPO / "docker-compose.yml"), "-f",
+                          str(REPO / "deploy" / "docker" / "compose-api-keys.yml"), "config"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "EI_API_KEYS_SECRET" in bad.stderr, bad.stderr
