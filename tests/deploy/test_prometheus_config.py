@@ -1,5 +1,6 @@
 """``deploy/prometheus/prometheus.yml`` scrapes every service ``docker-compose.yml`` runs, on the
-metrics port the compose file gives it (no docker needed: both files are read as text).
+metrics port the compose file gives it (no docker needed: both files are read as text); the Slurm README's
+Prometheus snippet is one Prometheus loads (``promtool check config``) and finds the job's targets file by.
 
 Every Evolving Infra service of the compose file (``command: ["<service>", ...]`` for router,
 planner, kvdirectory, worker, whatever its engine) serves ``/metrics`` on
@@ -10,8 +11,14 @@ service) on that port.
 
 from __future__ import annotations
 
+import fnmatch
 import re
+import shutil
+import subprocess
+import textwrap
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 EI_SERVICES = {"router", "planner", "kvdirectory", "worker"}
@@ -128,3 +135,68 @@ def test_api_keys_can_reach_the_router_as_a_file_secret_not_in_its_environment()
                           str(REPO / "deploy" / "docker" / "compose-api-keys.yml"), "config"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "EI_API_KEYS_SECRET" in bad.stderr, bad.stderr
+
+
+FILE_SD_NAME = re.compile(r"^[^*]*(\*[^/]*)?\.(json|yml|yaml|JSON|YML|YAML)$")
+"""Prometheus's own rule for a ``file_sd_configs`` path (``discovery/file``'s ``patFileSDName``): a ``*`` only in its
+last part, and a .json/.yml/.yaml name; any other path and Prometheus refuses its config ("is not valid for file
+discovery") and does not start."""
+
+
+def yaml_blocks(text: str) -> list[str]:
+    """The fenced ```yaml blocks of a Markdown text (a list item's indented ones too), dedented."""
+    return [textwrap.dedent(body) for _, body in re.findall(r"^( *)```yaml\n(.*?)^\1```", text, re.M | re.S)]
+
+
+def file_sd_paths(text: str) -> list[str]:
+    """Every path a ``files: [...]`` list in ``text`` gives (block YAML, or the flow form of a comment)."""
+    return [p.strip().strip("'\"") for group in re.findall(r"files: \[([^\]]*)\]", text) for p in group.split(",") if p.strip()]
+
+
+def test_the_file_sd_paths_the_docs_give_are_ones_prometheus_accepts_and_find_the_slurm_job_s_file():
+    """Before, the Slurm README's snippet was ``files: [".../runs/slurm-*/prometheus-targets.json"]``: a glob in a
+    folder's name, which Prometheus refuses (``promtool check config``: "is not valid for file discovery"), so a
+    Prometheus set up from it did not start. Now the job also writes its list to one flat folder,
+    ``runs/prometheus-targets/slurm-<jobid>.json`` (``deploy/slurm/evolving-infra.sbatch``; the file itself is
+    checked by ``tests/deploy/test_slurm_supervision.py``), and every path the docs give is one Prometheus takes."""
+    slurm = (REPO / "deploy" / "slurm" / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
+    paths = {doc: file_sd_paths(text) for doc, text in (("deploy/slurm/README.md", slurm), ("README.md", readme))}
+    assert all(paths.values()), paths
+    for doc, found in paths.items():
+        for path in found:
+            assert FILE_SD_NAME.match(path), (doc, path)
+    # the Slurm job's file, by the glob both docs give: runs/prometheus-targets/slurm-<jobid>.json
+    job_file = "/shared/evolving-infra/runs/prometheus-targets/slurm-4242.json"
+    for doc in ("deploy/slurm/README.md", "README.md"):
+        assert any(fnmatch.fnmatchcase(job_file, p) for p in paths[doc] if "prometheus-targets" in p), (doc, paths[doc])
+    sbatch = (REPO / "deploy" / "slurm" / "evolving-infra.sbatch").read_text()
+    assert 'TARGETS_DIR=${PROMETHEUS_TARGETS_DIR:-$(dirname "$RUN")/prometheus-targets}' in sbatch
+    assert "TARGETS_FILE=$TARGETS_DIR/slurm-${SLURM_JOB_ID:-0}.json" in sbatch
+    assert 'RUN=${EI_RUN_DIR:-$EI_HOME/runs/slurm-${SLURM_JOB_ID:-0}}' in sbatch  # so: $EI_HOME/runs/prometheus-targets
+    # the rule catches what it is for: the old snippet's path
+    assert not FILE_SD_NAME.match("/shared/evolving-infra/runs/slurm-*/prometheus-targets.json")
+
+
+def test_promtool_loads_the_slurm_readme_s_prometheus_config(tmp_path):
+    """``promtool check config`` on each YAML block of ``deploy/slurm/README.md`` that configures Prometheus (the
+    Metrics section's ``scrape_configs``), as Prometheus would load it; the old snippet's path fails the same check."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        # as tests/deploy/test_prometheus_alerts.py: apt-get download prometheus && dpkg-deb -x prometheus_*.deb D
+        pytest.skip("needs promtool on PATH (Prometheus's release archive, or Debian's prometheus package)")
+    blocks = [b for b in yaml_blocks((REPO / "deploy" / "slurm" / "README.md").read_text()) if "scrape_configs:" in b]
+    assert blocks, "no Prometheus config in deploy/slurm/README.md"
+
+    def check(tmp: Path, text: str) -> subprocess.CompletedProcess[str]:
+        tmp.mkdir()
+        (tmp / "prometheus.yml").write_text(text)
+        return subprocess.run([promtool, "check", "config", str(tmp / "prometheus.yml")], capture_output=True, text=True, timeout=60)
+
+    for k, block in enumerate(blocks):
+        out = check(tmp_path / str(k), block)
+        assert out.returncode == 0 and "SUCCESS" in out.stdout, block + out.stdout + out.stderr
+    old = blocks[0].replace("runs/prometheus-targets/*.json", "runs/slurm-*/prometheus-targets.json")
+    assert old != blocks[0], blocks[0]
+    out = check(tmp_path / "old", old)
+    assert out.returncode != 0 and "is not valid for file discovery" in out.stdout + out.stderr, out.stdout + out.stderr

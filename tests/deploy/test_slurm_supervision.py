@@ -316,6 +316,12 @@ def test_the_job_runs_up_s_policy_set_and_each_service_has_its_own_metrics_port(
         (nats,) = [pid for pid, cmd in job_pids(job.run).items() if "nats-server" in cmd and "nats.conf" in cmd and not cmd.startswith("env ")]
         assert b"GOMEMLIMIT=512MiB" in Path(f"/proc/{nats}/environ").read_bytes().split(b"\0")
         targets = json.loads((job.run / "prometheus-targets.json").read_text())
+        # and the same list in the one flat folder a Prometheus file_sd glob can name (beside the run folder:
+        # runs/prometheus-targets/slurm-<jobid>.json): Prometheus refuses runs/slurm-*/prometheus-targets.json
+        flat = tmp_path / "prometheus-targets"
+        assert [p.name for p in flat.iterdir()] == ["slurm-4242.json"], list(flat.iterdir())
+        assert json.loads((flat / "slurm-4242.json").read_text()) == targets
+        assert f'Prometheus file_sd: {flat}/slurm-4242.json (files: ["{flat}/*.json"])' in job.text(), job.text()
         by_service = [(t["labels"]["service"], t["labels"].get("node"), t["targets"]) for t in targets]
         assert by_service == [
             ("kvdirectory", None, [f"127.0.0.1:{base}"]), ("planner", None, [f"127.0.0.1:{base + 1}"]),
@@ -334,6 +340,7 @@ def test_the_job_runs_up_s_policy_set_and_each_service_has_its_own_metrics_port(
         os.kill(job.proc.pid, signal.SIGTERM)
         assert job.proc.wait(60) == 0, job.text()
         assert json.loads((job.run / "prometheus-targets.json").read_text()) == [], job.text()
+        assert list(flat.iterdir()) == [], list(flat.iterdir())  # removed: the folder holds running jobs' lists only
     finally:
         job.close()
 
