@@ -3,7 +3,9 @@
 # localhost), the repository's sbatch script submitted with --nodes=3, a replay of real Claude Code
 # sessions against its router, then `scancel --batch --signal=TERM` (the documented drain): every process of the
 # job must be gone.
-# Needs root and `apt-get install slurmctld slurmd slurm-client munge`; uses the project's .venv.
+# Needs root and `apt-get install slurmctld slurmd slurm-client munge`; uses the project's .venv. Slurm's daemons and
+# a munged of its own (its socket in the run's folder: the system's munged, or another run's, is neither needed nor
+# touched) are stopped at exit, whatever the outcome.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -20,7 +22,8 @@ chmod 755 "$D"
 export SLURM_CONF=$D/slurm.conf
 read -r CTLD_PORT P1 P2 P3 ROUTER_PORT NATS_PORT <<<"$(free_ports 6)"
 log() { echo "[slurm-smoke $(date +%H:%M:%S)] $*"; }
-mkdir -p "$D/state" "$D/spool"
+mkdir -p "$D/state" "$D/spool" "$D/munge"
+MUNGE_SOCKET=$D/munge/munge.socket
 cat >"$SLURM_CONF" <<CONF
 ClusterName=eismoke
 SlurmctldHost=localhost
@@ -29,6 +32,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+AuthInfo=socket=$MUNGE_SOCKET
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -57,17 +61,26 @@ cleanup() {
     sleep 1
     for f in "$D"/slurmd-*.pid "$D"/slurmctld.pid; do [ -f "$f" ] && kill "$(cat "$f")" 2>/dev/null; done
     for p in $(grep -lzx "EI_RUN_DIR=$D/run" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do kill -9 "$p" 2>/dev/null; done
+    # this run's munged, last (slurmctld and slurmd use it to their end). Before, the script started the system's
+    # munged when none ran and left it running after every run
+    if [ -s "$D/munge/munged.pid" ]; then
+        local m
+        m=$(cat "$D/munge/munged.pid")
+        kill "$m" 2>/dev/null
+        for _ in $(seq 50); do kill -0 "$m" 2>/dev/null || break; sleep 0.1; done
+    fi
     rm -rf "$D"
 }
 trap cleanup EXIT
 trap 'exit 1' TERM INT
 
-if ! munge -n >/dev/null 2>&1; then  # Debian's munge package; the key is made at install
-    log "munged"
-    mkdir -p /run/munge /var/log/munge /var/lib/munge
-    chown munge:munge /run/munge /var/log/munge /var/lib/munge
-    runuser -u munge -- /usr/sbin/munged
-fi
+# munged (Debian's; its key, /etc/munge/munge.key, is made at install) on a socket of this run's (slurm.conf's
+# AuthInfo): its folder the munge user's, 0711 (munged wants the socket's folder executable by all)
+log "munged (socket $MUNGE_SOCKET)"
+chown munge:munge "$D/munge"
+chmod 711 "$D/munge"
+runuser -u munge -- /usr/sbin/munged --socket="$MUNGE_SOCKET" --pid-file="$D/munge/munged.pid" \
+    --log-file="$D/munge/munged.log" --seed-file="$D/munge/munged.seed"
 log "slurmctld + slurmd n1 n2 n3 (conf $SLURM_CONF)"
 slurmctld -i
 for n in n1 n2 n3; do slurmd -N "$n"; done

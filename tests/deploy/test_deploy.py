@@ -16,6 +16,7 @@ They need root and the Debian packages ``.ci/run`` installs; without them they s
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,11 +35,26 @@ def _need(*commands: str) -> None:
         pytest.skip(f"needs {', '.join(missing)} (Debian packages; .ci/run installs them)")
 
 
-def _run(script: str, timeout_s: float) -> None:
+def _run(script: str, timeout_s: float) -> str:
+    """Run ``script`` (from the repository's root) and return its output; it must exit 0."""
     env = dict(os.environ, PY=sys.executable, EI=str(Path(sys.executable).with_name("evolving-infra")))
     proc = subprocess.run([str(REPO / script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     print(proc.stdout[-6000:], proc.stderr[-3000:])
     assert proc.returncode == 0, f"{script} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-2000:]}"
+    return proc.stdout
+
+
+def _naming(text: str) -> dict[int, str]:
+    """Running processes whose command line contains ``text``: pid -> command line."""
+    out = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd and int(d.name) != os.getpid():
+            out[int(d.name)] = cmd
+    return out
 
 
 @pytest.mark.slow
@@ -51,5 +67,11 @@ def test_compose_stack_replays_claude_code_sessions_and_down_leaves_nothing():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_slurm_job_over_three_nodes_serves_a_replay_and_scancel_stops_it():
+    """Also: the script runs a munged of its own (its socket in the run's folder, slurm.conf's ``AuthInfo``) and
+    stops it with Slurm's daemons. Before, it started the system's munged when none ran and left it running after
+    every run (a later run, another cluster's test, found it and never stopped it either)."""
     _need("slurmctld", "slurmd", "sbatch", "munged", "curl")
-    _run("deploy/slurm/smoke.sh", 800)
+    out = _run("deploy/slurm/smoke.sh", 800)
+    m = re.search(r"munged \(socket (/\S+)/munge/munge\.socket\)", out)
+    assert m, out[-3000:]
+    assert _naming(m.group(1)) == {}, _naming(m.group(1))  # its munged (--socket=<run>/munge/...) and slurm* gone
