@@ -632,12 +632,21 @@ class ClusterSim:
         pop = heapq.heappop
         flights = self.flights
         parked = self.parked
+        # ReplayCore.next_time read inline from its heaps (no call per event); a ScheduledReplay is asked
+        arrivals, due = replay.due_heaps() if type(replay) is ReplayCore else (None, None)
         while True:
             if not flights and not parked and replay.done:
                 break  # every agent finished: only planner ticks / relaunches would follow
             if progress is not None and not stats.events & 255:
                 progress(self.now, len(self.records))
-            t_rep = replay.next_time()
+            if arrivals is None:
+                t_rep = replay.next_time()
+            elif arrivals:
+                t_rep = arrivals[0][0]
+                if due and due[0][0] < t_rep:
+                    t_rep = due[0][0]
+            else:
+                t_rep = due[0][0] if due else None
             if heap and (t_rep is None or heap[0][0] < t_rep):
                 t, _, kind, a, b = pop(heap)
                 stats.events += 1

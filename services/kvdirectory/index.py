@@ -596,7 +596,10 @@ class BlockIndex:
             else:
                 r = self._fresh_run(hashes, parent, pr, bits)
                 if r is not None:
-                    self._settle(r)
+                    # _settle only when it can join: a fresh run has no children, so only with
+                    # its parent's run, alike and with r its only child (a frame saved otherwise)
+                    if parent is not None and (a := where[parent]).pc == bits and len(a.children) == 1:
+                        self._settle(r)
                     cnt[tier] += k
                     return hashes[:]
         newly: list[int] = []
@@ -662,13 +665,40 @@ class BlockIndex:
                 s = r if j == 0 and m == len(keys) else self._isolate(r, j, j + m)
                 s.pc |= bits
                 p = s.parent  # the parent's completeness inline (_parent_comp)
-                touched.append(self._set_comp(s, s.pc & (-1 if p is None else 0 if p is UNKNOWN else -where[p][0])))
+                c = s.pc & (-1 if p is None else 0 if p is UNKNOWN else -where[p][0])
+                if c != -s[0]:  # _set_comp's leaf case inline (no frame: the usual run has no children)
+                    if s.children is None:
+                        s[0] = -c
+                    else:
+                        self._set_comp(s, c)
+                touched.append(s)
                 newly.extend(hashes[i : i + m])
                 cnt[tier] += m
             prev = hashes[i + m - 1]
             i += m
-        for r in touched:
-            self._settle(r)
+        for t in touched:  # _settle inline: a frame per run costs more than its usual no-op
+            r = t
+            while not r.keys:
+                r = r.fwd
+                if r is None:
+                    break
+            else:
+                while True:
+                    p = r.parent
+                    if p is None or p is UNKNOWN:
+                        break
+                    a = where[p]
+                    if a.pc != r.pc or len(a.children) != 1 or a is r:
+                        break
+                    r = self._join(a, r)
+                while True:
+                    ch = r.children
+                    if ch is None or len(ch) != 1:
+                        break
+                    (c,) = ch.values()
+                    if c.pc != r.pc or c is r:  # (a cycle: only inconsistent parent reports make one)
+                        break
+                    r = self._join(r, c)
         return newly
 
     def store_written_through(self, node: int, hashes: Sequence[int], parent: int | None) -> list[int] | None:
@@ -707,8 +737,8 @@ class BlockIndex:
                 return None
         if parent is not None and (pr is None or pr.pc == 0):
             self.counters["stored.without_parent"] += 2  # both calls count it (the first's placeholder has pc 0)
-        if r is not None:
-            self._settle(r)
+        if r is not None and parent is not None and (a := where[parent]).pc == bits and len(a.children) == 1:
+            self._settle(r)  # only when it can join (see store's fresh run)
         cnt = self.copies[node]
         cnt[GPU] += k
         cnt[HOST] += k
@@ -788,14 +818,41 @@ class BlockIndex:
                 s = r if a == 0 and b == last + 1 else self._isolate(r, a, b)
                 s.pc = pc
                 p = s.parent
-                touched.append(self._set_comp(s, pc & (-1 if p is None else 0 if p is UNKNOWN else -where[p][0])))
+                c = pc & (-1 if p is None else 0 if p is UNKNOWN else -where[p][0])
+                if c != -s[0]:  # _set_comp's leaf case inline (no frame: the usual run has no children)
+                    if s.children is None:
+                        s[0] = -c
+                    else:
+                        self._set_comp(s, c)
+                touched.append(s)
         if removed is None:
             removed = hashes  # every block was removed: the list itself (not a copy: the caller reads it)
         if unknown:
             self.counters["removed.unknown_blocks"] += unknown
         self.copies[node][tier] -= len(removed)
-        for r in touched:
-            self._settle(r)
+        for t in touched:  # _settle inline: a frame per run costs more than its usual no-op
+            r = t
+            while not r.keys:
+                r = r.fwd
+                if r is None:
+                    break
+            else:
+                while True:
+                    p = r.parent
+                    if p is None or p is UNKNOWN:
+                        break
+                    a = where[p]
+                    if a.pc != r.pc or len(a.children) != 1 or a is r:
+                        break
+                    r = self._join(a, r)
+                while True:
+                    ch = r.children
+                    if ch is None or len(ch) != 1:
+                        break
+                    (c,) = ch.values()
+                    if c.pc != r.pc or c is r:  # (a cycle: only inconsistent parent reports make one)
+                        break
+                    r = self._join(r, c)
         return removed
 
     def clear(self, node: int, tier: int | None) -> list[tuple[int, list[int]]]:

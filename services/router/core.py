@@ -168,6 +168,8 @@ class RouterCore:
         self._unbound: dict[str, RouteRequest] = {}
         """rid → request, dispatched to a prefill node with its decode node still to bind."""
         self.policy = policy
+        self._on_state = policy.state_hook()
+        """``policy.on_state`` or what it forwards to (:meth:`RoutingPolicy.state_hook`): called per applied state."""
         self.block_size = block_size
         self.view = NodeLoadView(fence_after=fence_after, clock=state_clock, wall_per_s=state_wall_per_s)
         self.metrics = RouteMetrics()
@@ -180,10 +182,11 @@ class RouterCore:
     def apply_state(self, state: NodeState, now: float) -> bool:
         """See :meth:`NodeLoadView.apply_state` (True = node let back in); the policy sees the state too, unless the
         view skipped it (a superseded process's, :attr:`NodeLoadView.superseded_states`)."""
-        skipped = self.view.superseded_states
-        back = self.view.apply_state(state, now)
-        if self.view.superseded_states == skipped:
-            self.policy.on_state(state, now)
+        view = self.view
+        skipped = view.superseded_states
+        back = view.apply_state(state, now)
+        if view.superseded_states == skipped:
+            self._on_state(state, now)
         return back
 
     def apply_models(self, msg: PlannerModels, now: float) -> int:

@@ -200,6 +200,12 @@ class RoutingPolicy(abc.ABC):
     def on_state(self, state: NodeState, now: float) -> None:
         """A node's :class:`NodeState` arrived (after the node view applied it)."""
 
+    def state_hook(self) -> Callable[[NodeState, float], None]:
+        """What ``RouterCore`` calls with each state it applies, ``(state, now)``, resolved once when the
+        core is made: :meth:`on_state` here; a policy whose ``on_state`` only forwards may return its
+        target (one call frame less per state)."""
+        return self.on_state
+
     def on_dispatch(self, req: RouteRequest, choice: PrefillChoice, decode_node: str | None, now: float) -> None:
         """``req`` was placed on ``choice.node`` (and bound to ``decode_node``) and is being sent."""
 

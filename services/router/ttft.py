@@ -89,7 +89,7 @@ then made by the first decision that reads the node.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import itemgetter
 from typing import Any, NamedTuple, overload
 
@@ -1315,6 +1315,11 @@ class TtftPolicy(RoutingPolicy):
 
     def on_state(self, state: NodeState, now: float) -> None:
         self.predictor.apply_state(state, now)
+
+    def state_hook(self) -> Callable[[NodeState, float], None]:
+        """The predictor's ``apply_state`` itself (what :meth:`on_state` does), unless a subclass
+        overrides :meth:`on_state`."""
+        return self.predictor.apply_state if type(self).on_state is TtftPolicy.on_state else self.on_state
 
     def on_dispatch(self, req: RouteRequest, choice: PrefillChoice, decode_node: str | None, now: float) -> None:
         chosen = self._chosen

@@ -257,6 +257,11 @@ class _BlockView:
 
 
 _NONE: tuple[tuple[int, int], ...] = ()
+
+_new = object.__new__
+"""``_new(C)``: an instance of a ``__slots__`` class ``C`` with no slot set (C-level, no ``__init__``
+frame): the hot sites that make :class:`_GpuRun` / :class:`_HostRun` (~10,000 a 600-s simulated run) set
+every slot themselves."""
 """No counted interval (:attr:`_GpuRun.counted`): one shared empty tuple, replaced, never changed."""
 
 _SECOND = itemgetter(1)
@@ -763,7 +768,14 @@ class GpuBlockPool:
         ends = self.ends
         if m == 0:
             parent = None
-            run = _GpuRun(new[:], 0, None, 1)  # the event keeps its own list
+            run = _new(_GpuRun)  # _GpuRun(new[:], 0, None, 1) without its __init__ frame: every slot set here
+            run.keys = new[:]  # the event keeps its own list
+            run.depth = 0
+            run.parent = None
+            run.children = None
+            run.ref = 1
+            run.prev = run.next = None
+            run.counted = _NONE
             self.roots[new[0]] = run
             ends[new[-1]] = run
         else:
@@ -774,7 +786,14 @@ class GpuBlockPool:
                 p.keys.extend(new)  # the filling request is the run's only holder: extend it
                 ends[new[-1]] = p
             else:
-                run = _GpuRun(new[:], m, p, 1)
+                run = _new(_GpuRun)  # _GpuRun(new[:], m, p, 1) without its __init__ frame: every slot set here
+                run.keys = new[:]
+                run.depth = m
+                run.parent = p
+                run.children = None
+                run.ref = 1
+                run.prev = run.next = None
+                run.counted = _NONE
                 ends[new[-1]] = run
                 if p.children is None:
                     p.children = {new[0]: run}
@@ -1310,7 +1329,13 @@ class RunHostPool:
     def _push(self, keys: list[int], depth: int, parent: int | None, group: int = 0, entering: bool = True) -> _HostRun:
         """Queue ``keys`` (parent first) as the newest run of ``group``, stamped deepest first.
         ``entering``: the pages were not queued (False: they move, already queued)."""
-        r = _HostRun(keys, depth, parent, self._stamp + 1, group)
+        r = _new(_HostRun)  # _HostRun(...) without its __init__ frame (one per run queued): every slot set here
+        r.keys = keys
+        r.depth = depth
+        r.parent = parent
+        r.stamp = self._stamp + 1
+        r.group = group
+        r.lazy = False
         self._stamp += len(keys)
         q = self.queues[group]
         h = q.head  # q.append(r), inline (one per run queued)

@@ -110,3 +110,36 @@ def test_shuffled_agent_order_is_seeded_and_a_permutation():
     assert sorted(x[0][0] for x in sends(core.poll(1e9))) == list("ABCDEFGHIJ")  # open loop: everyone, once
     with pytest.raises(ReplayError, match="order"):
         Arrival("closed", order="random")  # type: ignore[arg-type]
+
+
+def _next_from_heaps(core):
+    """What ``ClusterSim.run_to_end`` reads inline from ``due_heaps`` instead of calling ``next_time``."""
+    arrivals, due = core.due_heaps()
+    if arrivals:
+        t = arrivals[0][0]
+        return due[0][0] if due and due[0][0] < t else t
+    return due[0][0] if due else None
+
+
+def test_due_heaps_are_the_live_inputs_of_next_time():
+    reqs = [
+        R("a1", "A", "A/m", kind="main", arrival=0.0), R("a2", "A", "A/m", after=["a1"], pause=5.0, ends=True),
+        R("b1", "B", "B/m", kind="main", arrival=3.0), R("b2", "B", "B/m", after=["b1"], pause=1.0, ends=True),
+    ]
+    core = ReplayCore(reqs, Arrival("trace"), start=100.0)
+    heaps = core.due_heaps()
+    seen = []
+    now = 100.0
+    for _ in range(20):
+        t = core.next_time()
+        assert _next_from_heaps(core) == t
+        assert core.due_heaps()[0] is heaps[0] and core.due_heaps()[1] is heaps[1]  # the same lists, changed in place
+        if t is None:
+            break
+        now = max(now, t)
+        for a in core.poll(now):
+            if isinstance(a, SendRequest):
+                seen.append(a.req.id)
+                core.on_complete(a.req.agent, a.req.id, now + 2.0)
+    assert sorted(seen) == ["a1", "a2", "b1", "b2"]
+    assert core.done and core.next_time() is None and _next_from_heaps(core) is None

@@ -121,3 +121,27 @@ def test_ignore_eos_reaches_the_work():
         assert isinstance(out, RouteDecision) and out.work.ignore_eos is flag
         cont = continuation(req, [7], block_size=4, max_prompt_tokens=100)
         assert not isinstance(cont, str) and cont.ignore_eos is flag
+
+
+def test_states_reach_the_ttft_predictor_through_the_state_hook():
+    from services.router.ttft import TtftPolicy
+
+    c = core("ttft")
+    pol = c.policy
+    assert isinstance(pol, TtftPolicy)
+    assert pol.state_hook() == pol.predictor.apply_state  # no on_state frame per state
+    c.apply_state(state("w0"), 1.0)
+    assert pol.predictor._nodes["w0"].state is c.view.nodes["w0"].state
+
+    seen: list[str] = []
+
+    class Spy(TtftPolicy):  # a subclass that overrides on_state keeps getting it
+        def on_state(self, st, now):  # type: ignore[no-untyped-def]
+            seen.append(st.node)
+            super().on_state(st, now)
+
+    spy = Spy(pol.predictor, block_size=4)
+    c2 = RouterCore(spy, block_size=4, fence_after=3.0)
+    c2.apply_state(state("w1"), 1.0)
+    assert seen == ["w1"] and "w1" in spy.predictor._nodes
+    assert make_policy("cache-aware").state_hook() is not None  # the default: on_state itself
