@@ -137,11 +137,26 @@ carries no K/V (a data-less ``KvChunk``: :meth:`KvAssembler.add`), and the piece
 turn came. Before, each ask carried a whole piece (up to 8 MiB) every 0.05 s: 16 queued hand-offs sent ~460 MiB/s
 of asks (review 55)."""
 HEAD_HOLD_S = 5.0
-"""Seconds the first ticket in the queue holds the others back while it cannot fit (from its first ask refused for
-room as the first one waiting): past them, transfers behind it (and newcomers) are admitted as they fit, while it
-keeps its place and is admitted when it fits at its ask. Bounds what one large (or forged) announcement at the head
-costs the rest: before, a ticket that could never fit blocked every hand-off for its sender's whole wait (review 55:
-both real requests 500 after 30 s)."""
+"""Seconds the queue keeps strict first come, first served without progress: a ticket that can fit once room frees
+holds every transfer behind it (and newcomers) while the buffer frees bytes (a transfer held ends: taken, cancelled,
+discarded, expired) at least once in this many seconds since the later of its first ask and the last freeing; past
+them (nothing frees: what is stored waits for work that does not come), those behind it are admitted as they fit
+while it keeps its place, until bytes free again. A ticket that can never fit beside the bytes its own sender's
+transfers store holds other senders back not at all, and its sender's own later transfers at most this long from
+when it became its sender's first (:meth:`KvAssembler._holds_back`). Before, every head that could not fit now held
+the others back at most 5 s from its first refusal: a large legitimate head was then starved by steady smaller
+traffic (a 450-KB head in a 600-KB buffer never admitted in 35 s), and a head whose sender asked only while there
+was room never started the clock at all (second review 55). One clock for the queue, not one per ticket: a chain of
+forged tickets at the head cannot multiply it."""
+GRANT_USE_S = 2 * QUEUE_POLL_S
+"""Seconds a ticket's sender has, after an ask answered "" (its turn came), to send the piece: past them, the ticket
+is dropped (counted ``queue.unused_turns``) and holds nobody back; its sender's next ask or piece queues it again at
+the end. Before, a forged ticket that asked without data while there was room and never sent its piece kept its
+place as the head and held every real hand-off back for good (second review 55: a real request 500 after 30 s with
+the buffer empty)."""
+QUEUE_HOLDING_PER_SENDER = 16
+"""Tickets of one sender :meth:`KvAssembler.holding` counts at most: a prefill node sends at most 16 hand-offs at once
+(``services.worker.service.HANDOFF_SENDS_MAX``)."""
 QUEUE_WAIT_EDGES_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Bucket edges (s) of :attr:`KvAssembler.queue_waits` (``ei_node_handoff_queue_wait_seconds``)."""
 
@@ -303,9 +318,12 @@ class Ticket:
     router: str = ""
     """The hand-off's owning router (``KvChunk.router``)."""
     asks: int = 1
-    blocked: float | None = None
-    """``now`` of its first ask refused for room while first in the queue: it holds the others back at most
-    :data:`HEAD_HOLD_S` from then."""
+    head: float | None = None
+    """``now`` when it was first seen the first of its sender's tickets (monotonic s): if it can never fit beside its
+    sender's stored bytes it holds that sender's later transfers back at most :data:`HEAD_HOLD_S` from then."""
+    granted: float | None = None
+    """``now`` of its first ask answered "" (its turn came) not yet followed by its piece: dropped
+    :data:`GRANT_USE_S` after it (:meth:`KvAssembler.add`)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -351,8 +369,9 @@ class KvAssembler:
       ``full`` even when it would fit (first come, first served; a ticket of a sender at its
       :data:`OPEN_PER_SENDER` waits for its sender, not for room, and holds nobody back; so does, for other
       senders, one whose total does not fit beside its own sender's stored bytes; a first ticket that cannot fit
-      holds the others back at most :data:`HEAD_HOLD_S`: :meth:`_holds_back`). A waiting sender asks without data
-      (:func:`ask_of`). Before, the room went to
+      holds its own sender's later ones back at most :data:`HEAD_HOLD_S`, while one that can fit once room frees
+      holds everyone behind it: :meth:`_holds_back`). A waiting sender asks without data (:func:`ask_of`); one told
+      its turn came that does not send its piece within :data:`GRANT_USE_S` loses its ticket. Before, the room went to
       whichever sender's retry came first, and one that waited past its 2.5 s of retries failed although the
       buffer drained (review 54: 3 of 36 hand-offs, 12 at once into a buffer that holds one). A ticket whose
       sender stops asking for :data:`TICKET_IDLE_S` (stopped, crashed), cancels (:meth:`cancel`) or whose transfer
@@ -387,7 +406,8 @@ class KvAssembler:
     ``queue.entered`` (tickets given), ``queue.admitted`` (transfers admitted from it; their waits in
     :attr:`queue_waits`), ``queue.expired`` (tickets whose sender stopped asking), ``queue.cancelled``,
     ``queue.discarded`` (its transfer discarded or refused, its rid aborted), ``queue.refused`` (no place: the queue
-    at its bound), ``queue.asks`` (data-less asks).
+    at its bound), ``queue.asks`` (data-less asks), ``queue.unused_turns`` (tickets dropped: their turn came and their
+    piece did not follow within :data:`GRANT_USE_S`).
 
     Raises:
         ValueError: ``max_bytes`` < 1, or ``idle_s`` or ``piece_idle_s`` <= 0.
@@ -426,6 +446,10 @@ class KvAssembler:
         self._seq = 0
         self._now = float("-inf")
         """The last :meth:`add`'s ``now``."""
+        self._freed_at = float("-inf")
+        """When bytes stored last freed (a transfer that stored some ended), as of the last :meth:`add`'s or
+        :meth:`expire`'s ``now`` (monotonic s; at most ~1 s stale while tickets wait: their senders ask at least that
+        often): the queue's progress clock (:data:`HEAD_HOLD_S`)."""
         self.counters: Counter[str] = Counter()
 
     def add(self, c: m.KvChunk, now: float) -> str:
@@ -440,7 +464,8 @@ class KvAssembler:
         A piece without ``data`` is an ask (:func:`ask_of`, counted ``queue.asks``): a queued transfer's sender asking
         for its turn without sending K/V. It is answered as its piece would be, but "" means "its turn came: send
         the piece" (nothing is stored or opened; the ticket keeps its place, so the piece that follows is admitted
-        unless room went meanwhile to a transfer held, which then queues it again)."""
+        unless room went meanwhile to a transfer held, which then queues it again). A ticket whose turn came and whose
+        piece does not follow within :data:`GRANT_USE_S` is dropped (counted ``queue.unused_turns``)."""
         self._now = now
         a = self.open.get(c.transfer)
         if not c.data:
@@ -466,13 +491,13 @@ class KvAssembler:
                 self.counters["refused.mismatch"] += 1
                 return other
             t = self._ask(c.transfer, now)
+            if t is not None and c.data:  # its piece came: a turn granted is used
+                t.granted = None
             ahead = self._ahead(t, now, c.src)
             no_room = self.held_bytes + reserved + c.total > self.max_bytes or len(self.open) >= OPEN_MAX
             if ahead or no_room or self.by_src[c.src] >= OPEN_PER_SENDER:
                 self.counters["full_refusals"] += 1
                 why = self._full(c.total, "a new transfer of", reserved, c.src)
-                if t is not None and not ahead and no_room and t.blocked is None:
-                    t.blocked = now  # first in line and no room: it holds the others back HEAD_HOLD_S at most
                 if t is None:
                     t = self._enqueue(c, now)
                     if t is None:
@@ -480,6 +505,8 @@ class KvAssembler:
                         return f"{why}; its queue of transfers waiting for room is full ({len(self.queue)} waiting)"
                 return f"{why}; waiting for room, {ahead + 1} of {len(self.queue)} in line"
             if not c.data:  # an ask: its turn came (its ticket keeps its place for the piece that follows)
+                if t is not None and t.granted is None:  # a re-ask does not extend it: GRANT_USE_S from the first
+                    t.granted = now
                 return ""
             size = len(c.data) if c.index < c.count - 1 else (c.offset // c.index if c.index else c.total)
             try:
@@ -616,6 +643,7 @@ class KvAssembler:
         (monotonic s); returns them (the shell logs each). A late piece or work of one is refused naming this. Tickets
         whose sender has not asked for :data:`TICKET_IDLE_S` leave the queue too (counted ``queue.expired``)."""
         self._drop_idle_tickets(now)
+        self._now = max(self._now, now)
         out = [a for a in self.open.values() if now >= self._deadline(a)]  # next_deadline's value: no rounding gap
         for a in out:
             self.counters["expired"] += 1
@@ -632,9 +660,22 @@ class KvAssembler:
         """When :meth:`expire` next drops a transfer or a ticket (monotonic s), or None when none is held or waits."""
         due = min(self._deadline(a) for a in self.open.values()) if self.open else None
         if self.queue:
-            tick = min(t.last for t in self.queue.values()) + TICKET_IDLE_S
+            tick = min(min(t.last + TICKET_IDLE_S, t.granted + GRANT_USE_S if t.granted is not None else float("inf"))
+                       for t in self.queue.values())  # fmt: skip
             due = tick if due is None else min(due, tick)
         return due
+
+    def holding(self, now: float, per_sender: int = QUEUE_HOLDING_PER_SENDER) -> int:
+        """Tickets at ``now`` (monotonic s) that hold back another sender's transfer (:meth:`_holds_back`), at most
+        ``per_sender`` of one sender: the hand-offs waiting here for room that the node's ``NodeState.waiting`` counts
+        (the router's decode choice, the planner's decode queue). A ticket that waits for its own sender, or whose
+        turn came unused, counts not, and one sender's count is capped, so forged or idle tickets cannot push the
+        planner's split. O(queue)."""
+        n: Counter[str] = Counter()
+        for t in self.queue.values():
+            if n[t.src] < per_sender and self._holds_back(t, now, None):
+                n[t.src] += 1
+        return sum(n.values())
 
     def place(self, transfer: str, now: float | None = None) -> int:
         """``transfer``'s place in the queue of transfers waiting for room at ``now`` (monotonic s; None: the last
@@ -671,6 +712,12 @@ class KvAssembler:
         """Drop the tickets idle past :data:`TICKET_IDLE_S`, then record an ask of ``transfer``'s ticket at ``now``;
         returns it, or None when it holds none."""
         self._drop_idle_tickets(now)
+        seen: set[str] = set()
+        for x in self.queue.values():  # start the head-hold clock of each sender's first ticket (HEAD_HOLD_S)
+            if x.src not in seen:
+                seen.add(x.src)
+                if x.head is None:
+                    x.head = now
         t = self.queue.get(transfer)
         if t is not None:
             t.last = now
@@ -688,16 +735,22 @@ class KvAssembler:
                 n += 1
         return n
 
-    def _holds_back(self, x: Ticket, now: float, src: str) -> bool:
-        """Whether ticket ``x`` holds back a transfer of sender ``src`` behind it at ``now``: not when it waits for its
-        own sender (at its :data:`OPEN_PER_SENDER` transfers open; or, for another sender's, its total does not fit
-        beside the bytes its own sender's transfers store: room that frees cannot go to it before they end), nor
-        past :data:`HEAD_HOLD_S` of being first in line without room. A sender's own transfers keep their order.
-        Before, one sender's ticket that could never fit beside its own stored transfer (a forged announcement of
-        the whole buffer) kept every other hand-off out for its sender's whole wait (review 55)."""
-        if self.by_src[x.src] >= OPEN_PER_SENDER or x.blocked is not None and now - x.blocked >= HEAD_HOLD_S:
+    def _holds_back(self, x: Ticket, now: float, src: str | None) -> bool:
+        """Whether ticket ``x`` holds back a transfer of sender ``src`` (None: of any other sender) behind it at
+        ``now``: not when it waits for its own sender (at its :data:`OPEN_PER_SENDER` transfers open; or, for another
+        sender's, its total does not fit beside the bytes its own sender's transfers store: room that frees cannot go
+        to it before they end), nor when its turn came and its piece did not follow within :data:`GRANT_USE_S`. A
+        sender's own transfers keep their order, except behind one that cannot fit beside its sender's bytes past
+        :data:`HEAD_HOLD_S` of being its sender's first. A ticket that can fit once room frees holds every one behind
+        it (strict first come, first served) while bytes free at least once in :data:`HEAD_HOLD_S` since the later of
+        its first ask and the last freeing. Before, one sender's ticket that could never fit beside its own stored
+        transfer (a forged announcement of the whole buffer) kept every other hand-off out for its sender's whole wait
+        (review 55)."""
+        if self.by_src[x.src] >= OPEN_PER_SENDER or x.granted is not None and now - x.granted >= GRANT_USE_S:
             return False
-        return x.src == src or self.held_by_src[x.src] + x.total <= self.max_bytes
+        if self.held_by_src[x.src] + x.total <= self.max_bytes:  # it can fit once room frees
+            return now - max(self._freed_at, x.first) < HEAD_HOLD_S  # while room frees: strict FIFO
+        return x.src == src and (x.head is None or now - x.head < HEAD_HOLD_S)
 
     def _enqueue(self, c: m.KvChunk, now: float) -> Ticket | None:
         """A ticket for ``c``'s new transfer at the end of the queue, or None past :data:`QUEUE_MAX` or
@@ -719,11 +772,16 @@ class KvAssembler:
 
     def _drop_idle_tickets(self, now: float) -> None:
         """Drop every ticket whose sender has not asked for :data:`TICKET_IDLE_S` (counted ``queue.expired``): it
-        stopped waiting, and must not hold the ones behind it."""
+        stopped waiting, and must not hold the ones behind it; and every one whose turn came :data:`GRANT_USE_S` ago
+        without its piece (counted ``queue.unused_turns``)."""
         gone = [t for t in self.queue.values() if now - t.last >= TICKET_IDLE_S]
         for t in gone:
             self._dequeue(t)
             self.counters["queue.expired"] += 1
+        unused = [t for t in self.queue.values() if t.granted is not None and now - t.granted >= GRANT_USE_S]
+        for t in unused:  # its turn came and its piece did not: it holds nobody back any more
+            self._dequeue(t)
+            self.counters["queue.unused_turns"] += 1
 
     def reserved(self, now: float) -> int:
         """Bytes a new transfer's admission keeps room for at ``now`` (monotonic s): for each incomplete transfer being
@@ -754,6 +812,8 @@ class KvAssembler:
                 + (f" or its {OPEN_PER_SENDER} transfers of one sender ({src or 'no src'}) at once" if mine else ""))  # fmt: skip
 
     def _end(self, a: Assembly, what: str) -> None:
+        if a.stored:
+            self._freed_at = self._now
         del self.open[a.transfer]
         self.held_bytes -= a.stored
         self.by_src[a.src] -= 1

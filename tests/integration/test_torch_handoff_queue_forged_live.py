@@ -6,8 +6,9 @@ Review 55 H1: a sender with a worker's credentials admits ``f-1`` (one 1-KiB pie
 asks for ``f-2`` (the whole buffer too), which gets the first ticket; once a second it sends one new piece of ``f-1``
 and asks for ``f-2`` again. ``f-2`` can never fit beside its own sender's ``f-1``, yet as the first ticket it held
 every real hand-off back: both real requests answered 500 after 30 s (``--handoff-queue-wait-s``). Now a ticket
-whose total does not fit beside its own sender's stored bytes holds other senders back no more (and a first ticket
-that cannot fit, at most ``handoffkv.HEAD_HOLD_S``): both answer 200 at once (0.06 and 0.09 s measured).
+whose total does not fit beside its own sender's stored bytes holds other senders back no more (nor does one whose
+turn came and whose piece did not follow within ``handoffkv.GRANT_USE_S``, second review 55 H-a): both answer 200
+at once (0.06 and 0.09 s measured).
 Needs the ``torch`` extra.
 """
 

@@ -906,12 +906,14 @@ def _from(c: m.KvChunk, src: str, **kw) -> m.KvChunk:  # type: ignore[no-untyped
     return msgspec.structs.replace(c, src=src, **kw)
 
 
-def test_a_ticket_that_cannot_fit_beside_its_own_senders_bytes_holds_nobody_back_and_a_head_at_most_head_hold_s():
+def test_a_ticket_that_cannot_fit_beside_its_own_senders_bytes_holds_nobody_back_and_a_head_that_can_fit_holds_all():
     """Review 55 H1: a forging sender admits f-1 (1 KiB stored, announcing the whole buffer), then asks for f-2 (the
     whole buffer): f-2 can never fit while its own f-1 holds bytes, yet as the first ticket it kept every other
     sender's hand-off out for their whole wait (both real requests 500 after 30 s). Now a ticket whose total does not
-    fit beside its own sender's stored bytes holds other senders back no more (it keeps its place, and its sender's
-    own later transfers stay behind it); and a head that cannot fit holds the rest back at most ``HEAD_HOLD_S``."""
+    fit beside its own sender's stored bytes holds other senders back no more, and its sender's own later transfers
+    at most ``HEAD_HOLD_S``. Second review 55 M-b: a head that can fit once room frees (a large legitimate one) holds
+    every one behind it while bytes free at least once in ``HEAD_HOLD_S``; before, it did so at most ``HEAD_HOLD_S``
+    from its first refusal, then steady smaller traffic starved it."""
     a = hk.KvAssembler(600_000, 60.0, 15.0)
     f1 = _pieces(os.urandom(600_000), 1024, transfer="f-1", rid="rf1")
     f2 = _pieces(os.urandom(600_000), 1024, transfer="f-2", rid="rf2")
@@ -922,21 +924,107 @@ def test_a_ticket_that_cannot_fit_beside_its_own_senders_bytes_holds_nobody_back
     assert a.add(_from(real[0], "worker-w0"), 0.5) == "" and "w0-1" in a.open  # f-2 waits for its own sender
     mine = _from(_pieces(os.urandom(2048), 1024, transfer="f-3", rid="rf3")[0], "forger")
     assert a.add(mine, 0.6).startswith(hk.FULL_PREFIX) and a.place("f-3", 0.6) == 2  # its own sender's keep their order
+    for t in (2.5, 4.5):  # both keep asking
+        assert a.add(_from(f2[0], "forger"), t).startswith(hk.FULL_PREFIX)
+        assert a.add(mine, t).startswith(hk.FULL_PREFIX) and a.place("f-3", t) == 2
+    assert a.queue["f-2"].head == 0.5  # its sender's first since the first ask after its ticket
+    assert a.add(mine, 0.5 + hk.HEAD_HOLD_S) == "" and "f-3" in a.open  # at most HEAD_HOLD_S behind it
     a.cancel("f-1", "rf1", "gone")
     a.cancel("f-3", "rf3", "gone")
-    # a large legit head that cannot fit (w0-1 holds 100 KB): others wait behind it HEAD_HOLD_S, then go as they fit
-    assert a.add(_from(f2[0], "forger"), 1.0).startswith(hk.FULL_PREFIX) and a.queue["f-2"].blocked == 1.0
+    # a large legit head that can fit once w0-1's 100 KB go: the others wait behind it, however long
+    assert a.add(_from(f2[0], "forger"), 5.6).startswith(hk.FULL_PREFIX) and a.place("f-2", 5.6) == 1
+    assert a.add(_from(f2[0], "forger"), 6.0).startswith(hk.FULL_PREFIX) and a.place("f-2", 6.0) == 1
     small = _from(_pieces(os.urandom(2048), 1024, transfer="w2-1", rid="r2")[0], "worker-w2")
-    why = a.add(small, 1.1)
+    why = a.add(small, 6.1)
     assert why.startswith(hk.FULL_PREFIX) and "2 of 2 in line" in why
-    for t in (3.0, 5.5):  # their senders keep asking (their tickets stay)
-        assert a.add(_from(f2[0], "forger"), t).startswith(hk.FULL_PREFIX)
+    for t in (7.0, 9.0, 10.4):  # both keep asking; f-1 and f-3 freed their bytes at 5.5
+        assert a.add(_from(f2[0], "forger"), t).startswith(hk.FULL_PREFIX) and a.place("f-2", t) == 1
         assert a.add(small, t).startswith(hk.FULL_PREFIX) and a.place("w2-1", t) == 2
-    assert a.add(small, 1.0 + hk.HEAD_HOLD_S) == "" and "w2-1" in a.open and a.place("f-2", 6.1) == 1
-    assert a.add(_from(f2[0], "forger"), 6.2).startswith(hk.FULL_PREFIX) and a.place("f-2", 6.2) == 1  # its place kept
+    # nothing freed for HEAD_HOLD_S (w0-1 waits for work that does not come): those behind go as they fit
+    assert a.add(small, 5.5 + hk.HEAD_HOLD_S) == "" and "w2-1" in a.open and a.place("f-2", 10.6) == 1
+    a.discard("w2-1")  # bytes freed: f-2 holds the others back again
+    big = _from(_pieces(os.urandom(2048), 1024, transfer="w2-2", rid="r22")[0], "worker-w2")
+    assert a.add(big, 10.7).startswith(hk.FULL_PREFIX) and a.place("w2-2", 10.7) == 2
     a.discard("w0-1")
-    a.discard("w2-1")
-    assert a.add(_from(f2[0], "forger"), 6.3) == "" and "f-2" in a.open and not a.queue
+    assert a.add(big, 10.8).startswith(hk.FULL_PREFIX)  # room for both now, but the head's first
+    assert a.add(_from(f2[0], "forger"), 10.9) == "" and "f-2" in a.open and list(a.queue) == ["w2-2"]
+
+
+def test_a_large_head_is_not_starved_by_steady_smaller_traffic():
+    """Second review 55 M-b (``exp/starve2.py``): a 450-KB head in a 600-KB buffer, 100-KB hand-offs of another
+    sender arriving every 0.5 s and held 6 s each. Before, past ``HEAD_HOLD_S`` the smaller ones went as they fit and
+    the head was never admitted in 35 s; strict first come, first served (8fb20cfa) admitted it at 7.6 s."""
+    a = hk.KvAssembler(600_000, 60.0, 15.0)
+    big = _from(_pieces(os.urandom(450_000), 450_000, transfer="BIG", rid="rBIG")[0], "worker-w0")
+    held: dict[str, float] = {}
+    pending: list[m.KvChunk] = []
+    got, k, nxt, t = None, 0, 0.0, 0.0
+    while t < 35 and got is None:
+        for tr, until in list(held.items()):
+            if until <= t:
+                a.discard(tr, "taken")
+                held.pop(tr)
+        if t >= nxt:
+            k += 1
+            pending.append(_from(_pieces(os.urandom(100_000), 100_000, transfer=f"s{k}", rid=f"r{k}")[0], "worker-w2"))
+            nxt = round(nxt + 0.5, 2)
+        for c in list(pending):
+            if a.add(c, t) == "":
+                held[c.transfer] = t + 6.0
+                pending.remove(c)
+        if t >= 2 and round(t * 10) % 2 == 0:
+            if "BIG" not in a.queue:
+                r = a.add(big, t)
+            elif (r := a.add(_from(hk.ask_of(big), "worker-w0"), t)) == "":  # its turn: the piece follows
+                r = a.add(big, t)
+            if r == "":
+                got = t
+        t = round(t + 0.1, 1)
+    assert got is not None and got < 10.0, got
+
+
+def test_a_turn_granted_and_not_used_costs_the_ticket_its_place():
+    """Second review 55 H-a (``exp/lockout.py``): a forged ticket that asks without data while there is room, and
+    never sends its piece, kept its place as the head (its asks were answered "" and ``blocked`` was set only on a
+    refusal for room), so it held every real hand-off back: a real request 500 after 30 s with the buffer empty.
+    Now an ask answered "" whose piece does not follow within ``GRANT_USE_S`` costs the ticket its place (counted
+    ``queue.unused_turns``); asking again does not extend the grant; a sender that sends its piece keeps it."""
+    a = hk.KvAssembler(600_000, 60.0, 15.0)
+    f1 = _from(_pieces(os.urandom(600_000), 1024, transfer="f-1", rid="rf1")[0], "forger")
+    F = _from(_pieces(os.urandom(600_000), 1024, transfer="F", rid="rF")[0], "forger")
+    assert a.add(f1, 0.0) == ""
+    assert a.add(F, 0.0).startswith(hk.FULL_PREFIX) and list(a.queue) == ["F"]
+    a.cancel("f-1", "rf1", "gone")  # room for F now: its asks are answered "", it never sends its piece
+    ask = _from(hk.ask_of(F), "forger")
+    assert a.add(ask, 0.1) == "" and a.queue["F"].granted == 0.1
+    real = _from(_pieces(os.urandom(100_000), 50_000, transfer="w0-1", rid="r1")[0], "worker-w0")
+    assert a.add(real, 0.2).startswith(hk.FULL_PREFIX) and a.place("w0-1", 0.2) == 2  # F's turn: the piece may come
+    assert a.add(ask, 0.25) == "" and a.queue["F"].granted == 0.1  # a re-ask does not extend its turn
+    assert a.next_deadline() == pytest.approx(0.1 + hk.GRANT_USE_S)
+    assert a.add(real, 0.1 + hk.GRANT_USE_S) == "" and "w0-1" in a.open and "F" not in a.queue
+    assert a.counters["queue.unused_turns"] == 1
+    # a piece that follows its turn in time is admitted
+    w2 = _from(_pieces(os.urandom(600_000), 1024, transfer="w2-1", rid="r2")[0], "worker-w2")
+    assert a.add(w2, 1.1).startswith(hk.FULL_PREFIX) and list(a.queue) == ["w2-1"]
+    a.discard("w0-1")
+    assert a.add(_from(hk.ask_of(w2), "worker-w2"), 1.2) == "" and a.add(w2, 1.3) == "" and "w2-1" in a.open
+    assert a.counters["queue.unused_turns"] == 1 and not a.queue
+
+
+def test_holding_counts_tickets_that_hold_others_back_at_most_per_sender():
+    """Second review 55 L-a: every queued ticket counted in the decode node's ``NodeState.waiting`` (the planner's
+    decode queue), so forged or idle tickets pushed the split. Now only tickets that hold another sender back count,
+    at most ``per_sender`` of one sender."""
+    a = hk.KvAssembler(600_000, 60.0, 15.0)
+    assert a.add(_from(_pieces(os.urandom(590_000), 590_000, transfer="x", rid="rx")[0], "worker-w9"), 0.0) == ""
+    assert a.add(_from(_pieces(os.urandom(10_000), 1024, transfer="f-1", rid="rf1")[0], "forger"), 0.0) == ""
+    for i in range(5):  # cannot fit beside the forger's own 1 KiB: they hold nobody back
+        c = _from(_pieces(os.urandom(600_000), 1024, transfer=f"f{i}", rid=f"rf{i}")[0], "forger")
+        assert a.add(c, 0.1).startswith(hk.FULL_PREFIX)
+    for i in range(5):
+        c = _from(_pieces(os.urandom(100_000), 100_000, transfer=f"w{i}", rid=f"rw{i}")[0], "worker-w0")
+        assert a.add(c, 0.2).startswith(hk.FULL_PREFIX)
+    assert len(a.queue) == 10 and a.holding(0.3) == 5 and a.holding(0.3, per_sender=2) == 2
 
 
 def test_a_discard_or_refusal_or_abort_drops_its_ticket_and_an_ask_without_data_asks_for_its_turn():
