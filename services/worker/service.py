@@ -2859,8 +2859,10 @@ class WorkerService:
         st = msgspec.structs.replace(
             st,
             # hand-offs waiting in this decode node's queue for room are decode work waiting too: the router's decode
-            # choice (running + waiting) sees a full decode node as loaded. Before, it kept binding requests to it
-            waiting=st.waiting + len(self._kv_in.queue),
+            # choice (running + waiting) sees a full decode node as loaded. Before, it kept binding requests to it.
+            # Only tickets that hold others back count, at most 16 of one sender (handoffkv.KvAssembler.holding):
+            # before, every ticket counted, so forged or idle ones pushed the planner's decode queue (second review 55)
+            waiting=st.waiting + self._kv_in.holding(time.monotonic()),
             ts=self._to_wall(now),
             seq=self.state_seq,
             epoch=self.epoch,
@@ -2884,9 +2886,9 @@ class WorkerService:
         had finished it. The evolving planner integrates ``decoding`` over time for q̄ (Eq. 4/5): on the
         demo's Claude Code sessions it measured q̄ 1.7–2.9 requests live against 0.14–0.39 in
         ``simulate`` (which samples the exact state every 5 s), predicted decode batches ~10× too large
-        and moved to 1P3D where ``simulate`` kept 2P2D. O(1) when the counts did not change."""
+        and moved to 1P3D where ``simulate`` kept 2P2D. O(hand-off queue) when the counts did not change."""
         st = self.core.state(now, with_queue=False)
-        if (st.running, st.waiting + len(self._kv_in.queue), st.decoding) != self._last_state_counts:
+        if (st.running, st.waiting + self._kv_in.holding(time.monotonic()), st.decoding) != self._last_state_counts:
             self.counters["state.on_stop"] += 1
             await self._publish_state(now)
 
