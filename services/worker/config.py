@@ -152,6 +152,12 @@ class WorkerConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         Meta(description="fault injection (tests, drills): publish no kv.events batches while serving, like a node "
              "whose KV publisher broke; the directory must mark its KV view stale (issue #22). Never set in production"),
     ] = False
+    fault_delay_bind_s: Annotated[
+        float,
+        Meta(ge=0, description="fault injection (tests, drills): each route.bind answer naming a decode node is acted on "
+             "this many wall seconds late (0: off), so a prefill that ends within it is handed off after its binding "
+             "(the late-binding path, bind.after_prefill). Never set in production"),
+    ] = 0.0
     fault_skip_engine_kv_batch: Annotated[
         int,
         Meta(ge=0, description="fault injection (tests, drills): the engine is not given the N-th non-empty KV event "

@@ -1662,6 +1662,8 @@ class WorkerService:
                         deadline = min(cap, deadline + (time.monotonic() - sent))
                     continue
                 if rep.decode_node is not None:
+                    if self.cfg.fault_delay_bind_s > 0:  # injected fault: the binding comes late (after the prefill)
+                        await asyncio.sleep(self.cfg.fault_delay_bind_s)
                     if rid in self.core.parked:
                         # its first token is out once the step that completed its prompt has ended
                         # (that step publishes it): its hand-off never goes out before it

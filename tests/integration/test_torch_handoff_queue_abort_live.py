@@ -8,7 +8,9 @@ node's queue; B comes after. The prefill node went on asking for A's hand-off an
 (an abort, a discard and a refusal left the queue alone), so when room came A's K/V was admitted first, for a
 request nobody waits for, and B waited behind it. Now the abort stops A's hand-off on the prefill node
 (``handoff.aborted``; its ``KvCancel`` frees its place) and drops the rid's tickets on the decode node: B alone
-waits, and is admitted as soon as the stuffing goes. Needs the ``torch`` extra.
+waits, and is admitted as soon as the stuffing goes. Each binding is acted on 0.5 s late (``--fault-delay-bind-s``),
+so every hand-off goes out after its binding (``bind.after_prefill``), the path 82308139 fixed: before, the test hit
+it about 1 run in 4 (second review 55 M-c). Needs the ``torch`` extra.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ BUFFER = 600_000
 async def test_an_aborted_requests_hand_off_leaves_the_decode_nodes_queue(tmp_path):
     _, spec = tiny_1p1d(tmp_path)
     spec = msgspec.structs.replace(spec, nats_max_payload=64 * 1024,
-                                   worker_args=(*spec.worker_args, "--handoff-buffer-bytes", str(BUFFER)))  # fmt: skip
+                                   worker_args=(*spec.worker_args, "--handoff-buffer-bytes", str(BUFFER),
+                                                "--fault-delay-bind-s", "0.5"))  # fmt: skip
     rng = random.Random(8)
 
     def body() -> dict[str, object]:
@@ -79,4 +82,5 @@ async def test_an_aborted_requests_hand_off_leaves_the_decode_nodes_queue(tmp_pa
     assert depth == 1.0, depth  # before: 2, A's ticket first
     assert s1c["handoff.kv.queue.admitted"] == 1 and s1c["handoff.received"] == 2, s1c  # B's (and the warm-up's) only
     assert s0["handoff.aborted"] == 1 and s0.get("requests.handoff_failed", 0) == 0, s0
+    assert s0["bind.after_prefill"] == 3, s0  # every hand-off after its binding (--fault-delay-bind-s): the path 82308139 fixed
     assert took < 30.0, took
