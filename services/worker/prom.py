@@ -100,7 +100,7 @@ PHASES = ("prefill", "decode", "both")
 HANDOFF_KV_DROPS = ("expired", "refused", "lost", "discarded", "cancelled")
 """``reason`` label values of ``ei_node_handoff_kv_dropped_total`` (each exported from 0)."""
 
-HANDOFF_QUEUE_DROPS = ("expired", "cancelled", "discarded", "refused")
+HANDOFF_QUEUE_DROPS = ("expired", "cancelled", "discarded", "refused", "unused_turn")
 """``reason`` label values of ``ei_node_handoff_queue_dropped_total`` (each exported from 0)."""
 
 OWNER_DROP_REASONS = ("router_gone", "not_in_flight")
@@ -208,13 +208,14 @@ def worker_families(svc: "WorkerService") -> Iterator[Metric]:
                            "node's queue waited there (its first ask to its admission)", {(n,): svc._kv_in.queue_waits},
                            ["node"])  # fmt: skip
     qleft = {"expired": kc["queue.expired"], "cancelled": kc["queue.cancelled"], "discarded": kc["queue.discarded"],
-             "refused": kc["queue.refused"]}
+             "refused": kc["queue.refused"], "unused_turn": kc["queue.unused_turns"]}
     yield counter_family(
         "ei_node_handoff_queue_dropped",
         "Hand-offs that left this decode node's queue for room without being admitted, or were refused a place: expired "
         "(its sender stopped asking for 3 s), cancelled (its sender gave it up), discarded (its request aborted, or "
         "the node serves prefill now), refused (the queue at its bound of "
-        "1,024, or 128 of one sender: refused full without a place)",
+        "1,024, or 128 of one sender: refused full without a place), unused_turn (its turn came and its piece did not "
+        "follow within 0.4 s)",
         {(n, k): float(qleft[k]) for k in HANDOFF_QUEUE_DROPS}, ["node", "reason"],
     )
     yield counter_family("ei_node_handoffs_queued", "Hand-offs this prefill node sent that waited in their decode node's "

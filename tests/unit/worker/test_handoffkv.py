@@ -1154,7 +1154,7 @@ async def test_a_queued_hand_off_asks_without_data_and_an_abort_on_the_prefill_n
 
     fams = {f.name: f for f in worker_families(d)}  # L1: what the queue's metrics say of all this
     dropped = {s.labels["reason"]: s.value for s in fams["ei_node_handoff_queue_dropped"].samples}
-    assert dropped == {"expired": 0.0, "cancelled": 1.0, "discarded": 1.0, "refused": 0.0}, dropped
+    assert dropped == {"expired": 0.0, "cancelled": 1.0, "discarded": 1.0, "refused": 0.0, "unused_turn": 0.0}, dropped
     assert [s.value for s in fams["ei_node_handoff_queue_depth"].samples] == [0.0]
     waits = {s.name: s.value for s in fams["ei_node_handoff_queue_wait_seconds"].samples}
     assert waits["ei_node_handoff_queue_wait_seconds_count"] == 1.0, waits
