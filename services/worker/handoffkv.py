@@ -148,8 +148,10 @@ the others back at most 5 s from its first refusal: a large legitimate head was 
 traffic (a 450-KB head in a 600-KB buffer never admitted in 35 s), and a head whose sender asked only while there
 was room never started the clock at all (second review 55). One clock for the queue, not one per ticket: a chain of
 forged tickets at the head cannot multiply it."""
-GRANT_USE_S = 2 * QUEUE_POLL_S
-"""Seconds a ticket's sender has, after an ask answered "" (its turn came), to send the piece: past them, the ticket
+GRANT_USE_S = 2.0
+"""Seconds a ticket's sender has, after an ask answered "" (its turn came), to send the piece (up to 8 MiB: ~0.7 s on a
+100-Mbit/s link, plus either node's event-loop stalls; 0.4 s at first, which a slow link or a loaded node would miss
+again and again, each miss sending the ticket to the back of the queue): past them, the ticket
 is dropped (counted ``queue.unused_turns``) and holds nobody back; its sender's next ask or piece queues it again at
 the end. Before, a forged ticket that asked without data while there was room and never sent its piece kept its
 place as the head and held every real hand-off back for good (second review 55: a real request 500 after 30 s with

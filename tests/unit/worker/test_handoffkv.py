@@ -996,7 +996,7 @@ def test_a_turn_granted_and_not_used_costs_the_ticket_its_place():
     assert a.add(F, 0.0).startswith(hk.FULL_PREFIX) and list(a.queue) == ["F"]
     a.cancel("f-1", "rf1", "gone")  # room for F now: its asks are answered "", it never sends its piece
     ask = _from(hk.ask_of(F), "forger")
-    use = 2 * hk.QUEUE_POLL_S  # hk.GRANT_USE_S (spelled so that the test fails on its behaviour before it)
+    use = 2.0  # hk.GRANT_USE_S (spelled so that the test fails on its behaviour before it)
     assert a.add(ask, 0.1) == "" and list(a.queue) == ["F"]
     real = _from(_pieces(os.urandom(100_000), 50_000, transfer="w0-1", rid="r1")[0], "worker-w0")
     assert a.add(real, 0.2).startswith(hk.FULL_PREFIX) and a.place("w0-1", 0.2) == 2  # F's turn: the piece may come
@@ -1006,9 +1006,9 @@ def test_a_turn_granted_and_not_used_costs_the_ticket_its_place():
     assert a.counters["queue.unused_turns"] == 1 and hk.GRANT_USE_S == use
     # a piece that follows its turn in time is admitted
     w2 = _from(_pieces(os.urandom(600_000), 1024, transfer="w2-1", rid="r2")[0], "worker-w2")
-    assert a.add(w2, 1.1).startswith(hk.FULL_PREFIX) and list(a.queue) == ["w2-1"]
+    assert a.add(w2, 3.1).startswith(hk.FULL_PREFIX) and list(a.queue) == ["w2-1"]
     a.discard("w0-1")
-    assert a.add(_from(hk.ask_of(w2), "worker-w2"), 1.2) == "" and a.add(w2, 1.3) == "" and "w2-1" in a.open
+    assert a.add(_from(hk.ask_of(w2), "worker-w2"), 3.2) == "" and a.add(w2, 4.9) == "" and "w2-1" in a.open
     assert a.counters["queue.unused_turns"] == 1 and not a.queue
 
 
