@@ -21,7 +21,7 @@ import random
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
@@ -41,6 +41,12 @@ class FullForward:
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         self.memo: dict[tuple[int, ...], tuple[list[int], list[float]]] = {}
 
+    def gap(self, seq: list[int], want: int, got: int) -> float:
+        """The full forward's logit of ``want`` less that of ``got`` for the token after ``seq``."""
+        with torch.no_grad():
+            logits = self.hf(torch.tensor([seq]), use_cache=False).logits[0, -1].float()
+        return float(logits[want] - logits[got])
+
     def __call__(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
         key = (*prompt, -n)
         if key not in self.memo:
@@ -54,6 +60,10 @@ class FullForward:
                     seq.append(t)
             self.memo[key] = (out, lps)
         return self.memo[key]
+
+
+NEAR_TIE = 1e-4
+"""Logits closer than this (float32 noise of a different summation order) may swap a greedy choice."""
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +90,8 @@ request = st.tuples(
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(seed=1525, reqs=[(16, 2, 11, 0, False), (22, 8, 11, 4, False), (0, 0, 10, 2, False), (7, 0, 3, 7, False)], pages=12,
+         host_extra=0, chunk=9, pd=False, one_by_one=False)  # a near-tie at r1's 11th token (fresh-clone CI, session 55)
 @given(
     seed=st.integers(0, 2**16),
     reqs=st.lists(request, min_size=1, max_size=6),
@@ -138,11 +150,19 @@ def test_random_requests_equal_the_full_forward(tiny_llama, full_forward, seed, 
         got = first.finished.get(rid) or (second.finished.get(rid) if second else None)
         assert got is not None, f"{rid} never finished"
         tokens, lps = full_forward(prompt, n)
-        assert got.tokens == tokens, rid
+        if got.tokens != tokens:
+            # greedy decoding on a near-tie: the engine's chunked, paged attention sums in another order than the full
+            # forward, so two logits within float noise may swap (seed 1525: 10.773426 vs 10.773420 at the 11th token);
+            # both continuations are right from there on, so compare up to it. A defect moves logits by far more.
+            i = next(k for k in range(min(len(got.tokens), len(tokens))) if got.tokens[k] != tokens[k])
+            assert len(got.tokens) == len(tokens) and full_forward.gap(prompt + tokens[:i], tokens[i], got.tokens[i]) < NEAR_TIE, rid
+            same = i
+        else:
+            same = n
         if lp:
             mine = dict(got.logprobs or {})
             if pd and n > 1:
                 mine.update(first.handoff_logprobs.get(rid, {}))
             assert sorted(mine) == list(range(n)), rid
-            for i, (value, _, _) in mine.items():
-                assert abs(value - lps[i]) < 1e-4, (rid, i)
+            for i in range(same):
+                assert abs(mine[i][0] - lps[i]) < 1e-4, (rid, i)
