@@ -257,12 +257,12 @@ class _BlockView:
 
 
 _NONE: tuple[tuple[int, int], ...] = ()
+"""No counted interval (:attr:`_GpuRun.counted`): one shared empty tuple, replaced, never changed."""
 
 _new = object.__new__
 """``_new(C)``: an instance of a ``__slots__`` class ``C`` with no slot set (C-level, no ``__init__``
 frame): the hot sites that make :class:`_GpuRun` / :class:`_HostRun` (~10,000 a 600-s simulated run) set
 every slot themselves."""
-"""No counted interval (:attr:`_GpuRun.counted`): one shared empty tuple, replaced, never changed."""
 
 _SECOND = itemgetter(1)
 """A chain's length (``(position, length)``), C-level."""

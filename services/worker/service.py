@@ -506,6 +506,8 @@ class WorkerService:
         :meth:`_deliver_aside` tasks: a drain waits for them as for :attr:`_handing_off` (a step's requests have left
         the core by then)."""
         self._deliveries: set[asyncio.Task[None]] = set()
+        """A step's hand-offs going out beside the step loop (:meth:`_handoff_aside`), at most
+        :data:`HANDOFF_SENDS_MAX`: each rid is in :attr:`_handing_off` too until its DecodeWork is out (or failed)."""
         self._bound_sends: set[str] = set()
         """rids whose :meth:`_hand_off_bound` task is sending their hand-off (:meth:`_handoff`): an abort stops it, as it
         stops one of :attr:`_deliveries`."""
@@ -517,8 +519,6 @@ class WorkerService:
         self._send_room = asyncio.Event()
         """Set when a hand-off being sent ends or starts waiting in a decode node's queue: the step waiting for room
         to send (:meth:`_handoff_aside`) looks again."""
-        """A step's hand-offs going out beside the step loop (:meth:`_handoff_aside`), at most
-        :data:`HANDOFF_SENDS_MAX`: each rid is in :attr:`_handing_off` too until its DecodeWork is out (or failed)."""
         self._kv_in = handoffkv.KvAssembler(cfg.handoff_buffer_bytes, cfg.handoff_kv_timeout_s, cfg.handoff_piece_idle_s)
         """Hand-off K/V coming in (``work.<node>.kv``), until its ``DecodeWork`` takes it (``handoffkv.py``)."""
         self._kv_timer: asyncio.TimerHandle | None = None
