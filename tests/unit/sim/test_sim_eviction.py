@@ -70,15 +70,27 @@ def record(res, rid: str):
 
 @pytest.fixture
 def pushed(monkeypatch):
-    """Every ``update_counts`` call an engine receives: (node, {hash: count})."""
+    """Every count list an engine's host pool receives: (node, {hash: count}).
+
+    Spied on each engine's own host pool (``sched.kv.host.update_counts``), the method that
+    applies the counts: the simulator hands them there directly, not through
+    :meth:`EngineScheduler.update_counts` (a wrapper frame it skips), so a spy on the wrapper
+    would see nothing while the counts still arrive."""
     calls: list[tuple[str, dict[int, int]]] = []
-    orig = EngineScheduler.update_counts
+    orig_init = EngineScheduler.__init__
 
-    def spy(self, hashes, counts, chains=None):
-        calls.append((self.node, dict(zip(hashes, counts))))
-        return orig(self, hashes, counts, chains)
+    def init(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        host, node = self.kv.host, self.node
+        orig = host.update_counts
 
-    monkeypatch.setattr(EngineScheduler, "update_counts", spy)
+        def spy(hashes, counts, chains=None):
+            calls.append((node, dict(zip(hashes, counts))))
+            return orig(hashes, counts, chains)
+
+        host.update_counts = spy
+
+    monkeypatch.setattr(EngineScheduler, "__init__", init)
     return calls
 
 
