@@ -111,14 +111,21 @@ async def test_a_freeze_past_the_window_bound_is_counted_and_the_newest_kept(mon
         pub = await Bus.connect(srv.url, Subjects("p0"), service="worker", instance="w0")
         try:
             assert await pub.ensure_stream()
-            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", node="w0", index=0), rid="r", node="w0")
+            await pub.publish(REQ_OUT, m.TokenChunk(rid="r", node="w0", index=0), rid="r", node="w0")  # starts the confirm loop
+            # index 0 confirmed and let go first: a PING sent after it may be answered before the SIGSTOP or not (a race
+            # on a loaded host: CI run of 82308139 counted 6 drops, not 7), so the freeze starts with an empty window
+            for _ in range(100):
+                if not pub._recent:
+                    break
+                await asyncio.sleep(0.1)
+            assert not pub._recent, "the server answers, yet the window was never confirmed"
             os.kill(srv.pid, signal.SIGSTOP)
             try:
                 for i in range(1, 16):
                     await pub.publish(REQ_OUT, m.TokenChunk(rid="r", node="w0", index=i), rid="r", node="w0")
                 await asyncio.sleep(RESEND_WINDOW_S + CONFIRM_PING_S + 0.5)
                 await pub.publish(REQ_OUT, m.TokenChunk(rid="r", node="w0", index=16), rid="r", node="w0")
-                assert pub.counters["resend_window_dropped"] == 7  # 17 published, none confirmed, 10 kept
+                assert pub.counters["resend_window_dropped"] == 6  # 16 published in the freeze, none confirmed, 10 kept
                 assert len(pub._recent) == 10
             finally:
                 os.kill(srv.pid, signal.SIGCONT)
@@ -127,6 +134,6 @@ async def test_a_freeze_past_the_window_bound_is_counted_and_the_newest_kept(mon
                 if not pub._recent:
                     break
             assert not pub._recent, "the server went on, yet the window was never confirmed"
-            assert pub.counters["resend_window_dropped"] == 7
+            assert pub.counters["resend_window_dropped"] == 6
         finally:
             await pub.close()
