@@ -481,6 +481,15 @@ class NodeLoadView(Value):
         self.split_reason = cmd.reason
         return True
 
+    @property
+    def split_nodes(self) -> int:
+        """Nodes the applied split names (``len(SplitCommand.phases)``, every phase; 0 before the first split).
+
+        The planner's ``--nodes`` are all in every split, dead ones included: against the live candidates this is how
+        many of the split's nodes the router cannot place on (``ei_router_split_nodes`` less ``ei_router_live_nodes``).
+        """
+        return len(self._split_phases)
+
     # -- eligibility -------------------------------------------------------- #
 
     def age(self, node: str, now: float) -> float | None:

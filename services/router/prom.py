@@ -46,6 +46,8 @@ name                                                type       meaning
                                                                others' it heard of (``route.sent``): the same on each
                                                                router, not a per-router share to sum
 ``ei_router_split_epoch``                           gauge      epoch of the split the router applies
+``ei_router_split_nodes``                           gauge      nodes the split the router applies names (all phases,
+                                                               dead ones included; 0 before its first split)
 ``ei_router_live_nodes{phase}``                     gauge      nodes routable now: prefill = prefill and collocated
                                                                nodes, decode = decode-only nodes
 ``ei_router_redispatches_total{lost}``              counter    requests placed again after a node they depended on was
@@ -212,6 +214,12 @@ def router_families(svc: "RouterService") -> Iterator[Metric]:
         {(): float(view.inflight_total)},
     )
     yield gauge_family("ei_router_split_epoch", "Epoch of the PD split the router applies", {(): float(view.epoch)})
+    yield gauge_family(
+        "ei_router_split_nodes",
+        "Nodes the PD split the router applies names, every phase, dead ones included (0 before its first split): "
+        "less ei_router_live_nodes, the split's nodes it cannot place on",
+        {(): float(view.split_nodes)},
+    )
     yield gauge_family(
         "ei_router_live_nodes",
         "Nodes the router can place on now, by phase: prefill = prefill and collocated (both) nodes, decode = "

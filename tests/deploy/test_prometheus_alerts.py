@@ -77,7 +77,7 @@ def test_the_alerting_rules_are_well_formed_and_cover_the_faults_an_operator_pag
             assert re.fullmatch(r"\d+[smh]", r["for"]), r
         named = set(re.findall(r"\$labels\.(\w+)", " ".join(r["annotations"].values())))
         # a one-to-many join keeps the labels of its "many" side: only that side's aggregations must keep them
-        # (EINodesMissing: the planner's split, one per cluster, `group_right` to each of its routers)
+        # (a `group_right` join keeps the right side's labels: the outermost aggregation after it decides)
         kept_side = r["expr"].split("group_right", 1)[-1].split("group_left", 1)[0]
         for kept in re.findall(r"\b(?:sum|max|min|avg|count)\s+by\s*\(([^)]*)\)", kept_side):
             # the outermost aggregation decides; every one here keeps what the annotations name
@@ -92,7 +92,7 @@ def test_the_alerting_rules_are_well_formed_and_cover_the_faults_an_operator_pag
     wanted |= {
         "process_start_time_seconds": "page", "ei_router_node_fences_total": "ticket",
         "ei_router_redispatches_total": "ticket", "ei_node_requests_dropped_owner_gone_total": "ticket",
-        "ei_router_live_nodes": "page", "ei_split_nodes": "page",
+        "ei_router_live_nodes": "page", "ei_router_split_nodes": "page",
     }
     for metric, severity in wanted.items():
         hits = [r for r in rs if re.search(rf"\b{metric}\b", r["expr"])]

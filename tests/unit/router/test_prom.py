@@ -12,6 +12,7 @@ from services.router.branches import BranchTable
 from services.router.core import RouterCore
 from services.router.policy import make_policy
 from services.router.prom import router_families
+from shared.messages import SplitCommand
 from shared.metrics import FuncCollector, make_registry
 
 from .helpers import state
@@ -51,6 +52,25 @@ def test_a_fenced_node_is_counted_per_node_so_a_worker_killed_between_scrapes_sh
     c.apply_state(state("p1", seq=6), 4.0)
     assert [f.node for f in c.check_fences(4.6)] == ["d1"]  # silent since 1.5 > fence_after 3.0
     assert fences(scrape(c, 4.6)) == {"p1": 0.0, "d1": 2.0}
+
+
+def test_the_router_exports_the_node_count_of_the_split_it_applies_so_each_router_is_held_to_its_own():
+    """EINodesMissing compared the planner's ``ei_split_nodes`` with each router's live nodes, matched by ``job``:
+    two ``up`` clusters scraped through one job (their targets carry no cluster label) merged their splits and the
+    smaller one paged for good. The router now exports the split it applies itself (``ei_router_split_nodes``:
+    every node it names, whatever its phase, dead ones included; 0 before its first split), against its own
+    ``ei_router_live_nodes``."""
+    c = RouterCore(make_policy("cache-aware"), block_size=4, fence_after=3.0)
+    assert scrape(c, 0.0)[("ei_router_split_nodes", ())] == 0.0
+    c.apply_state(state("p1", seq=1), 0.0)
+    c.apply_state(state("d1", "decode", seq=1), 0.0)
+    c.apply_split(SplitCommand(epoch=1, phases={"p1": "prefill", "d1": "decode", "gone": "decode"}))
+    m = scrape(c, 1.0)
+    assert m[("ei_router_split_nodes", ())] == 3.0  # "gone" never reported: in the split all the same
+    live = sum(v for k, v in m.items() if k[0] == "ei_router_live_nodes")
+    assert m[("ei_router_split_nodes", ())] - live == 1.0  # what the rule pages on
+    c.apply_split(SplitCommand(epoch=2, phases={"p1": "both"}))
+    assert scrape(c, 1.0)[("ei_router_split_nodes", ())] == 1.0
 
 
 def test_requests_re_dispatched_off_a_fenced_node_are_counted_by_what_was_lost():
