@@ -172,7 +172,7 @@ def test_the_file_sd_paths_the_docs_give_are_ones_prometheus_accepts_and_find_th
         assert any(fnmatch.fnmatchcase(job_file, p) for p in paths[doc] if "prometheus-targets" in p), (doc, paths[doc])
     sbatch = (REPO / "deploy" / "slurm" / "evolving-infra.sbatch").read_text()
     assert 'TARGETS_DIR=${PROMETHEUS_TARGETS_DIR:-$(dirname "$RUN")/prometheus-targets}' in sbatch
-    assert "TARGETS_FILE=$TARGETS_DIR/slurm-${SLURM_JOB_ID:-0}.json" in sbatch
+    assert "TARGETS_FILE=$TARGETS_DIR/slurm-${SLURM_JOB_ID:-0-$$}.json" in sbatch
     assert 'RUN=${EI_RUN_DIR:-$EI_HOME/runs/slurm-${SLURM_JOB_ID:-0}}' in sbatch  # so: $EI_HOME/runs/prometheus-targets
     # the rule catches what it is for: the old snippet's path
     assert not FILE_SD_NAME.match("/shared/evolving-infra/runs/slurm-*/prometheus-targets.json")
