@@ -53,7 +53,7 @@ def test_to_argv_leaves_out_list_defaults():
 
 def test_help_shows_list_defaults_as_the_flag_takes_them():
     """A list field's default comes from a factory: --help said "default None" (the router's
-    --api-key-public-paths, whose default is /healthz,/health,/ping,/metrics)."""
+    --api-key-public-paths, whose default is /livez,/healthz,/health,/ping,/metrics)."""
     import argparse
 
     from shared.config import add_arguments
