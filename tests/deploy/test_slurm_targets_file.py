@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -24,11 +25,38 @@ from tests.deploy.test_slurm_supervision import Job
 SQUEUE = """#!/bin/sh
 id=""
 while [ $# -gt 0 ]; do case $1 in -j) id=$2; shift 2 ;; *) shift ;; esac; done
+[ -n "$SQUEUE_FAIL" ] && [ "$id" != 4242 ] && { echo "slurm_load_jobs error: Socket timed out on send/recv operation" >&2; exit 1; }
+[ -z "$id" ] && { printf '4242\n 5555\n'; exit 0; }
 case $id in
   4242|5555) echo RUNNING ;;
   *) echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1 ;;
 esac
 """
+
+
+def test_a_failed_squeue_removes_no_targets_file(tmp_path):
+    """rr-late55 M2: the start-up cleanup asked squeue once per file and read any empty answer as "finished", so one
+    squeue timing out (a busy controller, a failover; here every query but this job's own) removed a running job's file (Prometheus then stopped scraping it
+    for good). Now one listing of every job; a failed one removes nothing. The script's own function, run by bash."""
+    script = (Path(__file__).parents[2] / "deploy/slurm/evolving-infra.sbatch").read_text()
+    start = script.index("drop_finished_jobs_targets() {")
+    func = script[start : script.index("\n}\n", start) + 3]
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for name in ("slurm-1111.json", "slurm-5555.json", "slurm-4242.json"):
+        (flat / name).write_text("[]\n")
+    sq = tmp_path / "sq"
+    sq.mkdir()
+    (sq / "squeue").write_text(SQUEUE)
+    (sq / "squeue").chmod(0o755)
+    env = {**os.environ, "PATH": f"{sq}:{os.environ['PATH']}", "TARGETS_DIR": str(flat), "SLURM_JOB_ID": "4242"}
+    run = ["bash", "-c", 'log() { echo "$*"; }\n' + func + "drop_finished_jobs_targets"]
+    failed = subprocess.run(run, env={**env, "SQUEUE_FAIL": "1"}, capture_output=True, text=True, timeout=30)
+    assert failed.returncode == 0 and sorted(p.name for p in flat.iterdir()) == [
+        "slurm-1111.json", "slurm-4242.json", "slurm-5555.json"], failed
+    ok = subprocess.run(run, env=env, capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0 and sorted(p.name for p in flat.iterdir()) == ["slurm-4242.json", "slurm-5555.json"], ok
+    assert "removed" in ok.stdout and "job 1111" in ok.stdout, ok
 
 
 @pytest.mark.timeout(240)
