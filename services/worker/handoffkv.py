@@ -668,16 +668,26 @@ class KvAssembler:
         return due
 
     def holding(self, now: float, per_sender: int = QUEUE_HOLDING_PER_SENDER) -> int:
-        """Tickets at ``now`` (monotonic s) that hold back another sender's transfer (:meth:`_holds_back`), at most
-        ``per_sender`` of one sender: the hand-offs waiting here for room that the node's ``NodeState.waiting`` counts
-        (the router's decode choice, the planner's decode queue). A ticket that waits for its own sender, or whose
-        turn came unused, counts not, and one sender's count is capped, so forged or idle tickets cannot push the
-        planner's split. O(queue)."""
+        """Tickets at ``now`` (monotonic s) that wait for room here, at most ``per_sender`` of one sender: the hand-offs
+        that the node's ``NodeState.waiting`` counts (the router's decode choice, the planner's decode queue). A ticket
+        that waits for its own sender (at its :data:`OPEN_PER_SENDER` transfers open, or too large to fit beside its
+        sender's stored bytes), or whose turn came unused, counts not, and one sender's count is capped, so forged or
+        idle tickets cannot push the planner's split. Unlike :meth:`_holds_back` the queue's progress clock
+        (:data:`HEAD_HOLD_S`) does not apply: before, a node whose buffer freed nothing for 5 s (the most stuck) counted
+        none of its waiting hand-offs and looked idle to the router again (rr-late55). O(queue)."""
         n: Counter[str] = Counter()
         for t in self.queue.values():
-            if n[t.src] < per_sender and self._holds_back(t, now, None):
+            if n[t.src] < per_sender and self._waits_for_room(t, now):
                 n[t.src] += 1
         return sum(n.values())
+
+    def _waits_for_room(self, x: Ticket, now: float) -> bool:
+        """Whether ticket ``x`` waits for room that frees here at ``now``: its sender has fewer than
+        :data:`OPEN_PER_SENDER` transfers open, no turn of it went unused, and its total fits beside the bytes its own
+        sender's transfers store."""
+        if self.by_src[x.src] >= OPEN_PER_SENDER or x.granted is not None and now - x.granted >= GRANT_USE_S:
+            return False
+        return self.held_by_src[x.src] + x.total <= self.max_bytes
 
     def place(self, transfer: str, now: float | None = None) -> int:
         """``transfer``'s place in the queue of transfers waiting for room at ``now`` (monotonic s; None: the last
