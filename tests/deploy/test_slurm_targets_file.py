@@ -34,10 +34,20 @@ esac
 """
 
 
+def _stub_squeue(tmp_path: Path) -> Path:
+    """A folder holding :data:`SQUEUE` as an executable ``squeue``, to put first on ``PATH``."""
+    sq = tmp_path / "sq"
+    sq.mkdir()
+    (sq / "squeue").write_text(SQUEUE)
+    (sq / "squeue").chmod(0o755)
+    return sq
+
+
 def test_a_failed_squeue_removes_no_targets_file(tmp_path):
     """rr-late55 M2: the start-up cleanup asked squeue once per file and read any empty answer as "finished", so one
-    squeue timing out (a busy controller, a failover; here every query but this job's own) removed a running job's file (Prometheus then stopped scraping it
-    for good). Now one listing of every job; a failed one removes nothing. The script's own function, run by bash."""
+    squeue timing out (a busy controller, a failover; here every query but this job's own) removed a running job's
+    file (Prometheus then stopped scraping it for good). Now one listing of every job; a failed one removes nothing.
+    The script's own function, run by bash."""
     script = (Path(__file__).parents[2] / "deploy/slurm/evolving-infra.sbatch").read_text()
     start = script.index("drop_finished_jobs_targets() {")
     func = script[start : script.index("\n}\n", start) + 3]
@@ -45,10 +55,7 @@ def test_a_failed_squeue_removes_no_targets_file(tmp_path):
     flat.mkdir()
     for name in ("slurm-1111.json", "slurm-5555.json", "slurm-4242.json"):
         (flat / name).write_text("[]\n")
-    sq = tmp_path / "sq"
-    sq.mkdir()
-    (sq / "squeue").write_text(SQUEUE)
-    (sq / "squeue").chmod(0o755)
+    sq = _stub_squeue(tmp_path)
     env = {**os.environ, "PATH": f"{sq}:{os.environ['PATH']}", "TARGETS_DIR": str(flat), "SLURM_JOB_ID": "4242"}
     run = ["bash", "-c", 'log() { echo "$*"; }\n' + func + "drop_finished_jobs_targets"]
     failed = subprocess.run(run, env={**env, "SQUEUE_FAIL": "1"}, capture_output=True, text=True, timeout=30)
@@ -68,10 +75,7 @@ def test_a_finished_job_s_targets_file_is_removed_at_the_next_start_and_a_stop_r
     flat.mkdir()
     for name in ("slurm-1111.json", "slurm-5555.json", "slurm-0-77.json"):
         (flat / name).write_text('[{"targets": ["10.9.9.9:9102"], "labels": {"service": "router"}}]\n')
-    sq = tmp_path / "sq"
-    sq.mkdir()
-    (sq / "squeue").write_text(SQUEUE)
-    (sq / "squeue").chmod(0o755)
+    sq = _stub_squeue(tmp_path)
     job = Job(tmp_path, PATH=f"{tmp_path / 'bin'}:{sq}:{os.environ['PATH']}", PROMETHEUS_TARGETS_DIR=str(flat))
     try:
         job.wait_for("READY", 150)
