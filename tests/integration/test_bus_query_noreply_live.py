@@ -30,6 +30,9 @@ async def test_stats_without_reply_inbox_are_counted_not_answered(nats_url):
 
     try:
         await svc.start_service_plumbing(stats, heartbeat_interval_s=60.0)
+        # the SUB leaves in the client's write buffer; without a round trip the peer's 200 publishes can reach the
+        # server before it (CI, loaded: 0 of 200 counted)
+        await svc.nc.flush(timeout=10)
         full = subj.format(SVC_STATS, instance="svc")
         for _ in range(200):
             await peer.publish_raw(full, m.encode(m.StatsRequest()))
