@@ -31,12 +31,14 @@ async def test_stats_without_reply_inbox_are_counted_not_answered(nats_url):
     try:
         await svc.start_service_plumbing(stats, heartbeat_interval_s=60.0)
         # the SUB leaves in the client's write buffer; without a round trip the peer's 200 publishes can reach the
-        # server before it (CI, loaded: 0 of 200 counted)
-        await svc.nc.flush(timeout=10)
+        # server before it (CI, loaded: 0 of 200 counted). Bus.flush, not nats-py's nc.flush: that one writes its PING
+        # straight to the socket, ahead of the SUB still queued for nats-py's flusher, so its PONG proves nothing
+        # (reproduced with the flusher delayed 0.3 s: nc.flush 0 == 200, Bus.flush passes)
+        await svc.flush(10)
         full = subj.format(SVC_STATS, instance="svc")
         for _ in range(200):
             await peer.publish_raw(full, m.encode(m.StatsRequest()))
-        await peer.nc.flush(timeout=10)
+        await peer.flush(10)
         for _ in range(200):  # bounded: 20 s
             if svc.counters["noreply.svc.stats.{instance}"] >= 200:
                 break
