@@ -204,6 +204,11 @@ class BackgroundTasks:
         await cancel_until_done(list(self._all))
 
 
+START_FLUSH_S = 10.0
+"""Seconds at most a service's start waits for the server to confirm its subscriptions (:meth:`Bus.flush`) before it
+says it serves; past them it serves anyway (with a warning)."""
+
+
 class Readiness:
     """Why a service is not ready: the reason its ``/readyz`` (``--metrics-port``, ``shared.metrics``) answers
     503 with, or None (200). Reads the bus's connection and stream state and the service's ``ready()`` at each
@@ -222,7 +227,8 @@ class Readiness:
       reconnect until the server has answered that it has it, the reliable publishes kept meanwhile; or, to a server
       that lost its store, until it or the launcher makes it again: ``shared.bus``). Before, a reconnect's first
       lookup, up to 5 s unanswered, was 200;
-    * ``starting``: the service's start has not completed;
+    * ``starting``: the service's start has not completed (nor the server confirmed the subscriptions it sent:
+      ``START_FLUSH_S``);
     * ``not ready``: its ``ready()`` is false (a loop it needs ended, a worker that does not accept).
 
     Before, only the start's wait for the stream was a reason: once started, ``/readyz`` followed ``ready()``
@@ -358,6 +364,14 @@ async def serve_until_stopped(
             await svc.start()
             stack.push_async_callback(svc.stop)
             await bus.start_service_plumbing(svc.stats, ready=ready)
+            # "serving" (/readyz 200, the "service started" line) only once the server has every SUB of the start:
+            # nats-py queues them for its flusher, and a peer that publishes on the word reached no subscription
+            # (tests/integration/test_service_readiness_live.py). Not answered (NATS gone or hung): /readyz says so
+            # by itself, and a reconnect subscribes everything again, so the start goes on.
+            try:
+                await bus.flush(START_FLUSH_S)
+            except BusError as e:
+                log.warning("nats did not confirm the subscriptions at start", error=str(e))
             readiness.phase = "serving"
             return auth
 

@@ -176,3 +176,79 @@ async def test_a_service_stopped_while_nats_is_down_stops_cleanly():
         await asyncio.sleep(1.5)  # a heartbeat or more buffered while disconnected
         stop.set()
         await asyncio.wait_for(task, 15)  # returns: no exception
+
+
+class _Listening:
+    """A service whose start subscribes (core, ``node.down.*``) and records what it hears there; its bus's writes
+    (``nats-py``'s ``_flush_pending``) leave 1 s late while :attr:`late` is set, as a loaded host's flusher task may."""
+
+    def __init__(self, cfg, bus, clock) -> None:
+        self.bus = bus
+        self.heard: list = []
+        self.fatal = asyncio.Event()
+        self.fatal_error = None
+        self.fatal_where = None
+        self.late = True
+        real = bus.nc._flush_pending
+
+        async def flush_pending(*a, **kw):
+            if not self.late:
+                return await real(*a, **kw)
+            asyncio.get_running_loop().call_later(1.0, lambda: asyncio.ensure_future(real(*a, **kw)))
+
+        bus.nc._flush_pending = flush_pending
+
+    async def start(self) -> None:
+        from shared.subjects import NODE_DOWN
+
+        async def on_down(msg, _s):
+            self.heard.append(msg)
+
+        await self.bus.subscribe(NODE_DOWN, on_down)
+
+    async def stop(self) -> None:
+        self.late = False
+
+    def stats(self):
+        return {}, {}
+
+
+@pytest.mark.timeout(60)
+async def test_ready_means_the_server_has_the_services_subscriptions(nats_url):
+    """/readyz 200 only once the server has the SUBs the start sent: a message another connection publishes right
+    after is heard. nats-py only queues a SUB for its flusher task; before, the start said "serving" at once, and
+    with that task 1 s late (a loaded host) the peer's message reached the server first and no subscription (heard
+    nothing)."""
+    import httpx
+
+    from shared import messages as m
+    from shared.config import CommonConfig
+    from shared.service import serve_until_stopped
+    from shared.subjects import NODE_DOWN
+
+    port = _free_port()
+    cfg = CommonConfig(nats_url=nats_url, partition="p7", metrics_port=port, metrics_host="127.0.0.1")
+    made: list[_Listening] = []
+
+    def make(c, b, clk):
+        made.append(_Listening(c, b, clk))
+        return made[-1]
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_until_stopped("listening", cfg, make, instance="listening", stop_event=stop))
+    peer = await Bus.connect(nats_url, Subjects("p7"), service="launcher", instance="peer")
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            await _until(http, f"http://127.0.0.1:{port}/readyz", _ok, "ready", task)
+        await peer.publish(NODE_DOWN, m.NodeDown(node="w0"), node="w0")
+        await peer.flush(10)  # routed by the server
+        end = time.monotonic() + 5
+        while not made[0].heard and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        assert [d.node for d in made[0].heard] == ["w0"]
+    finally:
+        if made:
+            made[0].late = False
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        await peer.close()
