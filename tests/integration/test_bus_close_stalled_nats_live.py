@@ -66,8 +66,10 @@ async def test_a_handler_running_at_close_finishes_across_a_short_nats_restart()
     try:
         bus = await Bus.connect(srv.url, Subjects("p0"), service="kvdirectory", instance="kvdirectory")
         done: list[float] = []
+        started = asyncio.Event()
 
         async def on_msg(_msg: object) -> None:
+            started.set()
             await asyncio.sleep(1.0)  # still running when the server dies and comes back
             done.append(time.monotonic())
             await bus.nc.publish("test.close.out", b"x")
@@ -82,8 +84,9 @@ async def test_a_handler_running_at_close_finishes_across_a_short_nats_restart()
         await obs.subscribe("test.close.out", cb=on_out)
         await obs.flush()
         await bus.nc.publish("test.close.in", b"1")
-        await bus.nc.flush()
-        await asyncio.sleep(0.1)  # the handler is in flight
+        # the handler is in flight. Before, a 0.1-s sleep: with the PUB written 0.3 s late (a loaded host's flusher) the
+        # message had not come back when the server was killed, and the assertion below blamed the close
+        await asyncio.wait_for(started.wait(), 5.0)
         loop = asyncio.get_running_loop()
 
         def bounce() -> None:
