@@ -41,7 +41,12 @@ def test_ctrl_c_during_the_replay_writes_the_partial_report_stops_the_cluster_an
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         state = demo_answering(proc, state_dir)  # its cluster ready, 2 requests answered (120 s)
-        time.sleep(1.0)  # the router's finished count leads the client's last chunk: let those answers arrive
+        # the router's finished count leads the client's last chunk: wait for those answers' records (before, a fixed
+        # 1-s sleep, which a loaded host's replay client can outlast)
+        deadline = time.monotonic() + 30
+        while sum(len(p.read_text().splitlines()) for p in out_dir.glob("requests.partial-*.jsonl")) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, (proc.poll(), sorted(out_dir.glob("*")))
+            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=150)
     finally:
