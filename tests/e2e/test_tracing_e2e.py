@@ -110,7 +110,13 @@ async def test_one_request_is_one_trace_across_router_directory_and_both_workers
                         seen += line.startswith("data:")
                         if seen >= 3:
                             break
-            await asyncio.sleep(1.0)  # the router's abort reaches the decode node
+            # the router's abort reaches the decode node: its --log-requests line says so (its span is ended "aborted"
+            # first). Before, a fixed 1-s sleep, then the cluster's stop, which a loaded host's abort could come after
+            w1_log, deadline = tmp_path / "logs" / "worker-w1.log", asyncio.get_running_loop().time() + 30
+            while not any(x.startswith("{") and (e := json.loads(x)).get("event") == "request aborted" and e.get("rid") == GONE
+                          for x in w1_log.read_text().splitlines()):  # fmt: skip
+                assert asyncio.get_running_loop().time() < deadline, "the decode node never aborted the gone client's request"
+                await asyncio.sleep(0.1)
         # the cluster stopped: every service flushed its spans on shutdown
 
     by_rid = {sp.trace_id for res, sp in rx.spans if _attrs(sp).get("ei.rid") == RID}
