@@ -529,6 +529,8 @@ class ClusterSim:
             self.bs, held_counts_only=self.track_branches and not self.skip_decode_kv, chained=True
         )
         self.directory.branches.chain_depths = self.track_branches  # the chains of count messages (_flush_counts)
+        if self.track_branches:  # a host store's re-sent counts go to its engine at once, not through the outbox
+            self.directory.branches.resend_sink = self._resend_counts
         for n in names:
             self.nodes[n].kv_id = self.directory.node_id(n)
         self._n_decode = sum(n.phase == "decode" for n in self.nodes.values())
@@ -1235,7 +1237,8 @@ class ClusterSim:
         if k not in ds:
             ix = d.index
             ds[k] = [len(ix), ix.run_count(), sum(c[0] for c in ix.copies), sum(c[1] for c in ix.copies), ix.size_bytes()]
-        self._flush_counts()
+        if d.branches.out_nodes:  # (a host store's re-sent counts went to the engine at once: _resend_counts)
+            self._flush_counts()
 
     def _flush_counts(self) -> None:
         """Count changes (``kv.counts.<node>``) to the engines at once; engines whose eviction
@@ -1250,6 +1253,14 @@ class ClusterSim:
         for n, _, hashes, counts, chains in self.directory.branches.take_count_lists(chains=True):
             if n < len(by_id):  # (a node the directory heard of from a placement alone has no engine here)
                 by_id[n].sched.kv.host.update_counts(hashes, counts, chains)  # EngineScheduler.update_counts, unwrapped
+
+    def _resend_counts(self, n: int, hashes: list[int], counts: list[int], chains: list[tuple[int | None, int]] | None) -> None:
+        """``BranchTable.resend_sink``: node n's re-sent counts of a host store, the message
+        :meth:`_flush_counts` would hand its engine at the next drain, handed to it now (the drain
+        follows every directory change here, and node n's own KV events change no count of n)."""
+        by_id = self._by_kv_id
+        if n < len(by_id):  # (a node the directory heard of from a placement alone has no engine here)
+            by_id[n].sched.kv.host.update_counts(hashes, counts, chains)
 
     # ------------------------------------------------------------------ #
     # planner and phase switches

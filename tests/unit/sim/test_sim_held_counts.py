@@ -66,3 +66,37 @@ def test_counts_for_held_blocks_only_change_no_result(cfg: SimConfig, monkeypatc
     assert strip_wall(cut.report) == strip_wall(full.report)
     assert cut.report["requests_completed"] == len(reqs)
     assert cut.report["kv_directory"]["evictions.host.zero_count"] > 0
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SimConfig(nodes=3, profile="tiny", policy="evolving", concurrency=6, seed=1),
+        SimConfig(nodes=3, profile="tiny", policy="evolving", concurrency=6, seed=2,
+                  forced_switches=(ForcedSwitch(0.3, "w0", "decode"), ForcedSwitch(0.9, "w0", "prefill"))),
+    ],
+    ids=["evolving", "evolving-forced-switches"],
+)
+def test_re_sent_counts_handed_over_at_once_change_no_result(cfg: SimConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host store's re-sent counts go to the engine as the directory makes them
+    (``BranchTable.resend_sink`` = ``ClusterSim._resend_counts``), not through the outbox and the
+    next drain: the same records and report as with every count message drained."""
+    reqs = small_trace(16, 10, pause=0.05, first_blocks=16, growth=4)  # L2 (256 blocks a node) evicts
+    handed = [0]
+    with monkeypatch.context() as m:
+        resend = cluster.ClusterSim._resend_counts
+
+        def tally(self: cluster.ClusterSim, *a: object) -> None:
+            handed[0] += 1
+            resend(self, *a)  # type: ignore[arg-type]
+
+        m.setattr(cluster.ClusterSim, "_resend_counts", tally)
+        direct = simulate(cfg, reqs, BS)
+    with monkeypatch.context() as m:
+        # no sink: every re-send waits in the outbox for the drain
+        m.setattr(branches.BranchTable, "resend_sink", property(lambda self: None, lambda self, v: None), raising=False)
+        drained = simulate(cfg, reqs, BS)
+    assert handed[0] > 10
+    assert direct.records == drained.records
+    assert strip_wall(direct.report) == strip_wall(drained.report)
+    assert direct.report["requests_completed"] == len(reqs)
