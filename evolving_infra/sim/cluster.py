@@ -564,6 +564,12 @@ class ClusterSim:
             self._online = OnlineModels(names, self.profile)
         self._RequestDone = request_done_type()
         self._take_records = self._feed_planner or self._online is not None
+        self._can_hold = self._feed_planner and self._online is None
+        """Iteration records may be held in the engines between planner ticks (no online refit reads them)."""
+        self._records_held = self._can_hold and not getattr(self.planner, "records_now", True)
+        """The plans' iteration records stay in their engines until the planner's next read (:meth:`_hand_records`
+        at its tick and at the run's end), each node's then handed in one call: the planner said at its last tick
+        that it takes them so (``PolicyBase.records_now`` False). Else each plan's records at its end."""
         for node in self.nodes.values():
             # the simulator forwards only first tokens and ends, and reads iteration records only
             # for a planner or the online refit: the engines build nothing else (same results);
@@ -683,6 +689,8 @@ class ClusterSim:
             else:
                 break
         stats.end_time = self.now
+        if self._records_held:
+            self._hand_records(self.now)
         if self._feed_planner:
             self._take_decisions()  # one made between ticks (a warm-up restarted at the first record) after the last
         if isinstance(self.replay, ScheduledReplay):
@@ -1057,7 +1065,7 @@ class ClusterSim:
         plan = sched.inflight
         outs = sched.finish_iteration(plan, t)  # type: ignore[arg-type]
         n.dirty = True
-        if self._take_records:
+        if self._take_records and not self._records_held:
             records = sched.take_records()
             if self._feed_planner and records:
                 self.planner.on_iterations(n.name, records, t)
@@ -1292,15 +1300,27 @@ class ClusterSim:
                 self.stats.planner_decisions.append(msgspec.json.decode(msgspec.json.encode(ev)))
         return take
 
+    def _hand_records(self, t: float) -> None:
+        """The iteration records held since the last tick (:attr:`_records_held`) to the planner: each node's in
+        one ``on_iterations`` call, in the node's order (no call per plan: 13,628 a 600-s run at 512-token blocks)."""
+        planner = self.planner
+        for n in self.nodes.values():
+            sched = n.sched
+            if sched.has_records:
+                planner.on_iterations(n.name, sched.take_records(), t)
+
     def _on_tick(self, t: float) -> None:
         self._tick_at = math.inf
         self._tick_floor = t + 1e-6
         self.stats.planner_ticks += 1
         planner = self.planner
+        if self._records_held:  # the records of the plans that ended before this tick, as if handed at each end
+            self._hand_records(t)
         for n in self.nodes.values():
             planner.on_node_state(n.sched.state(t), t)
         busy = frozenset(n.name for n in self.nodes.values() if n.status != SERVING)
         decision = planner.tick(t, dict(self.phases), busy)
+        self._records_held = self._can_hold and not getattr(planner, "records_now", True)  # until the next tick
         take = self._take_decisions()
         if decision is not None:
             changes = {k: v for k, v in decision.phases.items() if k in self.nodes and v != self.phases[k] and k not in busy}

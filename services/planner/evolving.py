@@ -249,6 +249,15 @@ class EvolvingPlanner(PolicyBase):
         on a busy 2-core machine, 1,150 s of cluster clock at speed-up 50, against its 240-s
         warm-up): the first record restarts the warm-up (:meth:`on_iterations`)."""
 
+    @property
+    def records_now(self) -> bool:
+        """Only while the warm-up waits for its first record (its restart reads the record's ``now`` and moves
+        :meth:`next_tick`; it begins and ends only at a tick or at a record). Otherwise a node's records
+        feed only that node's fit sample (a reservoir with the node's own RNG) and the observer's
+        per-node sums by each record's start: handed later, each node's in its order, they leave the
+        same numbers (see :meth:`PolicyBase.records_now`)."""
+        return self._await_first_record
+
     # -- inputs ------------------------------------------------------------ #
 
     def on_iterations(self, node: str, records: Sequence[IterationRecord], now: float) -> None:

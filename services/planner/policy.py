@@ -146,6 +146,16 @@ class PolicyBase:
         evolving planner's warm-up restarted at the first iteration record): a caller that asks ``next_tick``
         only after a tick (the simulator) asks again and clears it; the live core asks every round."""
 
+    @property
+    def records_now(self) -> bool:
+        """Whether :meth:`on_iterations` must get each plan's records at the plan's end (True here: it may read
+        ``now`` or bring :meth:`next_tick` forward). False (a planner that says so, see
+        :meth:`services.planner.evolving.EvolvingPlanner.records_now`): until its next :meth:`tick`, a caller
+        may hold the records and hand each node's in one call, in that node's order, before the planner's
+        next read (its tick, its models, the end of a run), with the planner's state then the same as one
+        call per plan would leave. Read at a tick, for the interval to the next one."""
+        return True
+
     # -- default no-op inputs --------------------------------------------- #
 
     def on_iterations(self, node: str, records: Sequence[IterationRecord], now: float) -> None:

@@ -1097,6 +1097,11 @@ class EngineScheduler:
         """Drain the KV events (BlockStored / BlockRemoved / AllBlocksCleared) in order."""
         return self.kv.take_events()
 
+    @property
+    def has_records(self) -> bool:
+        """Whether :meth:`take_records` has any to give."""
+        return bool(self._records)
+
     def take_records(self) -> list[IterationRecord]:
         """Drain the iteration records (one per plan, ``repeat`` = k)."""
         out = self._records

@@ -218,3 +218,44 @@ def test_a_run_that_ends_inside_a_restarted_warmup_reports_the_restart(profile):
     assert last["action"] == "warmup" and "warm-up restarted" in last["reason"] and last["ts"] > 3.0, last
     assert end < last["metrics"]["warmup_end"] < 6.0
     assert warmup_outlasted(res.stats.planner_decisions, end) == last["metrics"]["warmup_end"]
+
+
+def test_iteration_records_reach_the_planner_per_node_at_its_ticks_with_the_same_result(profile, monkeypatch):
+    """The simulator holds the engines' iteration records between the evolving planner's ticks and hands each
+    node's in one ``on_iterations`` call at the tick (``PolicyBase.records_now`` False), not one call per plan:
+    each node gets the same records in the same order and the planner decides the same (the run's results are
+    equal to those of a hand-over at each plan's end)."""
+    from services.planner.evolving import EvolvingPlanner
+
+    seen: list[tuple[str, list]] = []
+    orig = EvolvingPlanner.on_iterations
+
+    def spy(self, node, records, now):
+        seen.append((node, list(records)))
+        return orig(self, node, records, now)
+
+    monkeypatch.setattr(EvolvingPlanner, "on_iterations", spy)
+    reqs = steady()
+    windows = (Window("s", 0.0, 1e9, 16),)
+    held = run(profile, reqs, "1P3D", windows)
+    held_calls = list(seen)
+    seen.clear()
+    monkeypatch.setattr(EvolvingPlanner, "records_now", property(lambda self: True), raising=False)
+    each = run(profile, reqs, "1P3D", windows)
+    each_calls = list(seen)
+
+    def by_node(calls):
+        out: dict[str, list] = {}
+        for node, recs in calls:
+            out.setdefault(node, []).extend(recs)
+        return out
+
+    assert by_node(held_calls) == by_node(each_calls) and len(by_node(each_calls)) == 4
+    ticks = held.stats.planner_ticks
+    assert len(each_calls) > 4 * (ticks + 1), "one call per plan end"
+    assert len(held_calls) <= 4 * (ticks + 1), "at most one call per node per tick, and one at the end"
+    assert held.stats.planner_decisions == each.stats.planner_decisions
+    assert [(r.id, r.prefill_node, r.decode_node, r.ttft_s, r.e2e_s) for r in held.records] == [
+        (r.id, r.prefill_node, r.decode_node, r.ttft_s, r.e2e_s) for r in each.records
+    ]
+    assert held.report["final_split"] == each.report["final_split"] == "2P2D"
