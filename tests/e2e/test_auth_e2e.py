@@ -142,10 +142,11 @@ async def test_a_request_cannot_aim_a_services_reply_outside_the_inboxes(secured
 
 # --------------------------------------------------------------------------- #
 # whole cluster, auth on (the default of `up`)
-async def _create_consumer(bus: Bus, api_subject: str, config: dict) -> bool:
-    """Ask the JetStream API for a consumer on ``EI_p0`` as ``bus``'s identity: True when it was created."""
+async def _create_consumer(bus: Bus, api_subject: str, config: dict, timeout_s: float = 1.0) -> bool:
+    """Ask the JetStream API for a consumer on ``EI_p0`` as ``bus``'s identity: True when it was created, False when
+    refused or unanswered within ``timeout_s`` seconds (a denied publish gets no reply: what a refusal waits)."""
     try:
-        reply = await bus.nc.request(api_subject, json.dumps({"stream_name": "EI_p0", "config": config}).encode(), timeout=1.0)
+        reply = await bus.nc.request(api_subject, json.dumps({"stream_name": "EI_p0", "config": config}).encode(), timeout=timeout_s)
     except (nats.errors.Error, asyncio.TimeoutError):  # a denied publish gets no reply
         return False
     return "error" not in json.loads(reply.data)
@@ -221,7 +222,8 @@ async def test_a_consumer_delivering_onto_a_core_subject_is_not_taken_for_its_me
     await router.subscribe(SPLIT_COMMANDS, on_command)
     await router.flush()  # a core SUB, registered before w0's consumer delivers there (nats-py's flush did not promise it)
     cfg = {"name": "relay", "filter_subject": "ei.p0.work.w0.decode", "deliver_subject": "ei.p0.split.commands"}
-    assert await _create_consumer(w0, "$JS.API.CONSUMER.CREATE.EI_p0.relay.ei.p0.work.w0.decode", cfg)
+    # allowed: answered, however slowly a loaded host's JetStream makes it (1 s, the refusals' wait, was a race here)
+    assert await _create_consumer(w0, "$JS.API.CONSUMER.CREATE.EI_p0.relay.ei.p0.work.w0.decode", cfg, timeout_s=10.0)
     await w0.nc.publish("ei.p0.work.w0.decode", m.encode(m.SplitCommand(epoch=10**15, phases={"w0": "decode", "w1": "prefill"})))
     await w0.nc.flush()
     for _ in range(100):
@@ -263,7 +265,7 @@ async def test_a_consumer_refiltered_by_another_identity_is_not_taken_for_its_me
     assert len(names) == 1 and names[0].startswith("kvdirectory_")  # the leaked name (w0 may not list them)
     info = json.loads((await admin.nc.request(f"$JS.API.CONSUMER.INFO.EI_p0.{names[0]}", b"", timeout=2.0)).data)
     cfg = {**info["config"], "filter_subject": "ei.p0.work.w0.decode"}
-    assert await _create_consumer(w0, f"$JS.API.CONSUMER.CREATE.EI_p0.{names[0]}.ei.p0.work.w0.decode", cfg)
+    assert await _create_consumer(w0, f"$JS.API.CONSUMER.CREATE.EI_p0.{names[0]}.ei.p0.work.w0.decode", cfg, timeout_s=10.0)
     forged = m.RoutePlaced(rid="forged", branch_id="b", node="w0", phase="prefill")
     await w0.nc.publish("ei.p0.work.w0.decode", m.encode(forged))
     await w0.nc.flush()
