@@ -49,6 +49,7 @@ from shared.config import CommonConfig
 from shared import tracing
 from shared.metrics import MetricsServer, make_registry, service_registry
 from shared.net import inherited_socket
+from shared.signals import ignore_stop_signals
 from shared.subjects import Subjects
 
 try:  # uvloop is a core dependency on Linux/macOS; plain asyncio elsewhere.
@@ -494,9 +495,26 @@ async def until_stopped(
 
 
 def run_service(service_name: str, cfg: CommonConfig, factory: ServiceFactory, *, instance: str | None = None) -> None:
-    """Run a service in this process until SIGINT/SIGTERM (uvloop when available)."""
+    """Run a service in this process until SIGINT/SIGTERM (uvloop when available); the process exits after it.
+
+    Once :func:`serve_until_stopped` has ended (drained, stopped, or failed), SIGINT and SIGTERM are ignored until
+    the process exits (:func:`shared.signals.ignore_stop_signals`): a plain ``scancel`` sends every process of the
+    job a SIGTERM and the job's stop and supervisors more, and one that came while the loop closed, or just after,
+    killed the service by SIGTERM (status -15, not its 0 or 1; every burst of 4 SIGTERMs 2 ms apart did). Until then
+    the signals keep their meaning (a second one, or SIGINT, ends SIGTERM's drain at once).
+
+    Raises:
+        What :func:`serve_until_stopped` raises.
+    """
     inst = instance or instance_name(service_name, cfg)
-    coro = serve_until_stopped(service_name, cfg, factory, instance=inst)
+
+    async def serve() -> None:
+        try:
+            await serve_until_stopped(service_name, cfg, factory, instance=inst)
+        finally:  # the process exits after this: the rest of a burst of stop signals is discarded
+            ignore_stop_signals(asyncio.get_running_loop())
+
+    coro = serve()
     if uvloop is not None:
         uvloop.run(coro)
     else:  # pragma: no cover

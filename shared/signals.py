@@ -1,0 +1,92 @@
+"""Stop signals at the edges of a process's life: before its event loop handles them, and once it is stopping.
+
+Every entry point that stops on SIGTERM/SIGINT sets its handlers with ``loop.add_signal_handler`` (the services'
+shell, ``shared.service``; ``up``; ``tap``; ``replay``; the Slurm liveness watch; the KV-pool demo). Two moments
+were left to the signals' default action:
+
+- The end. A plain ``scancel`` sends SIGTERM to every process of a job, the job's stop and its supervisors send more:
+  several land within milliseconds. One that came while ``asyncio.run`` (or ``uvloop.run``) closed the loop printed
+  "Exception ignored when trying to write to the signal wakeup fd ... OSError: [Errno 9] Bad file descriptor"
+  (``loop.close()`` closes the self-pipe, the wakeup fd, and only then removes the handlers), and one just after
+  killed the process by SIGTERM (status -15, not its own; under uvloop the handlers are never removed and Python's
+  own finalization puts SIGTERM back to its default). :func:`ignore_stop_signals`, called on the loop once the
+  process is stopping for good, ignores them from there to the exit.
+- The start. ``evolving-infra up`` imports for about a second before its loop exists: a SIGTERM then killed it (-15)
+  with no word. :func:`catch_early` records such a signal with a plain Python handler from the first line of the
+  command's ``main``, and :func:`caught_early` hands it to the loop's handlers once they are set.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # not imported at run time: `up` calls catch_early before its heavy imports
+    import asyncio
+
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+"""The signals that stop a process of this project (a supervisor's or Slurm's SIGTERM, Ctrl-C)."""
+
+
+def ignore_stop_signals(loop: asyncio.AbstractEventLoop, signals: Iterable[int] = STOP_SIGNALS) -> None:
+    """From here on ignore ``signals`` (the process is stopping for good and exits after this loop), and take them
+    off ``loop`` while its self-pipe is still open.
+
+    Call it from a coroutine or callback running on ``loop`` in the main thread, after the process's own stop no
+    longer needs them (a service's drain and stop are over, ``tap`` has stopped, ``replay`` aborts): a signal then is
+    discarded, where before one that came during the loop's close printed the "signal wakeup fd" traceback and one
+    just after killed the process (-15). A signal ``loop`` has no handler for is ignored all the same. The
+    signals stay ignored until the process exits: only the entry point that owns the process calls this.
+
+    Args:
+        loop: the running loop whose handlers (``loop.add_signal_handler``) are removed; asyncio's or uvloop's.
+        signals: signal numbers (default :data:`STOP_SIGNALS`; ``up`` adds SIGHUP).
+
+    Raises:
+        ValueError: not called in the main thread (``signal.signal``'s).
+    """
+    sigs = tuple(signals)
+    for sig in sigs:
+        signal.signal(sig, signal.SIG_IGN)  # first: none is handled from here (the loop's handler is its C one)
+    # remove_signal_handler restores the default (SIG_DFL: a SIGTERM then kills) before it can be SIG_IGN again:
+    # blocked meanwhile, one that comes then stays pending and is discarded once ignored
+    signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        for sig in sigs:
+            loop.remove_signal_handler(sig)  # asyncio's last one clears the wakeup fd (the self-pipe, still open)
+            signal.signal(sig, signal.SIG_IGN)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+
+
+_caught: list[int] | None = None
+"""The signals :func:`catch_early`'s handler recorded, in order; None until it is installed."""
+
+
+def _record(signum: int, frame: object) -> None:
+    assert _caught is not None
+    _caught.append(signum)
+
+
+def catch_early(signals: Iterable[int]) -> None:
+    """Record ``signals`` (numbers) from now until the event loop's handlers replace these: a plain Python handler
+    appends each to :func:`caught_early`'s list and returns, so the imports and checks before the loop run on.
+    A signal ignored now (SIGHUP under ``nohup``) stays ignored. For a process's entry point only (its ``main`` with
+    the process's own arguments), in the main thread; calling it again keeps what was recorded.
+
+    Raises:
+        ValueError: not in the main thread (``signal.signal``'s).
+    """
+    global _caught
+    if _caught is None:
+        _caught = []
+    for sig in signals:
+        if signal.getsignal(sig) != signal.SIG_IGN:
+            signal.signal(sig, _record)
+
+
+def caught_early() -> list[int] | None:
+    """The signal numbers recorded since :func:`catch_early`, oldest first (a copy); None when it was not called
+    in this process (an in-process call of a command: the caller's signals are its own)."""
+    return None if _caught is None else list(_caught)
