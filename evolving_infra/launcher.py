@@ -59,7 +59,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from evolving_infra.cli import UsageError, command_name
+from evolving_infra.cli import UP_STOP_SIGNALS, UsageError, command_name
 from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
 from evolving_infra.stdio_args import folder, shown, stdin_file
 from evolving_infra.cluster import (
@@ -70,6 +70,7 @@ from shared.auth import redact_argv, redact_url
 from shared.log import setup_logging
 from shared.profile import ProfileError, available_profiles
 from shared.service import until_stopped
+from shared.signals import caught_early, ignore_stop_signals
 from shared.split import SplitError, parse_split
 from services.router.toolcalls import KNOWN_PARSERS as TOOL_CALL_PARSERS
 
@@ -1686,13 +1687,25 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     SIGUSR1 (a key reload, :func:`reload_router_keys`) is ignored until ``_up`` sets its handler (the checks and a
     tokenizer's load before it take seconds) and again once the loop closed, which put it back to its default:
-    one sent then killed ``up`` (status 138) and left its cluster to die with it."""
+    one sent then killed ``up`` (status 138) and left its cluster to die with it. In ``up``'s own process (its
+    stop signals caught from its first line: :func:`evolving_infra.cli.catch_up_stop_signals`) SIGINT, SIGTERM and
+    SIGHUP are ignored once ``_up`` has ended (its cluster stopped): the rest of a burst of them (a plain
+    ``scancel``) then ends nothing, and ``up`` exits with its own status, not -15."""
     setup_logging("console", "warning")
     ignoring = contextlib.suppress(ValueError)  # not the main thread (a test's): the caller's signals are its own
     with ignoring:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    owned = caught_early() is not None  # this process's `up` (evolving_infra.cli.catch_up_stop_signals)
+
+    async def run() -> int:
+        try:
+            return await _up(args)
+        finally:  # the process exits after this: the rest of a burst of stop signals is discarded, where one that
+            if owned:  # landed while asyncio.run closed the loop, or just after, killed `up` by SIGTERM (-15)
+                ignore_stop_signals(asyncio.get_running_loop(), UP_STOP_SIGNALS)
+
     try:
-        return asyncio.run(_up(args))
+        return asyncio.run(run())
     finally:
         with ignoring:
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -2009,7 +2022,8 @@ def _stop_on_signals(stop: asyncio.Event) -> list[int]:
     """Make SIGINT, SIGTERM and SIGHUP (unless ignored: ``nohup``) set ``stop`` (``up``'s run and the demo's
     start-up and replay end on it), so that the demo stops every service and the embedded nats-server (whose JetStream store,
     ``/tmp/ei-nats-*``, reached 196 MB) and removes its state file; the default SIGTERM action killed the demo
-    with none of that. Returns the list that receives the first signal's number."""
+    with none of that. A signal ``up`` caught before its loop existed (:func:`shared.signals.caught_early`) sets
+    ``stop`` at once. Returns the list that receives the first signal's number."""
     loop = asyncio.get_running_loop()
     got: list[int] = []
 
@@ -2021,6 +2035,8 @@ def _stop_on_signals(stop: asyncio.Event) -> list[int]:
     hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
     for sig in (signal.SIGINT, signal.SIGTERM, *hup):
         loop.add_signal_handler(sig, on_signal, int(sig))
+    for sig in caught_early() or ():  # `up`'s, sent before this loop existed (evolving_infra.cli.catch_up_stop_signals)
+        on_signal(sig)
     return got
 
 

@@ -435,7 +435,8 @@ async def until_stopped(
     coro: Any, stop: asyncio.Event, *, grace_s: float = STOP_GRACE_S,
     discard: Callable[[Any], Awaitable[Any]] | None = None,
 ) -> Any:
-    """Run ``coro`` unless ``stop`` is set first; then cancel it and return None.
+    """Run ``coro`` unless ``stop`` is set first; then cancel it and return None (a coroutine not begun when
+    ``stop`` is already set is not run at all).
 
     After that cancel, ``coro`` runs until it ends (its clean-up on cancellation runs to its end) for up to
     ``grace_s`` seconds; one still running then is cancelled again every 0.05 s until it ends (a cancel lost in a
@@ -462,6 +463,9 @@ async def until_stopped(
         if asyncio.iscoroutine(coro):
             coro.close()  # not run: no "never awaited" warning
         raise ValueError(f"grace_s must be seconds >= 0, got {grace_s!r}")
+    if stop.is_set() and asyncio.iscoroutine(coro):  # stopped before it began (``up``: a signal caught while it
+        coro.close()  # imported): not started at all, where a first step already started nats-server to stop it
+        return None
     task = asyncio.ensure_future(coro)
     waiter = asyncio.ensure_future(stop.wait())
     try:
