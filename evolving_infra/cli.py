@@ -268,8 +268,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     exception passes through them. The statuses: :data:`EXIT_STATUSES` (``evolving-infra --help``'s epilog; 4,
     :data:`~evolving_infra.out_folder.OUTPUTS_ELSEWHERE`: a run's outputs written to ``OUT/run-ID/``).
     """
-    if argv is None and sys.argv[1:2] == ["up"]:  # this process's own command line: before the imports
-        catch_up_stop_signals()
+    if argv is None:  # this process's own command line (shared.signals.claim_process): before the imports
+        from shared.signals import claim_process
+
+        claim_process()
+        if sys.argv[1:2] == ["up"]:
+            catch_up_stop_signals()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _main(argv)

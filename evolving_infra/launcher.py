@@ -70,7 +70,7 @@ from shared.auth import redact_argv, redact_url
 from shared.log import setup_logging
 from shared.profile import ProfileError, available_profiles
 from shared.service import until_stopped
-from shared.signals import caught_early, ignore_stop_signals
+from shared.signals import caught_early, ignore_stop_signals, process_claimed
 from shared.split import SplitError, parse_split
 from services.router.toolcalls import KNOWN_PARSERS as TOOL_CALL_PARSERS
 
@@ -1687,15 +1687,16 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     SIGUSR1 (a key reload, :func:`reload_router_keys`) is ignored until ``_up`` sets its handler (the checks and a
     tokenizer's load before it take seconds) and again once the loop closed, which put it back to its default:
-    one sent then killed ``up`` (status 138) and left its cluster to die with it. In ``up``'s own process (its
-    stop signals caught from its first line: :func:`evolving_infra.cli.catch_up_stop_signals`) SIGINT, SIGTERM and
+    one sent then killed ``up`` (status 138) and left its cluster to die with it. In ``up``'s own process
+    (:func:`shared.signals.process_claimed`; its stop signals caught from its first line:
+    :func:`evolving_infra.cli.catch_up_stop_signals`) SIGINT, SIGTERM and
     SIGHUP are ignored once ``_up`` has ended (its cluster stopped): the rest of a burst of them (a plain
     ``scancel``) then ends nothing, and ``up`` exits with its own status, not -15."""
     setup_logging("console", "warning")
     ignoring = contextlib.suppress(ValueError)  # not the main thread (a test's): the caller's signals are its own
     with ignoring:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    owned = caught_early() is not None  # this process's `up` (evolving_infra.cli.catch_up_stop_signals)
+    owned = process_claimed()  # this process's `up` (evolving_infra.cli.main), not a test's in-process call
 
     async def run() -> int:
         try:

@@ -34,7 +34,7 @@ from evolving_infra.auth_cli import CREDS_HINT, tool_auth
 from shared.auth import AuthError, client_options, redact_url
 from shared.bus import decoder_for, denied_subject
 from shared.cancel import cancel_until_done
-from shared.signals import STOP_SIGNALS, ignore_stop_signals
+from shared.signals import STOP_SIGNALS, ignore_stop_signals, process_claimed
 from shared.subjects import ALL, Subjects
 
 TAP_DRAIN_S = 2.0
@@ -196,7 +196,8 @@ async def _tap(args: argparse.Namespace) -> int:
         await _drain_and_close(nc, subs)
         return 0
     finally:  # the process exits after this: the rest of a burst of stop signals is discarded (no -15, no
-        ignore_stop_signals(loop)  # "signal wakeup fd" traceback from one that lands while the loop closes)
+        if process_claimed():  # "signal wakeup fd" traceback from one that lands while the loop closes)
+            ignore_stop_signals(loop)
 
 
 async def _drain_and_close(nc: NatsClient, subs: list[Subscription], limit_s: float = TAP_DRAIN_S) -> None:

@@ -19,8 +19,8 @@ were left to the signals' default action:
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # not imported at run time: `up` calls catch_early before its heavy imports
     import asyncio
@@ -31,7 +31,7 @@ STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
 
 def ignore_stop_signals(loop: asyncio.AbstractEventLoop, signals: Iterable[int] = STOP_SIGNALS) -> None:
     """From here on ignore ``signals`` (the process is stopping for good and exits after this loop), and take them
-    off ``loop`` while its self-pipe is still open.
+    off ``loop`` while its self-pipe is still open: :func:`hand_over_stop_signals` with ``SIG_IGN``.
 
     Call it from a coroutine or callback running on ``loop`` in the main thread, after the process's own stop no
     longer needs them (a service's drain and stop are over, ``tap`` has stopped, ``replay`` aborts): a signal then is
@@ -46,18 +46,58 @@ def ignore_stop_signals(loop: asyncio.AbstractEventLoop, signals: Iterable[int] 
     Raises:
         ValueError: not called in the main thread (``signal.signal``'s).
     """
+    hand_over_stop_signals(loop, signal.SIG_IGN, signals)
+
+
+def hand_over_stop_signals(loop: asyncio.AbstractEventLoop, handler: signal.Handlers | Callable[[int, Any], Any],
+                           signals: Iterable[int] = STOP_SIGNALS) -> None:
+    """Take ``signals`` off ``loop`` and give them to ``handler`` (``SIG_IGN``, or a Python handler ``(signum,
+    frame)``), with no moment at their default action in between.
+
+    ``loop.remove_signal_handler`` puts a signal back to its default (SIG_DFL: a SIGTERM then kills) before it can be
+    given to another handler: the signals are blocked meanwhile, and one that comes then is delivered to ``handler``
+    once they are unblocked. The loop's self-pipe is still open then: asyncio's last ``remove_signal_handler`` clears
+    the wakeup fd, so none is written to a closed one later. A signal ``loop`` has no handler for gets ``handler``
+    all the same. From a coroutine or callback running on ``loop``, in the main thread.
+
+    Args:
+        loop: the running loop; asyncio's or uvloop's.
+        handler: ``signal.SIG_IGN`` or a callable ``(signum: int, frame) -> None`` (it may raise, as
+            ``KeyboardInterrupt`` or ``SystemExit`` to abort the process).
+        signals: signal numbers (default :data:`STOP_SIGNALS`).
+
+    Raises:
+        ValueError: not called in the main thread (``signal.signal``'s).
+    """
     sigs = tuple(signals)
-    for sig in sigs:
-        signal.signal(sig, signal.SIG_IGN)  # first: none is handled from here (the loop's handler is its C one)
-    # remove_signal_handler restores the default (SIG_DFL: a SIGTERM then kills) before it can be SIG_IGN again:
-    # blocked meanwhile, one that comes then stays pending and is discarded once ignored
+    # blocked first: none is handled until every one is handed over (a handler that raises half-way would leave some
+    # on the loop, whose close puts them back to their default); one already written to the loop's self-pipe finds no
+    # handler there any more and is dropped
     signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
     try:
         for sig in sigs:
             loop.remove_signal_handler(sig)  # asyncio's last one clears the wakeup fd (the self-pipe, still open)
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, handler)
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)  # one that came meanwhile goes to ``handler`` now
+
+
+_claimed = False
+"""Whether this process runs a command of its own command line (:func:`claim_process`)."""
+
+
+def claim_process() -> None:
+    """Mark this process as run by a command's entry point with the process's own arguments (``evolving-infra``'s
+    ``main`` with no ``argv``): the command may then keep stop signals ignored (or aborting) from its stop to the
+    process's exit. A command called in-process (a test's ``main([...])``) leaves the caller's signals as
+    asyncio leaves them."""
+    global _claimed
+    _claimed = True
+
+
+def process_claimed() -> bool:
+    """Whether :func:`claim_process` (or :func:`catch_early`) was called in this process."""
+    return _claimed or _caught is not None
 
 
 _caught: list[int] | None = None
