@@ -70,7 +70,7 @@ from shared.auth import redact_argv, redact_url
 from shared.log import setup_logging
 from shared.profile import ProfileError, available_profiles
 from shared.service import until_stopped
-from shared.signals import caught_early, ignore_stop_signals, process_claimed
+from shared.signals import aborting, caught_early, hand_over_stop_signals, ignore_stop_signals, process_claimed, run_abortable
 from shared.split import SplitError, parse_split
 from services.router.toolcalls import KNOWN_PARSERS as TOOL_CALL_PARSERS
 
@@ -2045,8 +2045,16 @@ def _default_signals() -> None:
     """Undo :func:`_stop_on_signals` once the demo's cluster has stopped: SIGINT raises ``KeyboardInterrupt`` again
     (the CLI's "interrupted", status 130; the report writers remove what they had begun) and SIGTERM / SIGHUP end
     the process, instead of setting a stop event that nothing waits for any more (a Ctrl-C while the plots were
-    drawn was swallowed: status 0, the report written)."""
+    drawn was swallowed: status 0, the report written). In the demo's own process (:func:`shared.signals.process_claimed`)
+    they end it as :func:`shared.signals.aborting` does: status 143 / 129 (``SystemExit``, the writers clean up as for
+    Ctrl-C), the rest of a burst ignored. Before, SIGTERM's default action killed it (-15), also when the signal was
+    only the rest of the burst whose first stopped the demo (a plain ``scancel``), its partial report then lost."""
     loop = asyncio.get_running_loop()
+    if process_claimed():
+        hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)  # nohup: stays ignored
+        stops = (signal.SIGINT, signal.SIGTERM, *hup)
+        hand_over_stop_signals(loop, aborting(stops), stops)
+        return
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.remove_signal_handler(sig)  # False (nothing done) for one not installed: SIGHUP under nohup
 
@@ -2276,8 +2284,21 @@ def _baseline_line(args: argparse.Namespace, out: Path) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """``evolving-infra demo``: run :func:`_demo` in its own event loop; returns its exit status. In the demo's own
+    process (:func:`shared.signals.process_claimed`) SIGINT, SIGTERM and SIGHUP are ignored once ``_demo`` has ended
+    (its report written): one then, the rest of a burst, ends nothing, and the demo exits with its own status where
+    one landing while ``asyncio.run`` closed the loop, or just after, killed it (-15)."""
     setup_logging("console", "warning")
-    return asyncio.run(_demo(args))
+    owned = process_claimed()
+
+    async def run() -> int:
+        try:
+            return await _demo(args)
+        finally:
+            if owned:
+                ignore_stop_signals(asyncio.get_running_loop(), UP_STOP_SIGNALS)
+
+    return run_abortable(run())  # a signal once the cluster stopped aborts (_default_signals): no logged task error
 
 
 # ----------------------------------------------------------------------------- registration

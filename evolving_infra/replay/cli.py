@@ -42,7 +42,7 @@ from evolving_infra.replay.core import Arrival, ReplayError
 from evolving_infra.stdio_args import STDIO, folder, shown, stdin_file
 from services.router.config import RouterConfig
 from shared.log import setup_logging
-from shared.signals import STOP_SIGNALS, hand_over_stop_signals, ignore_stop_signals, process_claimed
+from shared.signals import STOP_SIGNALS, aborting, hand_over_stop_signals, ignore_stop_signals, process_claimed, run_abortable
 
 if TYPE_CHECKING:
     from evolving_infra.traces.schema import TraceRequest
@@ -177,9 +177,12 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
             except OSError as e:  # its reader is gone (a pipe's, a closed terminal's): what follows for stderr (the
                 if isinstance(e, BrokenPipeError) or e.errno == errno.EIO:  # progress bar's close) to /dev/null, so
                     _stderr_to_devnull()  # that the report of what completed is still written; else the line is lost
-        else:  # the rest of a burst (a plain scancel) ignored: no -15 nor traceback while asyncio.run closes the loop
-            ignore_stop_signals(loop)
+        elif len(signals) == 2:  # the abort; the rest of a burst (a plain scancel) ignored from here: no -15 nor
+            ignore_stop_signals(loop)  # traceback from one that lands while asyncio.run closes the loop
             raise SystemExit(128 + sig.value)
+        # else: one of a burst that came with the second, already queued on the loop: raised again while asyncio.run
+        # cancelled the tasks, it closed the loop with the replay's task pending ("Task was destroyed but it is
+        # pending!" and a traceback)
 
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
@@ -204,8 +207,8 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
         append.close()
         if len(signals) >= 2:
             pass  # aborted: on_signal ignores them
-        elif process_claimed():  # this process's replay: a signal from here aborts at once
-            hand_over_stop_signals(loop, _abort_now)
+        elif process_claimed():  # this process's replay: a signal from here aborts at once (its report being written),
+            hand_over_stop_signals(loop, aborting())  # 130 / 143 as a second one during the run, no -15 (a burst's)
         else:  # an in-process call (a test's): back to the defaults, as before
             for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
@@ -274,20 +277,6 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
     if dest != out:  # OUT/report.json is still the earlier run's: a script reading it must know
         return OUTPUTS_ELSEWHERE
     return 0 if report["requests_failed"] == 0 else 1
-
-
-def _abort_now(signum: int, frame: object) -> None:
-    """A stop signal once the replay has ended (its report being written): abort at once, as a second signal during
-    the run does. SIGINT raises ``KeyboardInterrupt`` (``evolving_infra.cli``: "interrupted", 130), SIGTERM
-    ``SystemExit(143)``; the report writers remove what they had begun as either passes through them, and the rest
-    of a burst of signals is ignored from the first on. Before, the loop's handlers were removed and SIGTERM was at
-    its default: one, or the rest of a burst whose first stopped the replay, killed it (-15), and one that came while
-    ``asyncio.run`` closed the loop printed the "signal wakeup fd" traceback."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise SystemExit(128 + signum)
 
 
 def _stderr_to_devnull() -> None:
@@ -591,7 +580,7 @@ def non_negative_int(text: str) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     setup_logging("console", "warning")
-    return asyncio.run(_replay(args))
+    return run_abortable(_replay(args))  # a signal once the run ended aborts (shared.signals.aborting): no logged task error
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
