@@ -62,6 +62,7 @@ from services.kvdirectory.lookup import fetch_ranges
 from services.kvdirectory.reuse import attribute_lost_reuse
 from services.router.core import NoRoute, RouterCore
 from services.router.policy import RouteRequest
+from services.worker.blocks import BranchRunHostPool
 from services.worker.plan import HandOff, TokensOut, WorkRejected
 from services.worker.scheduler import EngineScheduler
 from shared.profile import Profile
@@ -273,6 +274,8 @@ class _Flight(IdentityValue):
 
 DIRECTORY_SAMPLE_S = 60.0
 """Simulated seconds between two samples of the KV directory's size (``SimStats.directory_size``)."""
+_EVICTION_KEYS = {ph: (ph + ".zero_count", ph + ".positive_count") for ph in ("prefill", "decode", "both")}
+"""``SimStats.host_evictions``' keys by the evicting node's phase."""
 
 
 class SimStats(Value):
@@ -531,6 +534,9 @@ class ClusterSim:
         self.directory.branches.chain_depths = self.track_branches  # the chains of count messages (_flush_counts)
         if self.track_branches:  # a host store's re-sent counts go to its engine at once, not through the outbox
             self.directory.branches.resend_sink = self._resend_counts
+        self._sample_at = 0.0
+        """The start of the next :data:`DIRECTORY_SAMPLE_S` window: its first KV batch samples the
+        directory's size (``SimStats.directory_size``)."""
         for n in names:
             self.nodes[n].kv_id = self.directory.node_id(n)
         self._n_decode = sum(n.phase == "decode" for n in self.nodes.values())
@@ -1238,13 +1244,16 @@ class ClusterSim:
         z, p = d.apply_kv_events(n.kv_id, n.kv_seq, t, events)  # apply_kv_batch without the batch and result objects
         if z or p:  # host evictions by (count > 0) and by the phase of the evicting node
             ev = self.stats.host_evictions
-            ev[n.phase + ".zero_count"] = ev.get(n.phase + ".zero_count", 0) + z
-            ev[n.phase + ".positive_count"] = ev.get(n.phase + ".positive_count", 0) + p
-        k = int(t // DIRECTORY_SAMPLE_S)
-        ds = self.stats.directory_size
-        if k not in ds:
+            kz, kp = _EVICTION_KEYS[n.phase]
+            ev[kz] = ev.get(kz, 0) + z
+            ev[kp] = ev.get(kp, 0) + p
+        if t >= self._sample_at:  # the first batch of a DIRECTORY_SAMPLE_S window (t never goes back)
+            k = int(t // DIRECTORY_SAMPLE_S)
+            self._sample_at = (k + 1) * DIRECTORY_SAMPLE_S
             ix = d.index
-            ds[k] = [len(ix), ix.run_count(), sum(c[0] for c in ix.copies), sum(c[1] for c in ix.copies), ix.size_bytes()]
+            self.stats.directory_size[k] = [
+                len(ix), ix.run_count(), sum(c[0] for c in ix.copies), sum(c[1] for c in ix.copies), ix.size_bytes()
+            ]
         if d.branches.out_nodes:  # (a host store's re-sent counts went to the engine at once: _resend_counts)
             self._flush_counts()
 
@@ -1268,7 +1277,11 @@ class ClusterSim:
         follows every directory change here, and node n's own KV events change no count of n)."""
         by_id = self._by_kv_id
         if n < len(by_id):  # (a node the directory heard of from a placement alone has no engine here)
-            by_id[n].sched.kv.host.update_counts(hashes, counts, chains)
+            host = by_id[n].sched.kv.host
+            if chains is not None and type(host) is BranchRunHostPool:  # one chain at the store's position
+                host.update_stored_counts(hashes, counts)
+            else:
+                host.update_counts(hashes, counts, chains)
 
     # ------------------------------------------------------------------ #
     # planner and phase switches

@@ -2237,6 +2237,25 @@ class BranchRunHostPool(RunHostPool):
             return 0
         return self._entry_moves(hashes, counts, n, m, self.queued)
 
+    def update_stored_counts(self, hashes: list[int], counts: list[int]) -> int:
+        """:meth:`update_counts` of the directory's re-send of a host store's counted blocks as one
+        chain at the store's position, ``update_counts(hashes, counts, [(None, len(hashes))])``
+        (the simulator's ``ClusterSim._resend_counts``): the usual one — every count > 0, the
+        pages of a run this pool stored (:meth:`_store_depth`), all in L1 — sets their runs'
+        counted intervals (:meth:`_chain_l1`) with no message checks and no :meth:`_count_l1`
+        loop; any other goes through :meth:`update_counts` (the intervals already set are set
+        again, which changes nothing). Returns the blocks moved (none in the usual case).
+
+        Raises:
+            ValueError: as :meth:`update_counts`.
+        """
+        n = len(hashes)
+        if n and n == len(counts) and self._counted is None and all(counts):
+            rec = self._stored.get(hashes[0])
+            if rec is not None and self._chain_l1(hashes, counts, 0, n, rec[0], True) == n:
+                return 0
+        return self.update_counts(hashes, counts, [(None, n)])
+
     def _to_intervals(self) -> None:
         """Keep counts in L1's runs from now on (the first count message with chains): each L1
         run's counted pages become its counted intervals (O(L1 pages) once), and the pool drops its
