@@ -271,7 +271,9 @@ class BranchTable:
         one after the other: the worker's pool moves the same blocks either way (a drain cut into
         messages anywhere moves as in one message, ``BranchRunHostPool.update_counts``), and a
         node's counts do not change while its own KV events are applied (a move its stores finish
-        releases other nodes), so each is sent the same counts. None (the default): queued."""
+        releases other nodes), so each is sent the same counts. The sink runs inside the batch's
+        apply: an exception it raises leaves the batch applied up to that store (the simulator
+        stops on it). None (the default): queued."""
         self.out_nodes: list[int] = []
         """Nodes whose outbox is not empty, each once, in the order they got their first change
         since the last drain: a drain visits only them (sorted), not every node (an empty
