@@ -45,7 +45,7 @@ or when its prefill starts on the prefill node (``route.bind``, paper Eq. 7 / Ap
 
 from services.router.faults import usable_lookup
 from services.router.metrics import RouteMetrics, TtftSample
-from services.router.nodes import NO_SUCH_NODE, FencedNode, NodeLoad, NodeLoadView, kv_blocks
+from services.router.nodes import DECODE_PHASES, NO_SUCH_NODE, PREFILL_PHASES, FencedNode, NodeLoad, NodeLoadView, kv_blocks
 from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy
 
 _PHASE = attrgetter("phase")
@@ -228,10 +228,11 @@ class RouterCore:
         """
         if req.prompt_tokens < 1:
             raise ValueError("prompt_tokens must be >= 1")
-        pre = self.view.prefill_candidates(now)
+        view = self.view
+        pre = view.candidates(PREFILL_PHASES, now)  # view.prefill_candidates / decode_candidates, without their frames
         if not pre:
-            return NoRoute(self.view.no_candidate_reason("prefill", now))
-        dec = self.view.decode_candidates(now)
+            return NoRoute(view.no_candidate_reason("prefill", now))
+        dec = view.candidates(DECODE_PHASES, now)
         # with no decode node only collocated ones: pre itself when it lists no prefill-only node (a C-level scan)
         offered = pre if dec or "prefill" not in map(_PHASE, pre) else [n for n in pre if n.phase == "both"]
         need = self._room(req)
@@ -381,7 +382,7 @@ class RouterCore:
         (``NodeState.gpu_total_blocks``) smaller than that and another one holds it; else 0 (every node
         holds it, or none does: then the caller refuses it, the live router's 400, or the node does).
         O(1) while no node reports a new capacity (:meth:`NodeLoadView.kv_bounds`)."""
-        need = kv_blocks(req.prompt_tokens, req.max_tokens, self.block_size)
+        need = -(-(req.prompt_tokens + req.max_tokens) // self.block_size)  # kv_blocks(prompt, max_tokens, block size), inline
         smallest, largest = self.view.kv_bounds()
         return need if smallest < need <= largest else 0
 

@@ -102,7 +102,10 @@ class PrefillChoice(StructValue):
             predict it.
         estimates: per-candidate score breakdown, each with ``node`` and
             ``as_dict()`` (``ttft``: wait, own prefill, exposed fetch, copy
-            price; ``dynamo-kv``: the cost terms); empty when the policy has none.
+            price, of the candidates that could still be chosen when scored, the
+            chosen one among them — every candidate's when the predictor keeps a
+            breakdown, as the route log at debug level does; ``dynamo-kv``: the
+            cost terms); empty when the policy has none.
         fetch: block ranges ``node`` should fetch from peers while the request
             waits (sent in ``PrefillWork.fetch``); empty = none.
 

@@ -877,7 +877,13 @@ class TtftPredictor:
         return out
 
     def _score_all(
-        self, t_in: int, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], view: _LookupView | None, now: float
+        self,
+        t_in: int,
+        lookup: KvLookupReply | None,
+        candidates: Sequence[NodeLoad],
+        view: _LookupView | None,
+        now: float,
+        contenders: bool = False,
     ) -> list[tuple[Any, ...]]:
         """``self._score(self._works(t_in, lookup, candidates, view), now)`` in one loop over the
         candidates: each node's priced work (:meth:`_priced`) made once per distinct own prefix (a
@@ -886,11 +892,18 @@ class TtftPredictor:
         system prompt), computed inline (:func:`_node_work` then :meth:`_priced`), and the node's
         estimate (:meth:`_rows`' arithmetic, the same operations in the same order) made at once,
         with no list of priced work, no second loop and no call but a cache miss. Property-tested
-        equal (``test_one_pass_scoring_equals_works_then_score``)."""
+        equal (``test_one_pass_scoring_equals_works_then_score``).
+
+        ``contenders``: return only the estimates that may still be the choice or one of its ties when
+        made: score within ``tie_eps_s`` of the lowest so far (a candidate above that is above the
+        final lowest + ``tie_eps_s`` too, so :meth:`_decide` finds the same choice, ties and fetch
+        among them), in candidate order; the others' tuples are not made."""
         nodes = self._nodes
         max_age = self.state_max_age_s
         out: list[tuple[Any, ...]] = []
         append = out.append
+        eps = self.tie_eps_s
+        cut = math.inf  # contenders: the lowest score so far + eps (inf: keep every estimate)
         if view is None or lookup is None:  # nothing cached: the whole prompt on every node
             t_uc, t_c, rst, x, local_t, tau, a_all, copy = self._priced(t_in, 0, 0, 0, 0)
             srcs: list[tuple[str, int, int]] = []
@@ -969,7 +982,11 @@ class TtftPredictor:
                 exposed = tau - wait if tau > wait else 0.0
                 shared = False
             ttft = wait + own_s + exposed
-            append((node, ttft + copy, ttft, wait, own_s, tau, exposed, copy, t_uc, t_c, local_t, x, rst, items, trusted, shared))
+            score = ttft + copy
+            if not score > cut:  # (a NaN score is kept, as without ``contenders``: min() and the ties read it so)
+                append((node, score, ttft, wait, own_s, tau, exposed, copy, t_uc, t_c, local_t, x, rst, items, trusted, shared))
+                if contenders and score + eps < cut:
+                    cut = score + eps
         return out
 
     # -- one candidate ---------------------------------------------------- #
@@ -1042,11 +1059,19 @@ class TtftPredictor:
         return Prediction(best=CandidateEstimate._make(top), estimates=CandidateEstimates(raw), ties=ties, fetch=ranges, longest_local_blocks=longest)
 
     def _decide(
-        self, req: RouteRequest, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], now: float, breakdown: bool | None = None
+        self,
+        req: RouteRequest,
+        lookup: KvLookupReply | None,
+        candidates: Sequence[NodeLoad],
+        now: float,
+        breakdown: bool | None = None,
+        contenders: bool = False,
     ) -> tuple[tuple[Any, ...], list[tuple[Any, ...]], int, tuple[FetchRange, ...], int]:
         """:meth:`predict`'s numbers before any object is made: ``(best, estimates, ties, fetch,
         longest_local_blocks)`` with ``best`` and ``estimates`` as plain tuples in
-        :class:`CandidateEstimate` field order (the policy reads them without a :class:`Prediction`)."""
+        :class:`CandidateEstimate` field order (the policy reads them without a :class:`Prediction`).
+        ``contenders`` (without a breakdown): ``estimates`` holds only the candidates that could be
+        chosen when scored (see :meth:`_score_all`); the choice, ties and fetch are the same."""
         if not candidates:
             raise ValueError("no prefill candidates")
         t_in = req.prompt_tokens
@@ -1055,7 +1080,7 @@ class TtftPredictor:
         full = self.breakdown if breakdown is None else breakdown
         view = self._lookup_view(lookup)
         if full or len(candidates) <= self.prune_above:
-            raw = self._score_all(t_in, lookup, candidates, view, now)
+            raw = self._score_all(t_in, lookup, candidates, view, now, contenders and not full)
         else:
             raw = self._score_pruned(t_in, lookup, view, candidates, now)
         limit = min(map(_SCORE, raw)) + self.tie_eps_s
@@ -1283,10 +1308,13 @@ class TtftPolicy(RoutingPolicy):
         choice (the router core's next call, the usual case) reads it there without a search."""
 
     def choose_prefill(self, req: RouteRequest, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], now: float) -> PrefillChoice:
-        best, raw, ties, fetch, longest = self.predictor._decide(req, lookup, candidates, now)  # predict(), no Prediction
+        # predict(), no Prediction; the estimates of the candidates that could be chosen (all with a breakdown)
+        best, raw, ties, fetch, longest = self.predictor._decide(req, lookup, candidates, now, None, True)
         total = len(req.block_hashes)
         matched = longest if longest < total else total
-        # loads / matches stay empty: every candidate's estimate (queue, own prefix) is in ``estimates``
+        # loads / matches stay empty: every contender's estimate (queue, own prefix) is in ``estimates``
+        ests = object.__new__(CandidateEstimates)  # CandidateEstimates(raw) without its Python __init__ frame
+        ests._raw = raw
         choice = PrefillChoice(  # positional, in field order (one per decision)
             best[0],  # node
             "ttft" if ties == 1 else "ttft_tie",  # path
@@ -1295,7 +1323,7 @@ class TtftPolicy(RoutingPolicy):
             {},  # loads
             {},  # matches
             best[2],  # predicted_ttft_s: the estimate's ttft_s
-            CandidateEstimates(raw),  # estimates
+            ests,  # estimates
             fetch,
         )
         self._chosen = (choice, best)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as hs
 
 from shared.messages import SplitCommand
@@ -239,6 +239,54 @@ def test_cached_candidates_match_a_fresh_computation(ops):
             got = [(n.node, n.phase, n.inflight, n.inflight_prefill, n.inflight_decode, n.running, n.last_seen, n.state) for n in v.candidates(phases, now)]
             assert got == _expected(v, phases, now), (kind, now)
         assert v.all_usable(now) == all(v.usable(n, now) for n in v.nodes), (kind, now)
+
+
+_state_op = hs.one_of(
+    hs.tuples(
+        hs.just("state"), hs.sampled_from(_NODES[:2]), hs.sampled_from(["prefill", "both"]), hs.booleans(),
+        hs.integers(0, 3), hs.sampled_from(["", "b1", "b2"]), hs.sampled_from([100, 200]),
+    ),
+    hs.tuples(hs.just("down"), hs.sampled_from(_NODES[:2]), hs.sampled_from([0, 7, 8])),
+    hs.tuples(hs.just("fences")),
+    hs.tuples(hs.just("time"), hs.floats(0.0, 1.5)),
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(ops=hs.lists(_state_op, max_size=40))
+@example(ops=[("state", "a", "both", True, 1, "b2", 100), ("state", "a", "both", True, 1, "b1", 100)])  # an older process
+@example(ops=[("state", "a", "both", True, 2, "b1", 100), ("state", "a", "both", True, 1, "b1", 100)])  # a restart
+@example(ops=[("state", "a", "both", True, 0, "", 100), ("down", "a", 7), ("state", "a", "both", True, 0, "", 100)])
+@example(ops=[("state", "a", "both", True, 0, "", 100), ("time", 1.5), ("fences",), ("state", "a", "both", True, 0, "", 100)])
+def test_the_usual_states_short_way_leaves_what_the_checks_leave(ops):
+    """``apply_state`` takes the usual state (the same process's next, nothing to act on) without its
+    checks: the same records, counters, candidate lists and answers as the full checks give (a view
+    that knows a forgotten node, here one never seen, takes the full checks for every state)."""
+    fast, full = view(fence_after=1.0), view(fence_after=1.0)
+    full._forgotten.add("zz")
+    answers: dict[int, list] = {id(fast): [], id(full): []}
+    now = 0.0
+    for op in ops:
+        kind = op[0]
+        for v in (fast, full):
+            if kind == "state":
+                _, node, phase, acc, seq, boot, total = op
+                got = v.apply_state(state(node, phase, accepting=acc, seq=seq, boot=boot, gpu_total_blocks=total, pid=7), now)
+                answers[id(v)].append(got)
+            elif kind == "down":  # its supervisor saw pid op[2] exit (0: unknown pid, by wall time)
+                answers[id(v)].append(v.fence_exited(op[1], 1, now, pid=op[2])[1])
+            elif kind == "fences":
+                v.check_fences(now)
+        if kind == "time":
+            now += op[1]
+        for attr in ("state", "last_seen", "fenced", "restarted", "down"):
+            assert {n: getattr(r, attr) for n, r in fast.nodes.items()} == {n: getattr(r, attr) for n, r in full.nodes.items()}, (attr, kind)
+        assert (fast.superseded_states, fast.reported_alive, fast._gen, fast.kv_bounds() if fast.nodes else None) == (
+            full.superseded_states, full.reported_alive, full._gen, full.kv_bounds() if full.nodes else None
+        )
+        assert answers[id(fast)] == answers[id(full)]
+        for phases in (PREFILL_PHASES, DECODE_PHASES):
+            assert fast.candidates(phases, now) == full.candidates(phases, now)
 
 
 def test_a_node_restarted_faster_than_the_fence_is_fenced_at_once_and_let_back_in():

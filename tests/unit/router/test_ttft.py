@@ -640,6 +640,46 @@ def test_one_pass_scoring_equals_works_then_score(cluster, params):
         assert p._score_all(prompt, look, cands, view, now) == p._score(p._works(prompt, look, cands, view), now)
 
 
+@settings(max_examples=300, deadline=None)
+@given(_clusters(), _predictor_params())
+def test_a_decisions_contenders_give_the_choice_ties_and_fetch_of_every_estimate(cluster, params):
+    """``choose_prefill`` keeps only the estimates that could be chosen when made (score within
+    ``tie_eps_s`` of the lowest so far): the same choice, ties, prediction and fetch as scoring
+    every candidate, each kept estimate the very tuple of the full list, in candidate order."""
+    names, look, states, sends, prompt, _ = cluster
+    p = TtftPredictor(**params)
+    for state in states.values():
+        p.apply_state(state, 0.0)
+    for j, (name, uc) in enumerate(sends):
+        p.on_dispatch(f"s{j}", name, uncached_tokens=uc)
+    req = RouteRequest(rid="r", prompt_tokens=prompt, block_hashes=list(range(prompt // BS)))
+    cands = cand(*names)
+    for now in (0.0, 0.5, 6.0):
+        best, raw, ties, fetch, longest = p._decide(req, look, cands, now)
+        c_best, c_raw, c_ties, c_fetch, c_longest = p._decide(req, look, cands, now, None, True)
+        assert (c_best, c_ties, c_fetch, c_longest) == (best, ties, fetch, longest)
+        kept = iter(raw)
+        assert all(any(e is k or e == k for k in kept) for e in c_raw), "a subsequence of the full list"
+        limit = min(e[1] for e in raw) + p.tie_eps_s
+        assert [e for e in raw if e[1] <= limit] == [e for e in c_raw if e[1] <= limit]
+
+
+def test_a_decision_makes_the_estimates_of_its_contenders_only():
+    """Of 8 nodes, each with a second more queued than the one before it, only the first can be chosen:
+    ``choose_prefill`` makes its estimate alone (the others' tuples are not built); with the route log's
+    breakdown every candidate's."""
+    p = TtftPredictor(SIMPLE)
+    names = [f"n{i}" for i in range(8)]
+    for i, n in enumerate(names):
+        p.apply_state(st(n, 0.0, remaining=float(i)), 0.0)
+    req = RouteRequest(rid="r", prompt_tokens=1000, block_hashes=list(range(1000 // BS)))
+    choice = TtftPolicy(p, block_size=BS).choose_prefill(req, None, cand(*names), 0.0)
+    assert choice.node == "n0" and [e.node for e in choice.estimates] == ["n0"]
+    p.breakdown = True
+    choice = TtftPolicy(p, block_size=BS).choose_prefill(req, None, cand(*names), 0.0)
+    assert choice.node == "n0" and [e.node for e in choice.estimates] == names
+
+
 def test_pruning_scores_only_candidates_that_can_win():
     p = TtftPredictor(SIMPLE, prune_above=0)
     for i in range(40):  # node i has i seconds of work queued ahead
