@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -267,6 +268,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     exception passes through them. The statuses: :data:`EXIT_STATUSES` (``evolving-infra --help``'s epilog; 4,
     :data:`~evolving_infra.out_folder.OUTPUTS_ELSEWHERE`: a run's outputs written to ``OUT/run-ID/``).
     """
+    if argv is None:  # this process's own command line (shared.signals.claim_process): before the imports
+        from shared.signals import claim_process
+
+        claim_process()
+        if sys.argv[1:2] == ["up"]:
+            catch_up_stop_signals()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _main(argv)
@@ -275,6 +282,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             command = " ".join(argv[:2] if argv[:1] == ["trace"] else argv[:1]) if argv and argv[0] in COMMANDS else ""
             print(f"\nevolving-infra{' ' + command if command else ''}: interrupted", file=sys.stderr)
         return INTERRUPTED
+
+
+UP_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The signals that stop ``up`` (SIGHUP: the terminal closed; kept ignored under ``nohup``)."""
+
+
+def catch_up_stop_signals() -> None:
+    """``up``'s stop signals from the first line of its process on (:func:`shared.signals.catch_early`): one sent while
+    it imports (about a second of CPU, more on a loaded box) and checks its options stops it as one sent later does,
+    "stopped during start-up" and status 0 (``up --help``), once its loop's handlers are set
+    (``evolving_infra.launcher._stop_on_signals`` takes what was caught). Before, such a SIGTERM killed it (-15)
+    without a word. Only ``main`` called with the process's own arguments does this (a test's in-process ``main([...])``
+    keeps its signals); in the main thread."""
+    from shared.signals import catch_early
+
+    catch_early(UP_STOP_SIGNALS)
 
 
 def _main(argv: list[str]) -> int:

@@ -59,7 +59,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from evolving_infra.cli import UsageError, command_name
+from evolving_infra.cli import UP_STOP_SIGNALS, UsageError, command_name
 from evolving_infra.policy_args import LivePolicy, add_policy_args, live_policy
 from evolving_infra.stdio_args import folder, shown, stdin_file
 from evolving_infra.cluster import (
@@ -70,6 +70,7 @@ from shared.auth import redact_argv, redact_url
 from shared.log import setup_logging
 from shared.profile import ProfileError, available_profiles
 from shared.service import until_stopped
+from shared.signals import aborting, caught_early, hand_over_stop_signals, ignore_stop_signals, process_claimed, run_abortable
 from shared.split import SplitError, parse_split
 from services.router.toolcalls import KNOWN_PARSERS as TOOL_CALL_PARSERS
 
@@ -1686,13 +1687,26 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     SIGUSR1 (a key reload, :func:`reload_router_keys`) is ignored until ``_up`` sets its handler (the checks and a
     tokenizer's load before it take seconds) and again once the loop closed, which put it back to its default:
-    one sent then killed ``up`` (status 138) and left its cluster to die with it."""
+    one sent then killed ``up`` (status 138) and left its cluster to die with it. In ``up``'s own process
+    (:func:`shared.signals.process_claimed`; its stop signals caught from its first line:
+    :func:`evolving_infra.cli.catch_up_stop_signals`) SIGINT, SIGTERM and
+    SIGHUP are ignored once ``_up`` has ended (its cluster stopped): the rest of a burst of them (a plain
+    ``scancel``) then ends nothing, and ``up`` exits with its own status, not -15."""
     setup_logging("console", "warning")
     ignoring = contextlib.suppress(ValueError)  # not the main thread (a test's): the caller's signals are its own
     with ignoring:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    owned = process_claimed()  # this process's `up` (evolving_infra.cli.main), not a test's in-process call
+
+    async def run() -> int:
+        try:
+            return await _up(args)
+        finally:  # the process exits after this: the rest of a burst of stop signals is discarded, where one that
+            if owned:  # landed while asyncio.run closed the loop, or just after, killed `up` by SIGTERM (-15)
+                ignore_stop_signals(asyncio.get_running_loop(), UP_STOP_SIGNALS)
+
     try:
-        return asyncio.run(_up(args))
+        return asyncio.run(run())
     finally:
         with ignoring:
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -2009,7 +2023,8 @@ def _stop_on_signals(stop: asyncio.Event) -> list[int]:
     """Make SIGINT, SIGTERM and SIGHUP (unless ignored: ``nohup``) set ``stop`` (``up``'s run and the demo's
     start-up and replay end on it), so that the demo stops every service and the embedded nats-server (whose JetStream store,
     ``/tmp/ei-nats-*``, reached 196 MB) and removes its state file; the default SIGTERM action killed the demo
-    with none of that. Returns the list that receives the first signal's number."""
+    with none of that. A signal ``up`` caught before its loop existed (:func:`shared.signals.caught_early`) sets
+    ``stop`` at once. Returns the list that receives the first signal's number."""
     loop = asyncio.get_running_loop()
     got: list[int] = []
 
@@ -2021,6 +2036,8 @@ def _stop_on_signals(stop: asyncio.Event) -> list[int]:
     hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
     for sig in (signal.SIGINT, signal.SIGTERM, *hup):
         loop.add_signal_handler(sig, on_signal, int(sig))
+    for sig in caught_early() or ():  # `up`'s, sent before this loop existed (evolving_infra.cli.catch_up_stop_signals)
+        on_signal(sig)
     return got
 
 
@@ -2028,8 +2045,16 @@ def _default_signals() -> None:
     """Undo :func:`_stop_on_signals` once the demo's cluster has stopped: SIGINT raises ``KeyboardInterrupt`` again
     (the CLI's "interrupted", status 130; the report writers remove what they had begun) and SIGTERM / SIGHUP end
     the process, instead of setting a stop event that nothing waits for any more (a Ctrl-C while the plots were
-    drawn was swallowed: status 0, the report written)."""
+    drawn was swallowed: status 0, the report written). In the demo's own process (:func:`shared.signals.process_claimed`)
+    they end it as :func:`shared.signals.aborting` does: status 143 / 129 (``SystemExit``, the writers clean up as for
+    Ctrl-C), the rest of a burst ignored. Before, SIGTERM's default action killed it (-15), also when the signal was
+    only the rest of the burst whose first stopped the demo (a plain ``scancel``), its partial report then lost."""
     loop = asyncio.get_running_loop()
+    if process_claimed():
+        hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)  # nohup: stays ignored
+        stops = (signal.SIGINT, signal.SIGTERM, *hup)
+        hand_over_stop_signals(loop, aborting(stops), stops)
+        return
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.remove_signal_handler(sig)  # False (nothing done) for one not installed: SIGHUP under nohup
 
@@ -2259,8 +2284,21 @@ def _baseline_line(args: argparse.Namespace, out: Path) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """``evolving-infra demo``: run :func:`_demo` in its own event loop; returns its exit status. In the demo's own
+    process (:func:`shared.signals.process_claimed`) SIGINT, SIGTERM and SIGHUP are ignored once ``_demo`` has ended
+    (its report written): one then, the rest of a burst, ends nothing, and the demo exits with its own status where
+    one landing while ``asyncio.run`` closed the loop, or just after, killed it (-15)."""
     setup_logging("console", "warning")
-    return asyncio.run(_demo(args))
+    owned = process_claimed()
+
+    async def run() -> int:
+        try:
+            return await _demo(args)
+        finally:
+            if owned:
+                ignore_stop_signals(asyncio.get_running_loop(), UP_STOP_SIGNALS)
+
+    return run_abortable(run())  # a signal once the cluster stopped aborts (_default_signals): no logged task error
 
 
 # ----------------------------------------------------------------------------- registration

@@ -31,6 +31,7 @@ from shared import messages as m
 from shared.auth import NatsAuth
 from shared.bus import Bus
 from shared.natsping import Ping
+from shared.signals import STOP_SIGNALS, ignore_stop_signals
 from shared.subjects import SVC_HEARTBEAT, Subjects
 
 NATS_PROBE_TIMEOUT_S = 2.0
@@ -463,34 +464,6 @@ class Watcher:
             connecting.cancel()
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-"""The signals that stop the watch (the job's stop, Slurm's own SIGTERM to every process of the job, Ctrl-C)."""
-
-
-def ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
-    """From the watch's stop on, ignore :data:`STOP_SIGNALS` (it is stopping already; the job's stop SIGKILLs it
-    after ``WATCH_GRACE`` s), and take them off ``loop`` while its self-pipe is still open.
-
-    A plain ``scancel`` sends SIGTERM to every process of the job, and the job's stop and the watch's ``supervise`` loop
-    each send it one more: several land within milliseconds. Before, a signal that came while ``asyncio.run`` closed
-    the loop (``loop.close()`` closes the self-pipe, the signal wakeup fd, and only then removes the handlers) printed
-    "Exception ignored when trying to write to the signal wakeup fd ... OSError: [Errno 9] Bad file descriptor" into
-    the job's output, and one just after killed the watch by SIGTERM (status -15, not 0). Call it from a coroutine
-    running on ``loop`` (the main thread), after the handlers were added with ``loop.add_signal_handler``.
-    """
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)  # first: none is handled from here (the loop's handler is its C one)
-    # remove_signal_handler restores the default (SIG_DFL: a SIGTERM then kills) before it can be SIG_IGN again:
-    # blocked meanwhile, one that comes then stays pending and is discarded once ignored
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        for sig in STOP_SIGNALS:
-            loop.remove_signal_handler(sig)  # the last one clears the wakeup fd (the loop's self-pipe, still open)
-            signal.signal(sig, signal.SIG_IGN)
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m evolving_infra.liveness``: the Slurm job's liveness watch (internal: the job script starts it).
 
@@ -526,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         task = asyncio.create_task(Watcher(args).run())
         waiter = asyncio.create_task(stop.wait())
         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        ignore_stop_signals(loop)
+        ignore_stop_signals(loop)  # stopping: the rest of a burst (plain scancel) is discarded, no -15 (d715992)
         waiter.cancel()
         if task.done():
             task.result()  # its error

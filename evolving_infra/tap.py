@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import signal
 import sys
 import time
 from typing import Any
@@ -35,6 +34,7 @@ from evolving_infra.auth_cli import CREDS_HINT, tool_auth
 from shared.auth import AuthError, client_options, redact_url
 from shared.bus import decoder_for, denied_subject
 from shared.cancel import cancel_until_done
+from shared.signals import STOP_SIGNALS, ignore_stop_signals, process_claimed
 from shared.subjects import ALL, Subjects
 
 TAP_DRAIN_S = 2.0
@@ -138,62 +138,66 @@ async def _tap(args: argparse.Namespace) -> int:
         print(f"error: cannot connect to NATS at {redact_url(args.nats_url)}: no server answered ({e!r})", file=sys.stderr)
         return 2
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
-    count = 0
-    reader_gone: list[BrokenPipeError] = []
+    try:
+        count = 0
+        reader_gone: list[BrokenPipeError] = []
 
-    async def cb(msg: Msg) -> None:
-        nonlocal count
-        if reader_gone or any(msg.subject.startswith(e.rstrip(">*")) for e in excluded):
-            return
-        if args.max and count >= args.max:
-            # --max reached: the drain still hands this callback every message already received (a burst); before,
-            # each was printed (2,000 published, --max 1 printed 2,000 lines: tests/integration/test_tap_max_live.py)
-            return
-        try:
-            if args.json:
-                print(render_json(subjects, msg.subject, msg.data, msg.headers, full=args.full), flush=True)
-            else:
-                print(render(subjects, msg.subject, msg.data, full=args.full), flush=True)
-        except BrokenPipeError as e:  # raised in nats' callback task it would be dropped, and tap | head run on
-            reader_gone.append(e)
-            stop.set()
-            return
-        count += 1
-        if args.max and count >= args.max:
-            stop.set()
+        async def cb(msg: Msg) -> None:
+            nonlocal count
+            if reader_gone or any(msg.subject.startswith(e.rstrip(">*")) for e in excluded):
+                return
+            if args.max and count >= args.max:
+                # --max reached: the drain still hands this callback every message already received (a burst); before,
+                # each was printed (2,000 published, --max 1 printed 2,000 lines: tests/integration/test_tap_max_live.py)
+                return
+            try:
+                if args.json:
+                    print(render_json(subjects, msg.subject, msg.data, msg.headers, full=args.full), flush=True)
+                else:
+                    print(render(subjects, msg.subject, msg.data, full=args.full), flush=True)
+            except BrokenPipeError as e:  # raised in nats' callback task it would be dropped, and tap | head run on
+                reader_gone.append(e)
+                stop.set()
+                return
+            count += 1
+            if args.max and count >= args.max:
+                stop.set()
 
-    subs = [await nc.subscribe(p, cb=cb) for p in patterns]
-    try:  # the server answers a SUB it refuses with -ERR, ahead of the PONG to a later PING
-        # nats-py writes a flush's PING straight to the socket, ahead of SUBs still in its pending buffer
-        # (its flusher task writes them): one flush's PONG came before the -ERR about 1 time in 20; by the
-        # end of the first round trip the flusher has written them, so the second PING follows them
-        await nc.flush(timeout=5)
-        await nc.flush(timeout=5)
-    except Exception as e:
-        print(f"error: NATS at {redact_url(args.nats_url)} did not answer after subscribing ({e!r})", file=sys.stderr)
-        await nc.close()
-        return 1
-    if denied := [p for p in patterns if p.lower() in refused]:
-        who = f"identity {auth.name!r}" if auth.enabled else "a client without credentials"
-        print(
-            f"error: NATS refused {who} permission to subscribe to {', '.join(denied)} (Permissions Violation): "
-            "its credentials may not read these subjects; tap with the admin credentials (they read everything)",
-            file=sys.stderr,
-        )
-        await nc.close()
-        return 2
-    print(f"tapping {', '.join(patterns)} on {redact_url(args.nats_url)} (known roots: {', '.join(sorted(templates))}); Ctrl-C to stop", file=sys.stderr)
-    await stop.wait()
-    if reader_gone:  # stdout's reader stopped (| head): evolving_infra.cli.main ends quietly with 141
-        await nc.close()
-        raise reader_gone[0]
-    if lost:
-        print(f"error: {lost[0]}", file=sys.stderr)
-        return 1
-    await _drain_and_close(nc, subs)
-    return 0
+        subs = [await nc.subscribe(p, cb=cb) for p in patterns]
+        try:  # the server answers a SUB it refuses with -ERR, ahead of the PONG to a later PING
+            # nats-py writes a flush's PING straight to the socket, ahead of SUBs still in its pending buffer
+            # (its flusher task writes them): one flush's PONG came before the -ERR about 1 time in 20; by the
+            # end of the first round trip the flusher has written them, so the second PING follows them
+            await nc.flush(timeout=5)
+            await nc.flush(timeout=5)
+        except Exception as e:
+            print(f"error: NATS at {redact_url(args.nats_url)} did not answer after subscribing ({e!r})", file=sys.stderr)
+            await nc.close()
+            return 1
+        if denied := [p for p in patterns if p.lower() in refused]:
+            who = f"identity {auth.name!r}" if auth.enabled else "a client without credentials"
+            print(
+                f"error: NATS refused {who} permission to subscribe to {', '.join(denied)} (Permissions Violation): "
+                "its credentials may not read these subjects; tap with the admin credentials (they read everything)",
+                file=sys.stderr,
+            )
+            await nc.close()
+            return 2
+        print(f"tapping {', '.join(patterns)} on {redact_url(args.nats_url)} (known roots: {', '.join(sorted(templates))}); Ctrl-C to stop", file=sys.stderr)
+        await stop.wait()
+        if reader_gone:  # stdout's reader stopped (| head): evolving_infra.cli.main ends quietly with 141
+            await nc.close()
+            raise reader_gone[0]
+        if lost:
+            print(f"error: {lost[0]}", file=sys.stderr)
+            return 1
+        await _drain_and_close(nc, subs)
+        return 0
+    finally:  # the process exits after this: the rest of a burst of stop signals is discarded (no -15, no
+        if process_claimed():  # "signal wakeup fd" traceback from one that lands while the loop closes)
+            ignore_stop_signals(loop)
 
 
 async def _drain_and_close(nc: NatsClient, subs: list[Subscription], limit_s: float = TAP_DRAIN_S) -> None:

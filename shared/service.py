@@ -49,6 +49,7 @@ from shared.config import CommonConfig
 from shared import tracing
 from shared.metrics import MetricsServer, make_registry, service_registry
 from shared.net import inherited_socket
+from shared.signals import ignore_stop_signals
 from shared.subjects import Subjects
 
 try:  # uvloop is a core dependency on Linux/macOS; plain asyncio elsewhere.
@@ -434,7 +435,8 @@ async def until_stopped(
     coro: Any, stop: asyncio.Event, *, grace_s: float = STOP_GRACE_S,
     discard: Callable[[Any], Awaitable[Any]] | None = None,
 ) -> Any:
-    """Run ``coro`` unless ``stop`` is set first; then cancel it and return None.
+    """Run ``coro`` unless ``stop`` is set first; then cancel it and return None (a coroutine not begun when
+    ``stop`` is already set is not run at all).
 
     After that cancel, ``coro`` runs until it ends (its clean-up on cancellation runs to its end) for up to
     ``grace_s`` seconds; one still running then is cancelled again every 0.05 s until it ends (a cancel lost in a
@@ -461,6 +463,9 @@ async def until_stopped(
         if asyncio.iscoroutine(coro):
             coro.close()  # not run: no "never awaited" warning
         raise ValueError(f"grace_s must be seconds >= 0, got {grace_s!r}")
+    if stop.is_set() and asyncio.iscoroutine(coro):  # stopped before it began (``up``: a signal caught while it
+        coro.close()  # imported): not started at all, where a first step already started nats-server to stop it
+        return None
     task = asyncio.ensure_future(coro)
     waiter = asyncio.ensure_future(stop.wait())
     try:
@@ -494,9 +499,26 @@ async def until_stopped(
 
 
 def run_service(service_name: str, cfg: CommonConfig, factory: ServiceFactory, *, instance: str | None = None) -> None:
-    """Run a service in this process until SIGINT/SIGTERM (uvloop when available)."""
+    """Run a service in this process until SIGINT/SIGTERM (uvloop when available); the process exits after it.
+
+    Once :func:`serve_until_stopped` has ended (drained, stopped, or failed), SIGINT and SIGTERM are ignored until
+    the process exits (:func:`shared.signals.ignore_stop_signals`): a plain ``scancel`` sends every process of the
+    job a SIGTERM and the job's stop and supervisors more, and one that came while the loop closed, or just after,
+    killed the service by SIGTERM (status -15, not its 0 or 1; every burst of 4 SIGTERMs 2 ms apart did). Until then
+    the signals keep their meaning (a second one, or SIGINT, ends SIGTERM's drain at once).
+
+    Raises:
+        What :func:`serve_until_stopped` raises.
+    """
     inst = instance or instance_name(service_name, cfg)
-    coro = serve_until_stopped(service_name, cfg, factory, instance=inst)
+
+    async def serve() -> None:
+        try:
+            await serve_until_stopped(service_name, cfg, factory, instance=inst)
+        finally:  # the process exits after this: the rest of a burst of stop signals is discarded
+            ignore_stop_signals(asyncio.get_running_loop())
+
+    coro = serve()
     if uvloop is not None:
         uvloop.run(coro)
     else:  # pragma: no cover

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.test_slurm_supervision import Job, get, job_pids
+from tests.stop_burst import send_stop_bursts
 
 
 def pid_of(run: Path, name: str) -> int:
@@ -377,18 +378,7 @@ def test_a_burst_of_stop_signals_ends_the_watch_with_0_and_no_traceback(tmp_path
                 assert watch.poll() is None, log.read_text()
                 time.sleep(0.02)
             assert "liveness watch: planner" in log.read_text()  # its handlers are set: it runs its watch
-            for _ in range(150):
-                for _ in range(4):
-                    if watch.poll() is not None:
-                        break
-                    try:
-                        os.kill(watch.pid, signal.SIGTERM)
-                    except ProcessLookupError:
-                        break
-                    time.sleep(0.002)
-                if watch.poll() is not None:
-                    break
-                time.sleep(0.02)
+            send_stop_bursts(watch)
             rc = watch.wait(timeout=15)
         finally:
             if watch.poll() is None:

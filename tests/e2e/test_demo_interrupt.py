@@ -89,3 +89,30 @@ def test_ctrl_c_during_the_replay_writes_the_partial_report_stops_the_cluster_an
     while any(_alive(int(p)) for p in state["pids"].values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [n for n, p in state["pids"].items() if _alive(int(p))], state["pids"]
+
+
+def test_a_burst_of_sigterms_during_the_replay_stops_the_demo_with_143_and_no_traceback(tmp_path):
+    """A plain ``scancel`` of a job running ``demo`` SIGTERMs it with every process of the job, and the job's stop
+    sends more: bursts of 4, 2 ms apart (:func:`tests.stop_burst.send_stop_bursts`). The first stops the replay and
+    the cluster; one after the cluster stopped aborts the report (``shared.signals.aborting``), the rest are ignored:
+    status 143 either way (README), no traceback, the state file removed. Before, one that landed after the cluster
+    stopped killed the demo by SIGTERM (-15), SIGTERM being back at its default."""
+    from tests.stop_burst import send_stop_bursts
+
+    state_dir = tmp_path / "state"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EI_API_KEY")} | {"EI_STATE_DIR": str(state_dir)}
+    cmd = [sys.executable, "-m", "evolving_infra.cli", "demo", "--sessions", "2", "--concurrency", "2",
+           "--speedup", "25", "--nodes", "1", "--out", str(tmp_path / "demo")]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        demo_answering(proc, state_dir)  # its cluster ready, 2 requests answered (120 s)
+        send_stop_bursts(proc, bursts=400)  # until it has exited: past the cluster's stop
+        out, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, (proc.returncode, out[-2000:], err[-3000:])
+    for noise in ("Exception ignored", "Traceback", "never awaited", "never retrieved", "destroyed but it is pending"):
+        assert noise not in err, (noise, err[-3000:])
+    assert not list(state_dir.glob("*.json")), sorted(p.name for p in state_dir.iterdir())

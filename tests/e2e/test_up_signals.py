@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e._up import read_ready
+from tests.stop_burst import send_stop_bursts
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -164,3 +165,58 @@ def test_no_restart_a_service_that_exits_cleanly_is_no_error(tmp_path, sig, stat
         assert "error: router was killed by signal 9 (SIGKILL); log " in out, out[-3000:]
     assert "\nstopping ...\n" in out and "\nstopped; logs in " in out, out[-3000:]
     assert not list((tmp_path / "state").glob("up-*.json"))
+
+
+def _signal_masks(pid: int) -> tuple[int, int] | None:
+    """``(caught, ignored)``: the process's SigCgt and SigIgn masks (bit ``n - 1`` for signal ``n``), from
+    /proc/PID/status; None once it has gone."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    except OSError:
+        return None
+    return int(fields["SigCgt"], 16), int(fields["SigIgn"], 16)
+
+
+def test_sigterm_during_the_imports_stops_up_with_0_and_starts_nothing(tmp_path):
+    """A SIGTERM sent while ``up`` still imports (about a second of CPU before its event loop exists, more on a loaded
+    box) stops it as one sent later does: "stopped during start-up", status 0 (``up --help``), and no nats-server or
+    service is started. Before, nothing handled SIGTERM until the loop's handlers were set: it killed ``up`` (-15).
+    Deterministic: the SIGTERM is sent as soon as ``up`` catches one (its SigCgt in /proc), and it must catch it
+    while SIGUSR1 is still at its default, before ``cmd_up`` (after the launcher's imports) ignores it first thing;
+    before, SIGTERM was caught only once ``_up`` set its loop's handlers (SIGUSR1's with them: this test's first
+    assertion failed), and a SIGTERM then stopped a nats-server ``up`` had started already."""
+    proc = _up(tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while (masks := _signal_masks(proc.pid)) is not None and not masks[0] >> (signal.SIGTERM - 1) & 1:
+            assert time.monotonic() < deadline, "up never caught SIGTERM"
+            time.sleep(0.001)
+        assert masks is not None, proc.communicate()[0][-2000:]
+        proc.send_signal(signal.SIGTERM)
+        usr1 = (masks[0] | masks[1]) >> (signal.SIGUSR1 - 1) & 1  # cmd_up ignores it, then _up catches it
+        assert not usr1, "SIGTERM was caught only once cmd_up had run: after the launcher's imports"
+        out, _ = proc.communicate(timeout=EXIT_WITHIN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "stopped during start-up" in out, (proc.returncode, out[-2000:])
+    assert not (tmp_path / "logs" / "nats.log").exists(), "a nats-server was started all the same"
+
+
+def test_a_burst_of_stop_signals_ends_a_ready_up_with_0_and_no_traceback(tmp_path):
+    """A plain ``scancel`` of a job running ``up`` SIGTERMs it (and every process of the job) at once, and the job's
+    stop sends more: bursts of 4, 2 ms apart (:func:`tests.stop_burst.send_stop_bursts`). The first stops the
+    cluster, the rest change nothing: "stopped", status 0, no traceback. Before, one that landed once the cluster
+    had stopped, while ``asyncio.run`` closed the loop or just after, killed ``up`` by SIGTERM (-15 in 3 of 3)."""
+    proc = _up(tmp_path)
+    try:
+        read_ready(proc)
+        send_stop_bursts(proc)
+        out, _ = proc.communicate(timeout=EXIT_WITHIN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "Exception ignored" not in out and "Traceback" not in out, (proc.returncode, out[-2000:])
+    assert "stopped" in out and not list((tmp_path / "state").glob("up-*.json")), out[-2000:]

@@ -366,3 +366,29 @@ async def test_fetch_from_an_absent_peer_reports_an_error(nats_url, mooncake_or_
     assert rc == 4
     assert res["error"] and "no reply" in res["error"]
     assert res["fetched"] == [] and len(res["missing"]) == 4 and res["reasons"] == {"error": 4}
+
+
+def test_a_burst_of_stop_signals_ends_a_holder_with_0_and_no_traceback(mooncake_or_skip, nats_url, tmp_path):
+    """``demo hold`` sent bursts of SIGTERM (:func:`tests.stop_burst.send_stop_bursts`: a plain ``scancel``, a
+    script's kill loop): the first stops it, the rest are ignored: its ``stopped`` line, status 0, no traceback.
+    Before, one that landed while ``asyncio.run`` closed the loop, or just after, killed it (-15 in 5 of 5)."""
+    from tests.stop_burst import send_stop_bursts
+
+    log = tmp_path / "hold.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "services.worker.kvpool.demo", "hold", "--nats-url", nats_url,
+                                 "--node", "burst", "--blocks", "2"], cwd=REPO, env=_env(), stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while '"ready"' not in log.read_text():  # its handlers are set
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.02)
+        send_stop_bursts(proc)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert rc == 0 and '"stopped"' in text and "Exception ignored" not in text and "Traceback" not in text, (rc, text[-2000:])

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from shared.natsserver import EmbeddedNatsServer
+from tests.stop_burst import send_stop_bursts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -194,3 +195,25 @@ def test_a_fatal_error_while_stopping_exits_non_zero(sig, nats_url, tmp_path):
     text = log.read_text(errors="replace")
     assert got == 1, text[-2000:]
     assert "draining: task flush failed: RuntimeError('flush failed')" in text.splitlines(), text[-2000:]
+
+
+@pytest.mark.parametrize("service", ["kvdirectory", "router"])
+def test_a_burst_of_stop_signals_ends_a_service_with_0_and_no_traceback(service, nats_url, tmp_path):
+    """A plain ``scancel`` SIGTERMs every process of the job at once, and the job's stop and the supervise loops send
+    more: a service gets several within milliseconds (:func:`tests.stop_burst.send_stop_bursts`). The first stops it
+    (the router's drain), a second ends the drain at once, and the rest, once it has stopped, are ignored: status 0,
+    no traceback. Before, one that landed after the service had stopped, while ``uvloop.run`` closed the loop or
+    Python finalized, killed it by SIGTERM (-15: 10 of 10 tries for the KV directory, 5 of 5 for the router). The real
+    service against a real nats-server, 3 tries each."""
+    for attempt in range(3):
+        log = tmp_path / f"{service}-{attempt}.log"
+        with _service(service, nats_url, log) as proc:
+            _wait_for(log, "service started", proc)  # its handlers are set (before the connect)
+            send_stop_bursts(proc)
+            try:
+                rc = proc.wait(timeout=EXIT_WITHIN_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"still running {EXIT_WITHIN_S:g} s after the bursts:\n{log.read_text(errors='replace')[-2000:]}")
+        text = log.read_text(errors="replace")
+        assert rc == 0 and "Exception ignored" not in text and "Traceback" not in text, (attempt, rc, text[-2000:])
+        assert "service stopped" in text, text[-2000:]

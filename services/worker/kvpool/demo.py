@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +36,7 @@ from services.worker.kvpool.transport import MooncakeUnavailable, pick_port_rang
 from shared.bus import Bus
 from shared.hashing import block_hashes, tokens_for_blocks
 from shared.log import setup_logging
+from shared.signals import STOP_SIGNALS, claim_process, ignore_stop_signals, process_claimed
 from shared.subjects import Subjects
 
 DEMO_BLOCK_TOKENS = 16
@@ -91,7 +91,7 @@ async def hold(args: argparse.Namespace) -> int:
         await bus.nc.flush()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
         _emit(
             {
@@ -105,6 +105,8 @@ async def hold(args: argparse.Namespace) -> int:
             }
         )
         await stop.wait()
+        if process_claimed():  # stopping: the rest of a burst of stop signals is discarded (no -15, no traceback
+            ignore_stop_signals(loop)  # from one that lands while asyncio.run closes the loop)
         counters, gauges = pool.stats()
         await pool.stop()
         _emit({"event": "stopped", "counters": counters, "gauges": gauges})
@@ -182,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m services.worker.kvpool.demo hold|fetch``; returns the exit status: 0 done (``hold``: stopped by
+    SIGTERM/SIGINT; the rest of a burst of them ignored from the first on, in the process's own run, ``argv`` None),
+    2 usage error, 3 Mooncake unavailable (one line on stderr)."""
+    if argv is None:  # this process's own command line: hold may keep stop signals ignored once it stops
+        claim_process()
     args = build_parser().parse_args(argv)
     args.nats_url = args.nats_url or os.environ.get("EI_NATS_URL", "")
     if not args.nats_url:

@@ -1,0 +1,185 @@
+"""Stop signals at the edges of a process's life: before its event loop handles them, and once it is stopping.
+
+Every entry point that stops on SIGTERM/SIGINT sets its handlers with ``loop.add_signal_handler`` (the services'
+shell, ``shared.service``; ``up``; ``tap``; ``replay``; the Slurm liveness watch; the KV-pool demo). Two moments
+were left to the signals' default action:
+
+- The end. A plain ``scancel`` sends SIGTERM to every process of a job, the job's stop and its supervisors send more:
+  several land within milliseconds. One that came while ``asyncio.run`` (or ``uvloop.run``) closed the loop printed
+  "Exception ignored when trying to write to the signal wakeup fd ... OSError: [Errno 9] Bad file descriptor"
+  (``loop.close()`` closes the self-pipe, the wakeup fd, and only then removes the handlers), and one just after
+  killed the process by SIGTERM (status -15, not its own; under uvloop the handlers are never removed and Python's
+  own finalization puts SIGTERM back to its default). :func:`ignore_stop_signals`, called on the loop once the
+  process is stopping for good, ignores them from there to the exit.
+- The start. ``evolving-infra up`` imports for about a second before its loop exists: a SIGTERM then killed it (-15)
+  with no word. :func:`catch_early` records such a signal with a plain Python handler from the first line of the
+  command's ``main``, and :func:`caught_early` hands it to the loop's handlers once they are set.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # not imported at run time: `up` calls catch_early before its heavy imports
+    import asyncio
+
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+"""The signals that stop a process of this project (a supervisor's or Slurm's SIGTERM, Ctrl-C)."""
+
+
+def ignore_stop_signals(loop: asyncio.AbstractEventLoop, signals: Iterable[int] = STOP_SIGNALS) -> None:
+    """From here on ignore ``signals`` (the process is stopping for good and exits after this loop), and take them
+    off ``loop`` while its self-pipe is still open: :func:`hand_over_stop_signals` with ``SIG_IGN``.
+
+    Call it from a coroutine or callback running on ``loop`` in the main thread, after the process's own stop no
+    longer needs them (a service's drain and stop are over, ``tap`` has stopped, ``replay`` aborts): a signal then is
+    discarded, where before one that came during the loop's close printed the "signal wakeup fd" traceback and one
+    just after killed the process (-15). A signal ``loop`` has no handler for is ignored all the same. The
+    signals stay ignored until the process exits: only the entry point that owns the process calls this.
+
+    Args:
+        loop: the running loop whose handlers (``loop.add_signal_handler``) are removed; asyncio's or uvloop's.
+        signals: signal numbers (default :data:`STOP_SIGNALS`; ``up`` adds SIGHUP).
+
+    Raises:
+        ValueError: not called in the main thread (``signal.signal``'s).
+    """
+    hand_over_stop_signals(loop, signal.SIG_IGN, signals)
+
+
+def hand_over_stop_signals(loop: asyncio.AbstractEventLoop, handler: signal.Handlers | Callable[[int, Any], Any],
+                           signals: Iterable[int] = STOP_SIGNALS) -> None:
+    """Take ``signals`` off ``loop`` and give them to ``handler`` (``SIG_IGN``, or a Python handler ``(signum,
+    frame)``), with no moment at their default action in between.
+
+    ``loop.remove_signal_handler`` puts a signal back to its default (SIG_DFL: a SIGTERM then kills) before it can be
+    given to another handler: the signals are blocked meanwhile, and one that comes then is delivered to ``handler``
+    once they are unblocked. The loop's self-pipe is still open then: asyncio's last ``remove_signal_handler`` clears
+    the wakeup fd, so none is written to a closed one later. A signal ``loop`` has no handler for gets ``handler``
+    all the same. From a coroutine or callback running on ``loop``, in the main thread.
+
+    Args:
+        loop: the running loop; asyncio's or uvloop's.
+        handler: ``signal.SIG_IGN`` or a callable ``(signum: int, frame) -> None`` (it may raise, as
+            ``KeyboardInterrupt`` or ``SystemExit`` to abort the process).
+        signals: signal numbers (default :data:`STOP_SIGNALS`).
+
+    Raises:
+        ValueError: not called in the main thread (``signal.signal``'s).
+    """
+    sigs = tuple(signals)
+    # blocked first: none is handled until every one is handed over (a handler that raises half-way would leave some
+    # on the loop, whose close puts them back to their default); one already written to the loop's self-pipe finds no
+    # handler there any more and is dropped
+    signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        for sig in sigs:
+            loop.remove_signal_handler(sig)  # asyncio's last one clears the wakeup fd (the self-pipe, still open)
+            signal.signal(sig, handler)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)  # one that came meanwhile goes to ``handler`` now
+
+
+def aborting(signals: Iterable[int] = STOP_SIGNALS) -> Callable[[int, Any], None]:
+    """A Python signal handler (for :func:`hand_over_stop_signals`) that aborts the process at the first of
+    ``signals``: it ignores them all from there (the rest of a burst ends nothing more), then raises
+    ``KeyboardInterrupt`` for SIGINT (``evolving_infra.cli``: "interrupted", status 130) or ``SystemExit(128 + n)``
+    for signal n (SIGTERM 143, SIGHUP 129, as a shell reports them). Writers it interrupts remove what they had
+    begun as either exception passes through them. For a command whose work is done but for its output (``replay``'s
+    report once its run has ended, ``demo``'s once its cluster stopped): a signal then ends it at once, with its
+    status, where the default action killed it (-15) and a burst's next signal could do so mid-way through the
+    abort."""
+    sigs = tuple(signals)
+
+    def abort(signum: int, frame: Any) -> None:
+        for sig in sigs:
+            signal.signal(sig, signal.SIG_IGN)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    return abort
+
+
+def run_abortable(main: Coroutine[Any, Any, int]) -> int:
+    """``asyncio.run(main)`` for a command whose stop signals may be handed to :func:`aborting`: an abort raised
+    inside ``main``'s task (``SystemExit`` or ``KeyboardInterrupt`` from the handler, while the task runs its
+    synchronous report writing) ends the task, caught there, and is raised again once the loop has closed.
+
+    Before, it left the task with an exception asyncio never retrieved: "Task exception was never retrieved ...
+    SystemExit: 143" and its traceback were logged as the process exited (1 run in 3 of a replay's burst test).
+
+    Returns:
+        ``main``'s exit status.
+
+    Raises:
+        SystemExit, KeyboardInterrupt: the abort, once the loop has closed.
+        Whatever ``main`` raises.
+    """
+    import asyncio
+
+    aborted: list[BaseException] = []
+
+    async def run() -> int:
+        try:
+            return await main
+        except (SystemExit, KeyboardInterrupt) as e:
+            aborted.append(e)
+            return 1
+
+    status = asyncio.run(run())
+    if aborted:
+        raise aborted[0]
+    return status
+
+
+_claimed = False
+"""Whether this process runs a command of its own command line (:func:`claim_process`)."""
+
+
+def claim_process() -> None:
+    """Mark this process as run by a command's entry point with the process's own arguments (``evolving-infra``'s
+    ``main`` with no ``argv``): the command may then keep stop signals ignored (or aborting) from its stop to the
+    process's exit. A command called in-process (a test's ``main([...])``) leaves the caller's signals as
+    asyncio leaves them."""
+    global _claimed
+    _claimed = True
+
+
+def process_claimed() -> bool:
+    """Whether :func:`claim_process` (or :func:`catch_early`) was called in this process."""
+    return _claimed or _caught is not None
+
+
+_caught: list[int] | None = None
+"""The signals :func:`catch_early`'s handler recorded, in order; None until it is installed."""
+
+
+def _record(signum: int, frame: object) -> None:
+    assert _caught is not None
+    _caught.append(signum)
+
+
+def catch_early(signals: Iterable[int]) -> None:
+    """Record ``signals`` (numbers) from now until the event loop's handlers replace these: a plain Python handler
+    appends each to :func:`caught_early`'s list and returns, so the imports and checks before the loop run on.
+    A signal ignored now (SIGHUP under ``nohup``) stays ignored. For a process's entry point only (its ``main`` with
+    the process's own arguments), in the main thread; calling it again keeps what was recorded.
+
+    Raises:
+        ValueError: not in the main thread (``signal.signal``'s).
+    """
+    global _caught
+    if _caught is None:
+        _caught = []
+    for sig in signals:
+        if signal.getsignal(sig) != signal.SIG_IGN:
+            signal.signal(sig, _record)
+
+
+def caught_early() -> list[int] | None:
+    """The signal numbers recorded since :func:`catch_early`, oldest first (a copy); None when it was not called
+    in this process (an in-process call of a command: the caller's signals are its own)."""
+    return None if _caught is None else list(_caught)
