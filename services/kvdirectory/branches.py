@@ -1714,13 +1714,21 @@ class _CountRuns:
         Raises:
             ValueError: a run found does not follow the path (the paths are not chains); the
                 counts it changed before are taken back first (:meth:`_take_back`), so none
-                of the slice has changed.
+                of the slice has changed. Also (a count-up, before any change) when the
+                slice's tail counted nowhere names a block counted elsewhere (:meth:`ensure`).
         """
         where = self.where
         get = where.get
         total = self.total
-        if step > 0:
-            self.ensure(path, a, k)
+        if step > 0:  # ensure(path, a, k) without its frame (one per count-up): the tail counted nowhere, a new run
+            j = _counted_head(where, path, a, k)
+            if j < k:
+                keys = path[j:k]
+                if not where.keys().isdisjoint(keys):
+                    raise ValueError(f"path position {j} on names blocks counted elsewhere in a path: paths are not chains")
+                fresh = _CRun(keys, j, {})
+                self.runs[fresh] = None
+                where.update(zip(keys, repeat(fresh)))
         after: list[int] = []
         crossed: list[int] = []
         refused: list[int] = []
@@ -1794,10 +1802,7 @@ class _CountRuns:
                     _drain(map(where.pop, r.keys))
                     del self.runs[r]
                     prev = pc = None
-            if after:
-                after += [new] * L
-            else:  # the first piece (the usual move: the only one)
-                after = [new] * L
+            after += [new] * L
             i = e
         return after, crossed, refused
 

@@ -140,6 +140,8 @@ _EVICT_KEYS = {
     (t, pos): f"evictions.{TIERS[t]}.{'positive_count' if pos else 'zero_count'}" for t in (GPU, HOST) for pos in (0, 1)
 }
 _HOST_ZERO, _HOST_POS = _EVICT_KEYS[HOST, 0], _EVICT_KEYS[HOST, 1]
+_EVICT_PAIRS = {t: (_EVICT_KEYS[t, 0], _EVICT_KEYS[t, 1]) for t in (GPU, HOST)}
+"""Tier → its ``(zero_count, positive_count)`` eviction counter names (no key tuple per event)."""
 _NO_HOST_EVICTIONS = (0, 0)
 
 
@@ -526,7 +528,6 @@ class KvDirectory:
                             done = i + 1
                             table.on_stored_through(n, newly)
                             stored += 2 * len(newly)
-                            counters["kv.blocks_stored"] += 2 * len(newly)
                             continue
                     elif (
                         i + 1 < last
@@ -542,7 +543,6 @@ class KvDirectory:
                             done = i + 2
                             table.on_stored_through(n, newly)
                             stored += 2 * len(newly)
-                            counters["kv.blocks_stored"] += 2 * len(newly)
                             removed_blocks += len(nxt.block_hashes)
                             z, p = self._apply_removed(n, nxt)
                             host = (host[0] + z, host[1] + p)  # (a host eviction)
@@ -550,7 +550,6 @@ class KvDirectory:
                 newly = index.store(n, tier, ev.block_hashes, ev.parent_block_hash)
                 table.on_stored(n, tier, newly)
                 stored += len(ev.block_hashes)
-                counters["kv.blocks_stored"] += len(ev.block_hashes)
             elif t is BlockRemoved:
                 removed_blocks += len(ev.block_hashes)
                 z, p = self._apply_removed(n, ev)
@@ -560,10 +559,15 @@ class KvDirectory:
             elif t is AllBlocksCleared:
                 counters["kv.cleared_blocks"] += self._clear(n, None if ev.tier is None else TIER_INDEX[ev.tier])
                 counters["kv.clears"] += 1
+        if stored:  # the batch's sums, added once (the per-event sums they replace: same counters)
+            counters["kv.blocks_stored"] += stored
+        if removed_blocks:
+            counters["kv.blocks_removed"] += removed_blocks
         return stored, removed_blocks, host
 
     def _apply_removed(self, n: int, ev: BlockRemoved) -> tuple[int, int]:
-        """Apply node n's ``BlockRemoved`` ``ev``: index, presence hook, counters. Returns the blocks
+        """Apply node n's ``BlockRemoved`` ``ev``: index, presence hook, ``evictions.<tier>.*``
+        counters (:meth:`_apply` adds the batch's ``kv.blocks_removed`` once). Returns the blocks
         it removed with a zero and with a positive branch count on n (``evictions.<tier>.*``)."""
         index, table, counters = self.index, self.branches, self.counters
         tier = TIER_INDEX[ev.tier]
@@ -574,10 +578,10 @@ class KvDirectory:
         else:
             removed = index.remove(n, tier, ev.block_hashes)
             pos = table.on_removed(n, tier, removed)
-        counters[_EVICT_KEYS[tier, 1]] += pos
+        zk, pk = _EVICT_PAIRS[tier]
+        counters[pk] += pos
         z = len(removed) - pos
-        counters[_EVICT_KEYS[tier, 0]] += z
-        counters["kv.blocks_removed"] += len(ev.block_hashes)
+        counters[zk] += z
         return z, pos
 
     def _through_first(self, n: int, hashes: list[int], parent: int | None, evicted: list[int]) -> bool:

@@ -843,3 +843,29 @@ def test_a_router_eviction_expires_the_branch_as_the_ttl_does(d):
     d.branch_end("b", 4.0)
     assert d.apply(BranchEnd(branch_id="b", expired=True), 5.0) == "ended"  # an ended branch stays ended
     assert d.place("b", "p0", "prefill", P[:2], 6.0).rejected == "ended_branch"
+
+
+def test_batch_counters_match_one_event_per_batch():
+    """``kv.blocks_stored`` / ``kv.blocks_removed`` are added once per batch (``KvDirectory._apply``)
+    and the eviction counters by tier (``_EVICT_PAIRS``): the same counters, index and copies as
+    the same events applied one batch each, for a batch holding a write-through pair, a host
+    eviction between a GPU store and its write-through, a GPU-only store and removals of both tiers."""
+    events = [
+        st(P[:3]), st(P[:3], "host"),  # a write-through pair (applied as one)
+        st(P[3:5]), BlockRemoved(block_hashes=[P[2]], tier="host"), st(P[3:5], "host"),  # eviction between
+        st(P[5:7]),  # GPU only
+        BlockRemoved(block_hashes=[P[6], P[5]], tier="gpu"),
+        BlockRemoved(block_hashes=[P[4], P[3]], tier="host"),
+        BlockRemoved(block_hashes=[], tier="gpu"),
+    ]
+    one = KvDirectory(BS)
+    Feed(one).send("p0", *events)
+    each = KvDirectory(BS)
+    f = Feed(each)
+    for ev in events:
+        f.send("p0", ev)
+    for key in ("kv.blocks_stored", "kv.blocks_removed", "evictions.gpu.zero_count", "evictions.host.zero_count"):
+        assert one.counters[key] == each.counters[key] > 0, key
+    assert one.counters["kv.blocks_stored"] == 12 and one.counters["kv.blocks_removed"] == 5
+    assert one.index.copies == each.index.copies
+    assert sorted(one.index.where) == sorted(each.index.where)
