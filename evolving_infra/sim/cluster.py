@@ -1229,9 +1229,11 @@ class ClusterSim:
     # ------------------------------------------------------------------ #
 
     def _flush_kv(self, n: _Node, t: float) -> None:
-        if not n.sched.kv.events:  # nothing happened to the node's KV (most calls): no list to drain
+        kv = n.sched.kv
+        events = kv.events
+        if not events:  # nothing happened to the node's KV (most calls): no list to drain
             return
-        events = n.sched.kv.take_events()  # EngineScheduler.take_kv_events without its wrapper call
+        kv.events = kv.gpu.events = kv.host.events = []  # KvManager.take_events without its call frame
         if self.skip_decode_kv and n.phase == "decode":
             return
         self.stats.kv_batches += 1

@@ -1405,7 +1405,12 @@ class RunHostPool:
                     start = -1
                 pos += c
                 continue
-            nxt = self._next_start(path, pos, hi)
+            # _next_start(path, pos, hi), its usual answer without the frame: no unpinned run starts
+            # after pos on the path (the write-through of pages just computed)
+            if not first or pos + 1 >= hi or first.keys().isdisjoint(path[pos + 1 : hi]):
+                nxt = hi
+            else:
+                nxt = self._next_start(path, pos, hi)
             k = nxt - pos
             e = self.pinned + k - self.capacity  # self.used + k - capacity, without the property call
             for q in self.queues:
@@ -1834,7 +1839,10 @@ class BranchRunHostPool(RunHostPool):
 
     def _written(self, run: list[int], depth: int) -> None:
         if self._counted is None:  # the new L1 pages start with no counted interval (GpuBlockPool.fill)
-            self._store_depth(run, depth)
+            stored = self._stored  # _store_depth(run, depth) without its frame (one per write-through)
+            if len(stored) >= _STORES_KEPT:
+                stored.clear()
+            stored[run[0]] = (depth, len(run))
         else:
             self._fresh.append(run[:])  # a copy: the event's list is the consumers' too
 
