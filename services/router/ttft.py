@@ -536,6 +536,18 @@ class TtftPredictor:
             raise ValueError(f"prune_above must be >= 0, got {prune_above}")
         self.prune_above = prune_above
         self.breakdown = breakdown
+        pre, dec = default.prefill, default.decode
+        self._floor_ok = math.isfinite(self.kappa) and _valid(
+            pre.c0, pre.c1, pre.c2, pre.c3, dec.d0, dec.d1, dec.d2, dec.tokens_per_forward, dec.accepted_per_iteration
+        )
+        """Whether every score is at least its node's share wait ``base + t_open`` (s): every coefficient a node
+        can be predicted with is finite and >= 0 (the default's, checked here; the planner's, by
+        :meth:`apply_models`) and κ is finite, so each term a score adds to that wait is a float >= 0 and no
+        NaN. Then a decision skips a candidate whose share wait alone is above the lowest score so far +
+        ``tie_eps_s`` (:meth:`_score_all`)."""
+        self.floor_skips = 0
+        """Candidates a decision's contenders loop skipped before their work and estimate (their share wait alone
+        was above the lowest score so far + ``tie_eps_s``), counted."""
         self.coefs: dict[str, NodeCoefficients] = {}
         self._parts: dict[str, tuple[NodeCoefficients, dict[int, tuple[int, float]], dict[int, tuple]]] = {}  # type: ignore[type-arg]
         """Per node: its coefficients, their ``decode_part(B)`` by decode batch B and the replay
@@ -897,7 +909,10 @@ class TtftPredictor:
         ``contenders``: return only the estimates that may still be the choice or one of its ties when
         made: score within ``tie_eps_s`` of the lowest so far (a candidate above that is above the
         final lowest + ``tie_eps_s`` too, so :meth:`_decide` finds the same choice, ties and fetch
-        among them), in candidate order; the others' tuples are not made."""
+        among them), in candidate order; the others' tuples are not made. A candidate whose share wait
+        ``base + t_open`` (the least wait of any request there) is already above that is skipped before
+        its work and estimate are computed (its score, that wait plus terms >= 0, is above it too: see
+        ``_floor_ok``), counted in :attr:`floor_skips`; with ``contenders`` off the bound is +inf."""
         nodes = self._nodes
         max_age = self.state_max_age_s
         out: list[tuple[Any, ...]] = []
@@ -917,8 +932,26 @@ class TtftPredictor:
             f_min = self._fetch_min
             f_base, f_per, kappa = self._fetch_base, self._fetch_per_token, self.kappa
         memo: dict[tuple[int, int], tuple[Any, ...]] = {}
+        floor_ok = self._floor_ok
+        skipped = 0
         for cn in candidates:
             node = cn.node
+            # the node's replay and aged remaining time first (they do not depend on the request)
+            tr = nodes.get(node) or self._track(node)
+            st = tr.state
+            ctx = tr.trusted_ctx
+            if ctx is not None and st is not None and (age := now - st.ts) <= max_age:  # fast path: cached replay
+                base = st.remaining_s - (age if age > 0.0 else 0.0)
+                if base < 0.0:
+                    base = 0.0
+                trusted = True
+            else:
+                ctx, base, trusted = self._ctx(tr, now)
+            t_open, busy, used, room, items, budget, fixed, c1, c2, c3 = ctx
+            w_share = base + t_open
+            if w_share > cut and floor_ok:  # its score >= w_share > cut: neither the choice nor a tie
+                skipped += 1
+                continue
             if prefixes is not None:
                 key = prefixes.get(node, _NO_PREFIX)
                 src = node in src_nodes
@@ -954,18 +987,6 @@ class TtftPredictor:
                 else:
                     t_uc, t_c, rst, x, local_t, tau, a_all, copy = w
             # the estimate (_rows' loop body)
-            tr = nodes.get(node) or self._track(node)
-            st = tr.state
-            ctx = tr.trusted_ctx
-            if ctx is not None and st is not None and (age := now - st.ts) <= max_age:  # fast path: cached replay
-                base = st.remaining_s - (age if age > 0.0 else 0.0)
-                if base < 0.0:
-                    base = 0.0
-                trusted = True
-            else:
-                ctx, base, trusted = self._ctx(tr, now)
-            t_open, busy, used, room, items, budget, fixed, c1, c2, c3 = ctx
-            w_share = base + t_open
             if used and tau <= w_share:
                 k1 = t_uc if t_uc < room else room
                 a1 = k1 * t_c + k1 * (k1 + 1) / 2.0
@@ -987,6 +1008,8 @@ class TtftPredictor:
                 append((node, score, ttft, wait, own_s, tau, exposed, copy, t_uc, t_c, local_t, x, rst, items, trusted, shared))
                 if contenders and score + eps < cut:
                     cut = score + eps
+        if skipped:
+            self.floor_skips += skipped
         return out
 
     # -- one candidate ---------------------------------------------------- #

@@ -680,6 +680,50 @@ def test_a_decision_makes_the_estimates_of_its_contenders_only():
     assert choice.node == "n0" and [e.node for e in choice.estimates] == names
 
 
+@settings(max_examples=300, deadline=None)
+@given(_clusters(), _predictor_params())
+def test_a_decisions_contenders_are_the_running_cut_of_every_estimate(cluster, params):
+    """The contenders loop (which skips a node whose share wait alone is above the lowest score so far +
+    ``tie_eps_s``, before its work and estimate) keeps exactly the tuples the running cut keeps of the full
+    list: each estimate whose score is not above the lowest one before it + ``tie_eps_s``, in order."""
+    names, look, states, sends, prompt, _ = cluster
+    p = TtftPredictor(**params)
+    for state in states.values():
+        p.apply_state(state, 0.0)
+    for j, (name, uc) in enumerate(sends):
+        p.on_dispatch(f"s{j}", name, uncached_tokens=uc)
+    view = p._lookup_view(look)
+    cands = cand(*names)
+    for now in (0.0, 0.5, 6.0):
+        every = p._score_all(prompt, look, cands, view, now)
+        kept, cut = [], math.inf
+        for e in every:
+            if not e[1] > cut:
+                kept.append(e)
+                cut = min(cut, e[1] + p.tie_eps_s)
+        assert p._score_all(prompt, look, cands, view, now, True) == kept
+
+
+def test_a_decision_skips_a_node_whose_wait_alone_is_above_the_best_so_far():
+    """Of 8 nodes, node i with i seconds of work ahead: the first scores ~0.11 s, so the other seven are
+    skipped before their work and estimate (their wait alone is >= 1 s), and counted; the route log's
+    breakdown scores every one; with a coefficient < 0 (a score may then be below its wait) none is skipped."""
+    names = [f"n{i}" for i in range(8)]
+    req = RouteRequest(rid="r", prompt_tokens=1000, block_hashes=list(range(1000 // BS)))
+    p = TtftPredictor(SIMPLE)
+    for i, n in enumerate(names):
+        p.apply_state(st(n, 0.0, remaining=float(i)), 0.0)
+    choice = TtftPolicy(p, block_size=BS).choose_prefill(req, None, cand(*names), 0.0)
+    assert choice.node == "n0" and p.floor_skips == 7
+    p.breakdown = True
+    assert TtftPolicy(p, block_size=BS).choose_prefill(req, None, cand(*names), 0.0).node == "n0" and p.floor_skips == 7
+    odd = NodeCoefficients(prefill=PrefillModel(c0=0.01, c1=1e-4, c2=-1e-12, c3=0.0), decode=DEC, chunk_tokens=100)
+    p = TtftPredictor(odd)
+    for i, n in enumerate(names):
+        p.apply_state(st(n, 0.0, remaining=float(i)), 0.0)
+    assert TtftPolicy(p, block_size=BS).choose_prefill(req, None, cand(*names), 0.0).node == "n0" and p.floor_skips == 0
+
+
 def test_pruning_scores_only_candidates_that_can_win():
     p = TtftPredictor(SIMPLE, prune_above=0)
     for i in range(40):  # node i has i seconds of work queued ahead
