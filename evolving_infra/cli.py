@@ -293,7 +293,9 @@ def catch_up_stop_signals() -> None:
     it imports (about a second of CPU, more on a loaded box) and checks its options stops it as one sent later does,
     "stopped during start-up" and status 0 (``up --help``), once its loop's handlers are set
     (``evolving_infra.launcher._stop_on_signals`` takes what was caught). Before, such a SIGTERM killed it (-15)
-    without a word. Only ``main`` called with the process's own arguments does this (a test's in-process ``main([...])``
+    without a word. A second one before those handlers are set aborts at once (a start-up stuck there, an
+    ``--api-keys-file`` pipe nobody writes, is not stuck for good): 130 and "interrupted" for Ctrl-C, 128 + the
+    signal else (SIGTERM 143, SIGHUP 129). Only ``main`` called with the process's own arguments does this (a test's in-process ``main([...])``
     keeps its signals); in the main thread."""
     from shared.signals import catch_early
 

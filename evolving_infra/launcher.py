@@ -2305,7 +2305,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 UP_EXIT_STATUSES = (
-    "exit status: 0 stopped as asked (Ctrl-C, SIGTERM, SIGHUP to up; also during start-up); 1 runtime failure: --port "
+    "exit status: 0 stopped as asked (Ctrl-C, SIGTERM, SIGHUP to up; also during start-up; a second one before up's "
+    "handlers are set, while it imports and checks its options, aborts at once: 130 for Ctrl-C, 128 + the signal "
+    "else); 1 runtime failure: --port "
     "taken, a service died (with --no-restart: exited non-zero or by a signal, or nats-server exited; else its restarts "
     "gave up), a service exited during start-up (any code), the cluster not healthy within --ready-timeout, NATS refused the "
     "launcher's connection (its credentials), a NATS server whose JetStream did not answer the stream lookup (or "

@@ -13,7 +13,9 @@ were left to the signals' default action:
   process is stopping for good, ignores them from there to the exit.
 - The start. ``evolving-infra up`` imports for about a second before its loop exists: a SIGTERM then killed it (-15)
   with no word. :func:`catch_early` records such a signal with a plain Python handler from the first line of the
-  command's ``main``, and :func:`caught_early` hands it to the loop's handlers once they are set.
+  command's ``main``, and :func:`caught_early` hands it to the loop's handlers once they are set. A second one
+  before then aborts at once (:func:`aborting`): a start-up stuck before its handlers are set (``up
+  --api-keys-file`` a pipe nobody writes) is still stopped by a second Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -155,28 +157,39 @@ def process_claimed() -> bool:
 
 _caught: list[int] | None = None
 """The signals :func:`catch_early`'s handler recorded, in order; None until it is installed."""
+_early: tuple[int, ...] = ()
+"""The signals :func:`catch_early` set its handler for (those not ignored then)."""
 
 
-def _record(signum: int, frame: object) -> None:
+def _record(signum: int, frame: Any) -> None:
+    """:func:`catch_early`'s handler: the first signal is recorded, a second one aborts (:func:`aborting`)."""
     assert _caught is not None
+    if _caught:  # the second before the loop's handlers: the start-up may be stuck (a pipe nobody writes), or a burst
+        aborting(_early)(signum, frame)  # raises: KeyboardInterrupt for SIGINT, else SystemExit(128 + n)
     _caught.append(signum)
 
 
 def catch_early(signals: Iterable[int]) -> None:
     """Record ``signals`` (numbers) from now until the event loop's handlers replace these: a plain Python handler
-    appends each to :func:`caught_early`'s list and returns, so the imports and checks before the loop run on.
-    A signal ignored now (SIGHUP under ``nohup``) stays ignored. For a process's entry point only (its ``main`` with
-    the process's own arguments), in the main thread; calling it again keeps what was recorded.
+    appends the first to :func:`caught_early`'s list and returns, so the imports and checks before the loop run on
+    (the loop's handlers then stop the command cleanly). A second one before then aborts at once as
+    :func:`aborting` does: the rest of them ignored, ``KeyboardInterrupt`` for SIGINT (``evolving_infra.cli``:
+    "interrupted", 130), else ``SystemExit(128 + n)`` (SIGTERM 143, SIGHUP 129), raised where the main thread is
+    (an import, a blocking ``open`` of a pipe nobody writes). Before, a start-up stuck before its loop's handlers
+    were set only recorded every signal and was stopped by SIGKILL alone. A signal ignored now (SIGHUP under
+    ``nohup``) stays ignored. For a process's entry point only (its ``main`` with the process's own arguments), in
+    the main thread; calling it again keeps what was recorded.
 
     Raises:
         ValueError: not in the main thread (``signal.signal``'s).
     """
-    global _caught
+    global _caught, _early
     if _caught is None:
         _caught = []
     for sig in signals:
         if signal.getsignal(sig) != signal.SIG_IGN:
             signal.signal(sig, _record)
+            _early = (*_early, sig) if sig not in _early else _early
 
 
 def caught_early() -> list[int] | None:

@@ -9,6 +9,7 @@ is stopped, and the process exits 0.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -220,3 +221,77 @@ def test_a_burst_of_stop_signals_ends_a_ready_up_with_0_and_no_traceback(tmp_pat
             proc.wait()
     assert proc.returncode == 0 and "Exception ignored" not in out and "Traceback" not in out, (proc.returncode, out[-2000:])
     assert "stopped" in out and not list((tmp_path / "state").glob("up-*.json")), out[-2000:]
+
+
+def _up_reading_a_pipe(tmp_path: Path) -> tuple[subprocess.Popen[str], int]:
+    """``up --api-keys-file PIPE`` stopped where no loop handler is set yet: its option checks read the pipe (a
+    ``<(pass show key)`` whose writer hangs). Returns the process and the pipe's write end, opened once ``up`` has
+    opened the read end (before, ENXIO): ``up`` then waits in ``read`` for the key, until the caller writes and
+    closes it. SIGINT at its default in ``up`` (a shell's background job inherits it ignored)."""
+    fifo = tmp_path / "keys.fifo"
+    os.mkfifo(fifo)
+    cmd = [sys.executable, "-m", "evolving_infra.cli", "up", "--nodes", "2", "--split", "1P1D", "--profile", "tiny",
+           "--port", "0", "--policy", "static", "--log-dir", str(tmp_path / "logs"), "--api-keys-file", str(fifo)]
+    env = {**os.environ, "EI_STATE_DIR": str(tmp_path / "state")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return proc, os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:  # ENXIO: no reader yet
+            if e.errno != errno.ENXIO or proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"up never opened {fifo}: {e}\n{proc.communicate()[0][-2000:]}") from None
+            time.sleep(0.01)
+
+
+@pytest.mark.parametrize("sigs, status", [((signal.SIGINT, signal.SIGINT), 130), ((signal.SIGTERM, signal.SIGTERM), 143),
+                                          ((signal.SIGTERM, signal.SIGHUP), 129)])
+def test_a_second_stop_signal_aborts_an_up_stuck_before_its_handlers(tmp_path, sigs, status):
+    """``up`` stuck in its option checks (an ``--api-keys-file`` pipe nobody writes), before its loop's handlers are
+    set: the first stop signal is only recorded (it stops ``up`` cleanly once the checks end), the second aborts at
+    once: 130 and "interrupted" for Ctrl-C, 128 + the signal else, no traceback. Before, every signal was only
+    recorded (``shared.signals.catch_early``) and nothing but SIGKILL stopped it."""
+    proc, w = _up_reading_a_pipe(tmp_path)
+    try:
+        proc.send_signal(sigs[0])
+        time.sleep(0.3)
+        assert proc.poll() is None, "the first signal ended up before its checks did"
+        proc.send_signal(sigs[1])
+        try:
+            out, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"up still running 10 s after a second {sigs[1].name}")
+    finally:
+        os.close(w)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == status, (proc.returncode, out[-2000:])
+    assert ("evolving-infra up: interrupted" in out) == (status == 130), out[-2000:]
+    for noise in ("Traceback", "never retrieved", "Exception ignored"):
+        assert noise not in out, out[-2000:]
+    assert not (tmp_path / "logs" / "nats.log").exists()
+
+
+def test_one_stop_signal_to_an_up_stuck_before_its_handlers_stops_it_cleanly_once_unstuck(tmp_path):
+    """One SIGTERM while ``up`` waits for its ``--api-keys-file`` pipe is kept: once the key comes, ``up`` stops
+    "during start-up" with status 0 and starts nothing (as for a SIGTERM during its imports)."""
+    proc, w = _up_reading_a_pipe(tmp_path)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert proc.poll() is None, "one signal ended up before its checks did"
+        os.write(w, b"k-one\n")
+        os.close(w)
+        w = -1
+        out, _ = proc.communicate(timeout=EXIT_WITHIN_S)
+    finally:
+        if w >= 0:
+            os.close(w)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "stopped during start-up" in out, (proc.returncode, out[-2000:])
+    assert not (tmp_path / "logs" / "nats.log").exists()
