@@ -10,7 +10,8 @@ were left to the signals' default action:
   (``loop.close()`` closes the self-pipe, the wakeup fd, and only then removes the handlers), and one just after
   killed the process by SIGTERM (status -15, not its own; under uvloop the handlers are never removed and Python's
   own finalization puts SIGTERM back to its default). :func:`ignore_stop_signals`, called on the loop once the
-  process is stopping for good, ignores them from there to the exit.
+  process is stopping for good, ignores them from there to the exit (but for a moment of about 4 us in a process
+  with other threads, :func:`hand_over_stop_signals`).
 - The start. ``evolving-infra up`` imports for about a second before its loop exists: a SIGTERM then killed it (-15)
   with no word. :func:`catch_early` records such a signal with a plain Python handler from the first line of the
   command's ``main``, and :func:`caught_early` hands it to the loop's handlers once they are set. A second one
@@ -39,7 +40,9 @@ def ignore_stop_signals(loop: asyncio.AbstractEventLoop, signals: Iterable[int] 
     longer needs them (a service's drain and stop are over, ``tap`` has stopped, ``replay`` aborts): a signal then is
     discarded, where before one that came during the loop's close printed the "signal wakeup fd" traceback and one
     just after killed the process (-15). A signal ``loop`` has no handler for is ignored all the same. The
-    signals stay ignored until the process exits: only the entry point that owns the process calls this.
+    signals stay ignored until the process exits: only the entry point that owns the process calls this. In a
+    process with other threads a signal can still meet its default during the hand-over itself (microseconds; see
+    :func:`hand_over_stop_signals`).
 
     Args:
         loop: the running loop whose handlers (``loop.add_signal_handler``) are removed; asyncio's or uvloop's.
@@ -54,13 +57,22 @@ def ignore_stop_signals(loop: asyncio.AbstractEventLoop, signals: Iterable[int] 
 def hand_over_stop_signals(loop: asyncio.AbstractEventLoop, handler: signal.Handlers | Callable[[int, Any], Any],
                            signals: Iterable[int] = STOP_SIGNALS) -> None:
     """Take ``signals`` off ``loop`` and give them to ``handler`` (``SIG_IGN``, or a Python handler ``(signum,
-    frame)``), with no moment at their default action in between.
+    frame)``), with no moment at their default action in between for the calling thread.
 
     ``loop.remove_signal_handler`` puts a signal back to its default (SIG_DFL: a SIGTERM then kills) before it can be
     given to another handler: the signals are blocked meanwhile, and one that comes then is delivered to ``handler``
     once they are unblocked. The loop's self-pipe is still open then: asyncio's last ``remove_signal_handler`` clears
     the wakeup fd, so none is written to a closed one later. A signal ``loop`` has no handler for gets ``handler``
     all the same. From a coroutine or callback running on ``loop``, in the main thread.
+
+    When that holds: ``pthread_sigmask`` blocks the signals in the calling thread only, and the kernel gives a
+    signal sent to the process (``kill``, ``scancel``) to any thread that does not block it. So a process whose
+    only thread is this one, or whose other threads all block ``signals`` (a thread starts with its creator's
+    mask), has no such moment. A process with other threads that do not (the planner, the router and the workers
+    run 2 to 4 threads) still has one, about 4 us a call, from ``remove_signal_handler``'s SIG_DFL to
+    ``signal.signal``: a signal that lands in it gets its default there, a SIGTERM or SIGHUP kills the process (-15;
+    143 under a shell), a SIGINT may raise ``KeyboardInterrupt`` in the main thread (Python's
+    ``default_int_handler``). A burst of 4 SIGTERMs 2 ms apart hits it about 0.07% of the time (review rr-sig56).
 
     Args:
         loop: the running loop; asyncio's or uvloop's.
