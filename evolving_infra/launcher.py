@@ -30,7 +30,10 @@ they stop ``up`` (cluster, nats-server store and state file gone; one line on
 stderr; status 128 + the signal); during the replay they stop it (no new request; those in flight cancelled) and the
 demo writes and prints the report of what was answered, headed ``PARTIAL REPORT: the replay was stopped by SIGINT ...``
 (``meta.partial`` with the signal, and ``meta.interrupted`` as ``replay`` writes it); during start-up no report. Once
-its cluster has stopped they act as their defaults (Ctrl-C while the report is written: "interrupted", status 130).
+its cluster has stopped one ends it at once (Ctrl-C while the report is written: "interrupted", status 130; SIGTERM
+143, SIGHUP 129; the writers remove what they had begun) and the rest of a burst is ignored; once the demo has
+ended (its report written) they are all ignored until it exits (a demo called in-process, ``main([...])``: their
+defaults from its cluster's stop on).
 A cluster that ends for good during the replay (``--no-restart``: a service or the nats-server exited; else a
 service whose restarts gave up) stops the replay at once (no new request; those in flight cancelled) and the
 cluster; the demo then writes and prints the report of what was answered, headed ``PARTIAL REPORT: ...`` (the

@@ -367,8 +367,10 @@ async def serve_until_stopped(
             await bus.start_service_plumbing(svc.stats, ready=ready)
             # "serving" (/readyz 200, the "service started" line) only once the server has every SUB of the start:
             # nats-py queues them for its flusher, and a peer that publishes on the word reached no subscription
-            # (tests/integration/test_service_readiness_live.py). Not answered (NATS gone or hung): /readyz says so
-            # by itself, and a reconnect subscribes everything again, so the start goes on.
+            # (tests/integration/test_service_readiness_live.py). Not answered within START_FLUSH_S: a warning, and
+            # the start goes on to "serving" all the same. A lost connection shows in /readyz by itself ("not
+            # connected", and a reconnect subscribes everything again); a server that hangs with the connection
+            # open does not: /readyz then answers 200 with nothing answering (review rr-sig56 L3).
             try:
                 await bus.flush(START_FLUSH_S)
             except BusError as e:
