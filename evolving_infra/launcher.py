@@ -73,7 +73,7 @@ from shared.auth import redact_argv, redact_url
 from shared.log import setup_logging
 from shared.profile import ProfileError, available_profiles
 from shared.service import until_stopped
-from shared.signals import aborting, caught_early, hand_over_stop_signals, ignore_stop_signals, process_claimed, run_abortable
+from shared.signals import aborting, caught_early, hand_over_stop_signals, ignore_stop_signals, process_claimed
 from shared.split import SplitError, parse_split
 from services.router.toolcalls import KNOWN_PARSERS as TOOL_CALL_PARSERS
 
@@ -2301,7 +2301,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             if owned:
                 ignore_stop_signals(asyncio.get_running_loop(), UP_STOP_SIGNALS)
 
-    return run_abortable(run())  # a signal once the cluster stopped aborts (_default_signals): no logged task error
+    return asyncio.run(run())  # an abort raised in its task (_default_signals): asyncio.run's shutdown retrieves it
 
 
 # ----------------------------------------------------------------------------- registration

@@ -22,7 +22,7 @@ were left to the signals' default action:
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # not imported at run time: `up` calls catch_early before its heavy imports
@@ -115,38 +115,6 @@ def aborting(signals: Iterable[int] = STOP_SIGNALS) -> Callable[[int, Any], None
         raise SystemExit(128 + signum)
 
     return abort
-
-
-def run_abortable(main: Coroutine[Any, Any, int]) -> int:
-    """``asyncio.run(main)`` for a command whose stop signals may be handed to :func:`aborting`: an abort raised
-    inside ``main``'s task (``SystemExit`` or ``KeyboardInterrupt`` from the handler, while the task runs its
-    synchronous report writing) ends the task, caught there, and is raised again once the loop has closed.
-
-    Before, it left the task with an exception asyncio never retrieved: "Task exception was never retrieved ...
-    SystemExit: 143" and its traceback were logged as the process exited (1 run in 3 of a replay's burst test).
-
-    Returns:
-        ``main``'s exit status.
-
-    Raises:
-        SystemExit, KeyboardInterrupt: the abort, once the loop has closed.
-        Whatever ``main`` raises.
-    """
-    import asyncio
-
-    aborted: list[BaseException] = []
-
-    async def run() -> int:
-        try:
-            return await main
-        except (SystemExit, KeyboardInterrupt) as e:
-            aborted.append(e)
-            return 1
-
-    status = asyncio.run(run())
-    if aborted:
-        raise aborted[0]
-    return status
 
 
 _claimed = False

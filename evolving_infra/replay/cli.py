@@ -29,7 +29,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +42,7 @@ from evolving_infra.replay.core import Arrival, ReplayError
 from evolving_infra.stdio_args import STDIO, folder, shown, stdin_file
 from services.router.config import RouterConfig
 from shared.log import setup_logging
-from shared.signals import STOP_SIGNALS, aborting, hand_over_stop_signals, ignore_stop_signals, process_claimed, run_abortable
+from shared.signals import STOP_SIGNALS, aborting, hand_over_stop_signals, ignore_stop_signals, process_claimed
 
 if TYPE_CHECKING:
     from evolving_infra.traces.schema import TraceRequest
@@ -166,24 +166,7 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
     stop = asyncio.Event()
     signals: list[str] = []
     loop = asyncio.get_running_loop()
-
-    def on_signal(sig: signal.Signals) -> None:
-        signals.append(sig.name)
-        if len(signals) == 1:
-            stop.set()  # first: a print to a closed stderr (a dead tee, `2>&1 | head`) raises, and the stop was lost
-            try:
-                print(f"\nreplay: {sig.name}: stopping; writing what completed to {out} (again to abort at once)",
-                      file=sys.stderr)
-            except OSError as e:  # its reader is gone (a pipe's, a closed terminal's): what follows for stderr (the
-                if isinstance(e, BrokenPipeError) or e.errno == errno.EIO:  # progress bar's close) to /dev/null, so
-                    _stderr_to_devnull()  # that the report of what completed is still written; else the line is lost
-        elif len(signals) == 2:  # the abort; the rest of a burst (a plain scancel) ignored from here: no -15 nor
-            ignore_stop_signals(loop)  # traceback from one that lands while asyncio.run closes the loop
-            raise SystemExit(128 + sig.value)
-        # else: one of a burst that came with the second, already queued on the loop: raised again while asyncio.run
-        # cancelled the tasks, it closed the loop with the replay's task pending ("Task was destroyed but it is
-        # pending!" and a traceback)
-
+    on_signal = stop_signal_handler(loop, stop, signals, out)
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     from evolving_infra.replay.live import RecordAppender
@@ -277,6 +260,41 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
     if dest != out:  # OUT/report.json is still the earlier run's: a script reading it must know
         return OUTPUTS_ELSEWHERE
     return 0 if report["requests_failed"] == 0 else 1
+
+
+def stop_signal_handler(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, signals: list[str],
+                        out: Path) -> Callable[[signal.Signals], None]:
+    """The replay's handler of its stop signals during the run, for ``loop.add_signal_handler(sig, handler, sig)``.
+
+    Each call appends the signal's name to ``signals``. The first sets ``stop`` (the replay stops and writes what
+    completed to ``out``) and says so on stderr; the second aborts: the rest ignored from here
+    (:func:`shared.signals.ignore_stop_signals`, no -15 nor traceback from one that lands while ``asyncio.run``
+    closes the loop), then ``SystemExit(128 + n)``. Any later call does nothing: one of a burst that came with the
+    second, already queued on ``loop``, raised ``SystemExit`` again while ``asyncio.run`` cancelled the tasks, and the
+    loop closed with the replay's task still pending ("Task was destroyed but it is pending!" and a traceback).
+
+    Args:
+        loop: the running loop the handler is added to (main thread).
+        stop: set by the first signal.
+        signals: the names received, in order (the report's ``meta.interrupted``); filled by the handler.
+        out: the replay's ``--out`` folder, named in the line on stderr.
+    """
+
+    def on_signal(sig: signal.Signals) -> None:
+        signals.append(sig.name)
+        if len(signals) == 1:
+            stop.set()  # first: a print to a closed stderr (a dead tee, `2>&1 | head`) raises, and the stop was lost
+            try:
+                print(f"\nreplay: {sig.name}: stopping; writing what completed to {out} (again to abort at once)",
+                      file=sys.stderr)
+            except OSError as e:  # its reader is gone (a pipe's, a closed terminal's): what follows for stderr (the
+                if isinstance(e, BrokenPipeError) or e.errno == errno.EIO:  # progress bar's close) to /dev/null, so
+                    _stderr_to_devnull()  # that the report of what completed is still written; else the line is lost
+        elif len(signals) == 2:  # the abort
+            ignore_stop_signals(loop)
+            raise SystemExit(128 + sig.value)
+
+    return on_signal
 
 
 def _stderr_to_devnull() -> None:
@@ -580,7 +598,7 @@ def non_negative_int(text: str) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     setup_logging("console", "warning")
-    return run_abortable(_replay(args))  # a signal once the run ended aborts (shared.signals.aborting): no logged task error
+    return asyncio.run(_replay(args))
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

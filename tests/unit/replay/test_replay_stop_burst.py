@@ -7,10 +7,10 @@ to its default: a later signal of the burst killed the replay (-15), or printed 
 write to the signal wakeup fd" while ``asyncio.run`` closed the loop; a replay whose run had ended before the second
 signal (its report being written) was killed by it (-15). Now the abort ignores the rest
 (``shared.signals.ignore_stop_signals``), and from the run's end on a signal aborts as during the run
-(``shared.signals.aborting``, raised out of ``asyncio.run`` by ``shared.signals.run_abortable``). Neither leaves
-asyncio's complaints behind: a third signal queued with the second raised the abort again while ``asyncio.run``
-cancelled the tasks ("Task was destroyed but it is pending!", a traceback), and an abort raised in the replay's task
-was logged as "Task exception was never retrieved".
+(``shared.signals.aborting``). Neither leaves asyncio's complaints behind: a third signal queued with the second
+raised the abort again while ``asyncio.run`` cancelled the tasks ("Task was destroyed but it is pending!", a
+traceback; deterministic in test_replay_third_signal.py), and a raise there can skip the shutdown's loop run in which
+asyncio retrieves an abort raised in the replay's task ("Task exception was never retrieved").
 """
 
 from __future__ import annotations
