@@ -709,7 +709,7 @@ class BranchTable:
         if self.runs.total[n] if self.chained else R:
             self._resend(n, R, newly, 2)
         if self.watch[n]:
-            self._moves_came(n, tier_bit(n, GPU), newly)
+            self._moves_came(n, 1 << (1 + 3 * n + GPU), newly)  # tier_bit(n, GPU), without its frame
 
     def _resend(self, n: int, R: dict[int, int], newly: Sequence[int], tiers: int) -> None:
         """Blocks ``newly`` became present in n's host memory (and, ``tiers`` = 2, its GPU): queue

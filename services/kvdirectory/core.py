@@ -495,6 +495,7 @@ class KvDirectory:
         ``mismatched``. Returns (blocks stored, blocks removed) as :class:`ApplyResult` counts them,
         and the host-tier evictions' ``(zero, positive)`` count tallies (:meth:`apply_kv_events`)."""
         index, table, counters = self.index, self.branches, self.counters
+        chained = table.chained
         counters["kv.batches_applied"] += 1
         st = self._streams[n]
         if ts > st.last_ts:
@@ -552,9 +553,21 @@ class KvDirectory:
                 stored += len(ev.block_hashes)
             elif t is BlockRemoved:
                 removed_blocks += len(ev.block_hashes)
-                z, p = self._apply_removed(n, ev)
+                # self._apply_removed(n, ev) without its frame (one per eviction batch: ~6,100 a 600-s run at 512)
+                tier = TIER_INDEX[ev.tier]
+                if chained:
+                    spans: list[tuple[int, int, bool]] = []
+                    removed = index.remove(n, tier, ev.block_hashes, spans)
+                    p = table.on_removed(n, tier, removed, spans)
+                else:
+                    removed = index.remove(n, tier, ev.block_hashes)
+                    p = table.on_removed(n, tier, removed)
+                zk, pk = _EVICT_PAIRS[tier]
+                counters[pk] += p
+                z = len(removed) - p
+                counters[zk] += z
                 if z or p:
-                    if ev.tier == "host":
+                    if tier == HOST:
                         host = (host[0] + z, host[1] + p)
             elif t is AllBlocksCleared:
                 counters["kv.cleared_blocks"] += self._clear(n, None if ev.tier is None else TIER_INDEX[ev.tier])

@@ -2260,8 +2260,27 @@ class BranchRunHostPool(RunHostPool):
         n = len(hashes)
         if n and n == len(counts) and self._counted is None and all(counts):
             rec = self._stored.get(hashes[0])
-            if rec is not None and self._chain_l1(hashes, counts, 0, n, rec[0], True) == n:
-                return 0
+            if rec is not None:
+                d0 = rec[0]
+                if d0:  # _chain_l1's usual case without its frame: the last entry ends L1 run r, which holds them all
+                    r = self.gpu.ends.get(hashes[-1])
+                    if r is not None:
+                        keys = r.keys
+                        end = len(keys)
+                        o = d0 - r.depth
+                        if o >= 0 and end - n == o and keys[o] == hashes[0]:
+                            iv = r.counted  # _mark(r, o, end - o, counts, 0, True) without its frame
+                            if len(iv) == 1:
+                                a, b = iv[0]
+                                if a <= o and end <= b:
+                                    return 0
+                                if o <= b and a <= end:  # overlapping or touching: one interval
+                                    r.counted = ((a if a < o else o, b if b > end else end),)
+                                    return 0
+                            r.counted = _ivl_set(iv, o, end, True)
+                            return 0
+                if self._chain_l1(hashes, counts, 0, n, d0, True) == n:
+                    return 0
         return self.update_counts(hashes, counts, [(None, n)])
 
     def _to_intervals(self) -> None:

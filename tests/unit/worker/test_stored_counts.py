@@ -80,3 +80,32 @@ def test_re_sent_counts_as_update_counts_with_the_store_chain(seed: int) -> None
         for kv in kvs:
             kv.check([(p, len(p), 0) for p in live])
     assert resent > 3 and short > 0, f"seed {seed}: {resent} re-sends, {short} the short way"
+
+
+def test_re_sent_chunk_counts_set_the_run_interval_without_a_walk() -> None:
+    """The usual re-send (a prefill chunk's pages, written through at path position > 0, appended to
+    the L1 run of the request's prefix) sets that run's counted interval in
+    ``update_stored_counts`` itself: no ``_chain_l1`` walk, no ``update_counts``; the same intervals
+    as ``update_counts`` with the store's chain on a twin pool."""
+    path = list(range(1, 13))
+    kvs = [KvBlockManager(20, 60, 4, "branch-count"), KvBlockManager(20, 60, 4, "branch-count")]
+    for kv in kvs:
+        kv.update_counts([99_999], [1], [(0, 1)])  # counts in L1's runs from here on
+        assert kv.admit(path, 0, len(path))
+        kv.fill(path, 0, 4)  # first chunk: the run's head
+        kv.fill(path, 4, 8)  # second chunk: the same run, extended
+        kv.take_events()
+    pool = kvs[0].host
+    assert type(pool) is BranchRunHostPool
+    walks: list[int] = []
+    chain_l1 = pool._chain_l1
+    pool._chain_l1 = lambda *a: walks.append(1) or chain_l1(*a)  # type: ignore[method-assign]
+    full = pool.update_counts
+    pool.update_counts = lambda *a: walks.append(2) or full(*a)  # type: ignore[method-assign]
+    for head in (path[4:8], path[4:8], path[4:6]):  # the whole chunk (twice: already counted), then a head of it
+        counts = [2] * len(head)
+        assert pool.update_stored_counts(head, counts) == kvs[1].update_counts(head, counts, [(None, len(head))]) == 0
+        assert [r.counted for r in kvs[0].gpu.ends.values()] == [r.counted for r in kvs[1].gpu.ends.values()]
+    assert walks == [1], "the whole chunk's re-sends walked (a head that ends no run walks: _chain_l1)"
+    (run,) = kvs[0].gpu.ends.values()
+    assert run.counted == ((4, 8),)
