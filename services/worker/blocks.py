@@ -1030,6 +1030,11 @@ class RunHostPool:
         unhold names other pages than a whole hold, as the per-page model counts them."""
         self.broken: dict[int, int] = {}
         """Holds broken by a write-through (hash → unholds still owed by their holders)."""
+        self._stored_at: dict[int, tuple[int, int]] | None = None
+        """Where :meth:`_written` only records a write-through's run as first hash → (path
+        position, length), at most :data:`_STORES_KEPT` (``BranchRunHostPool._stored``, once
+        its counts are kept in L1's runs): :meth:`store` records it there itself, without the
+        call. None: :meth:`store` calls :meth:`_written`."""
 
     @property
     def used(self) -> int:
@@ -1428,11 +1433,17 @@ class RunHostPool:
             self._evicted(evicted)
             self.events.append(BlockRemoved(block_hashes=evicted, tier="host"))
         bs = self.block_size
+        at = self._stored_at
         for s, e in runs:
             run = path[s:e]
             if type(run) is not list:
                 run = list(run)
-            self._written(run, s)
+            if at is not None:  # self._written(run, s) without its frame (one per write-through)
+                if len(at) >= _STORES_KEPT:
+                    at.clear()
+                at[run[0]] = (s, len(run))
+            else:
+                self._written(run, s)
             self.events.append(BlockStored(block_hashes=run, parent_block_hash=path[s - 1] if s else None, tier="host", block_size=bs))
 
     def _restored(self, path: Sequence[int], lo: int, e: int, hi: int) -> None:
@@ -2296,6 +2307,7 @@ class BranchRunHostPool(RunHostPool):
                 continue
             r.counted = [(i, j) for i, j, g in _stretches(list(map(counted.__contains__, keys))) if g]
         self._counted = None
+        self._stored_at = self._stored  # _written records a run's position only: store does it inline
         for x in self._lazy:
             x.lazy = False
         self._lazy.clear()
