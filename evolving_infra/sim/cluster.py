@@ -534,6 +534,7 @@ class ClusterSim:
         self.directory.branches.chain_depths = self.track_branches  # the chains of count messages (_flush_counts)
         if self.track_branches:  # a host store's re-sent counts go to its engine at once, not through the outbox
             self.directory.branches.resend_sink = self._resend_counts
+            self.directory.branches.resend_chain_sink = self._resend_chain  # those at the store's position, counts unbuilt
         self._sample_at = 0.0
         """The start of the next :data:`DIRECTORY_SAMPLE_S` window: its first KV batch samples the
         directory's size (``SimStats.directory_size``)."""
@@ -1284,6 +1285,19 @@ class ClusterSim:
                 host.update_stored_counts(hashes, counts)
             else:
                 host.update_counts(hashes, counts, chains)
+
+    def _resend_chain(self, n: int, hashes: list[int]) -> None:
+        """``BranchTable.resend_chain_sink``: :meth:`_resend_counts` of a re-send at the store's
+        position (chains ``[(None, len(hashes))]``) whose counts, all > 0, the directory has not
+        built: the usual one only sets the host pool's L1 intervals
+        (``BranchRunHostPool.stored_counted``) and reads none; any other reads them
+        (``BranchTable.chain_counts``) and goes through ``update_counts``."""
+        by_id = self._by_kv_id
+        if n < len(by_id):  # (a node the directory heard of from a placement alone has no engine here)
+            host = by_id[n].sched.kv.host
+            if type(host) is BranchRunHostPool and host.stored_counted(hashes):
+                return
+            host.update_counts(hashes, self.directory.branches.chain_counts(n, hashes), [(None, len(hashes))])
 
     # ------------------------------------------------------------------ #
     # planner and phase switches

@@ -265,6 +265,8 @@ frame): the hot sites that make :class:`_GpuRun` / :class:`_HostRun` (~10,000 a 
 every slot themselves."""
 
 _SECOND = itemgetter(1)
+_ONES: tuple[int, ...] = ()
+"""The counts passed where every count is > 0 (``on`` True: :meth:`BranchRunHostPool._mark` reads none)."""
 """A chain's length (``(position, length)``), C-level."""
 
 
@@ -2269,30 +2271,44 @@ class BranchRunHostPool(RunHostPool):
             ValueError: as :meth:`update_counts`.
         """
         n = len(hashes)
-        if n and n == len(counts) and self._counted is None and all(counts):
-            rec = self._stored.get(hashes[0])
-            if rec is not None:
-                d0 = rec[0]
-                if d0:  # _chain_l1's usual case without its frame: the last entry ends L1 run r, which holds them all
-                    r = self.gpu.ends.get(hashes[-1])
-                    if r is not None:
-                        keys = r.keys
-                        end = len(keys)
-                        o = d0 - r.depth
-                        if o >= 0 and end - n == o and keys[o] == hashes[0]:
-                            iv = r.counted  # _mark(r, o, end - o, counts, 0, True) without its frame
-                            if len(iv) == 1:
-                                a, b = iv[0]
-                                if a <= o and end <= b:
-                                    return 0
-                                if o <= b and a <= end:  # overlapping or touching: one interval
-                                    r.counted = ((a if a < o else o, b if b > end else end),)
-                                    return 0
-                            r.counted = _ivl_set(iv, o, end, True)
-                            return 0
-                if self._chain_l1(hashes, counts, 0, n, d0, True) == n:
-                    return 0
+        if n and n == len(counts) and all(counts) and self.stored_counted(hashes):
+            return 0
         return self.update_counts(hashes, counts, [(None, n)])
+
+    def stored_counted(self, hashes: list[int]) -> bool:
+        """:meth:`update_stored_counts`' usual case, which needs no count values: ``hashes`` (not
+        empty) are the directory's re-send of a host store's counted blocks as one chain at the
+        store's position, every count > 0 (the simulator's ``ClusterSim._resend_chain``, the
+        directory's ``BranchTable.resend_chain_sink``). When counts are kept in L1's runs and the
+        pages are of a run this pool stored, all in L1, sets their runs' counted intervals
+        (:meth:`_chain_l1`) and returns True: nothing moves. Else returns False (possibly with
+        some intervals set, which :meth:`update_counts` sets again): the caller then applies
+        ``update_counts(hashes, counts, [(None, len(hashes))])``."""
+        if self._counted is not None:
+            return False
+        rec = self._stored.get(hashes[0])
+        if rec is None:
+            return False
+        d0 = rec[0]
+        if d0:  # _chain_l1's usual case without its frame: the last entry ends L1 run r, which holds them all
+            r = self.gpu.ends.get(hashes[-1])
+            if r is not None:
+                keys = r.keys
+                end = len(keys)
+                o = d0 - r.depth
+                if o >= 0 and end - len(hashes) == o and keys[o] == hashes[0]:
+                    iv = r.counted  # _mark(r, o, end - o, counts, 0, True) without its frame
+                    if len(iv) == 1:
+                        a, b = iv[0]
+                        if a <= o and end <= b:
+                            return True
+                        if o <= b and a <= end:  # overlapping or touching: one interval
+                            r.counted = ((a if a < o else o, b if b > end else end),)
+                            return True
+                    r.counted = _ivl_set(iv, o, end, True)
+                    return True
+        n = len(hashes)
+        return self._chain_l1(hashes, _ONES, 0, n, d0, True) == n
 
     def _to_intervals(self) -> None:
         """Keep counts in L1's runs from now on (the first count message with chains): each L1

@@ -15,19 +15,27 @@ from shared.messages import BlockRemoved
 from tests.unit.kvdirectory.helpers import BS, store
 
 
-def _world(sink: list[tuple[int, list[int], list[int], object]] | None, held: bool = True) -> KvDirectory:
+def _world(sink: list[tuple[int, list[int], list[int], object]] | None, held: bool = True, chain: bool = False) -> KvDirectory:
+    """Three nodes; ``sink``: the re-sends handed over (``resend_sink``), and with ``chain`` those at
+    the store's position through ``resend_chain_sink`` (as the simulator), their counts read then
+    (``chain_counts``) and recorded as ``resend_sink`` would have got them."""
     d = KvDirectory(BS, chained=True, held_counts_only=held)
     d.branches.chain_depths = True
     for nm in ("p0", "p1", "p2"):
         d.node_id(nm)
     if sink is not None:
         d.branches.resend_sink = lambda n, h, c, ch: sink.append((n, h, c, ch))
+        if chain:
+            d.branches.resend_chain_sink = lambda n, h: sink.append((n, h, d.branches.chain_counts(n, h), [(None, len(h))]))
     return d
 
 
-def test_a_re_send_goes_to_the_sink_as_the_drain_would_send_it() -> None:
+@pytest.mark.parametrize("chain", [False, True], ids=["counts", "counts unbuilt"])
+def test_a_re_send_goes_to_the_sink_as_the_drain_would_send_it(chain: bool) -> None:
     got: list[tuple[int, list[int], list[int], object]] = []
-    a, b = _world(got), _world(None)
+    a, b = _world(got, chain=chain), _world(None)
+    if chain:  # a re-send of a whole chain goes to resend_chain_sink, its counts not built
+        a.branches.resend_sink = lambda *x: pytest.fail(f"built and sent to resend_sink: {x}")
     path = list(range(100, 120))
     for w in (a, b):
         w.place("x", "p0", "prefill", path, 1.0)
@@ -62,15 +70,16 @@ def test_no_sink_no_change() -> None:
     assert d.branches.take_count_lists(chains=True) == [(0, 1, [1, 2, 3], [1, 1, 1], [(None, 3)])]
 
 
+@pytest.mark.parametrize("chain", [False, True], ids=["counts", "counts unbuilt"])
 @pytest.mark.parametrize("held", [False, True], ids=["all", "held only"])
 @pytest.mark.parametrize("seed", range(4))
-def test_a_worker_ends_with_the_same_counts(seed: int, held: bool) -> None:
+def test_a_worker_ends_with_the_same_counts(seed: int, held: bool, chain: bool) -> None:
     """Random placements, host and GPU stores, evictions and ends on three nodes, drained at random:
     per node, the counts a worker keeps (each message applied in order, a block's last count kept)
     are those of the plain drains at every drain."""
     rng = random.Random(seed)
     sunk: list[tuple[int, list[int], list[int], object]] = []
-    a, b = _world(sunk, held), _world(None, held)
+    a, b = _world(sunk, held, chain), _world(None, held)
     views: list[list[dict[int, int]]] = [[{} for _ in range(3)] for _ in range(2)]
     fresh = iter(range(1_000_000, 2_000_000))
     paths: dict[str, list[int]] = {}

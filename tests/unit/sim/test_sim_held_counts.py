@@ -10,6 +10,8 @@ comes with the store's re-send.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from evolving_infra.sim import cluster
@@ -68,6 +70,16 @@ def test_counts_for_held_blocks_only_change_no_result(cfg: SimConfig, monkeypatc
     assert cut.report["kv_directory"]["evictions.host.zero_count"] > 0
 
 
+def _counting(f: Callable[..., None], handed: list[int]) -> Callable[..., None]:
+    """``f`` (a ``ClusterSim`` sink method) counting its calls in ``handed[0]``."""
+
+    def tally(self: cluster.ClusterSim, *a: object) -> None:
+        handed[0] += 1
+        f(self, *a)
+
+    return tally
+
+
 @pytest.mark.parametrize(
     "cfg",
     [
@@ -83,19 +95,19 @@ def test_re_sent_counts_handed_over_at_once_change_no_result(cfg: SimConfig, mon
     next drain: the same records and report as with every count message drained."""
     reqs = small_trace(16, 10, pause=0.05, first_blocks=16, growth=4)  # L2 (256 blocks a node) evicts
     handed = [0]
+    unbuilt = [0]
     with monkeypatch.context() as m:
-        resend = cluster.ClusterSim._resend_counts
-
-        def tally(self: cluster.ClusterSim, *a: object) -> None:
-            handed[0] += 1
-            resend(self, *a)  # type: ignore[arg-type]
-
-        m.setattr(cluster.ClusterSim, "_resend_counts", tally)
+        m.setattr(cluster.ClusterSim, "_resend_counts", _counting(cluster.ClusterSim._resend_counts, handed))
+        # those at the store's position, counts unbuilt (BranchTable.resend_chain_sink)
+        m.setattr(cluster.ClusterSim, "_resend_chain", _counting(cluster.ClusterSim._resend_chain, unbuilt))
         direct = simulate(cfg, reqs, BS)
     with monkeypatch.context() as m:
         # no sink: every re-send waits in the outbox for the drain
-        m.setattr(branches.BranchTable, "resend_sink", property(lambda self: None, lambda self, v: None), raising=False)
+        for name in ("resend_sink", "resend_chain_sink"):
+            m.setattr(branches.BranchTable, name, property(lambda self: None, lambda self, v: None), raising=False)
         drained = simulate(cfg, reqs, BS)
+    assert unbuilt[0] > 10
+    handed[0] += unbuilt[0]
     assert handed[0] > 10
     assert direct.records == drained.records
     assert strip_wall(direct.report) == strip_wall(drained.report)
