@@ -265,9 +265,9 @@ frame): the hot sites that make :class:`_GpuRun` / :class:`_HostRun` (~10,000 a 
 every slot themselves."""
 
 _SECOND = itemgetter(1)
+"""A chain's length (``(position, length)``), C-level."""
 _ONES: tuple[int, ...] = ()
 """The counts passed where every count is > 0 (``on`` True: :meth:`BranchRunHostPool._mark` reads none)."""
-"""A chain's length (``(position, length)``), C-level."""
 
 
 def _ivl_cut(iv: Sequence[tuple[int, int]], k: int) -> tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]]]:
