@@ -49,7 +49,7 @@ from shared.config import CommonConfig
 from shared import tracing
 from shared.metrics import MetricsServer, make_registry, service_registry
 from shared.net import inherited_socket
-from shared.signals import ignore_stop_signals
+from shared.signals import STOP_SIGNALS, ignore_stop_signals, process_claimed
 from shared.subjects import Subjects
 
 try:  # uvloop is a core dependency on Linux/macOS; plain asyncio elsewhere.
@@ -503,11 +503,15 @@ async def until_stopped(
 def run_service(service_name: str, cfg: CommonConfig, factory: ServiceFactory, *, instance: str | None = None) -> None:
     """Run a service in this process until SIGINT/SIGTERM (uvloop when available); the process exits after it.
 
-    Once :func:`serve_until_stopped` has ended (drained, stopped, or failed), SIGINT and SIGTERM are ignored until
+    In the service's own process (its ``main`` called with no ``argv``, :func:`shared.signals.claim_process`), once
+    :func:`serve_until_stopped` has ended (drained, stopped, or failed), SIGINT and SIGTERM are ignored until
     the process exits (:func:`shared.signals.ignore_stop_signals`): a plain ``scancel`` sends every process of the
     job a SIGTERM and the job's stop and supervisors more, and one that came while the loop closed, or just after,
     killed the service by SIGTERM (status -15, not its 0 or 1; every burst of 4 SIGTERMs 2 ms apart did). Until then
-    the signals keep their meaning (a second one, or SIGINT, ends SIGTERM's drain at once).
+    the signals keep their meaning (a second one, or SIGINT, ends SIGTERM's drain at once). Called in-process
+    otherwise (a test's ``main([...])``, in the main thread), the caller's SIGINT / SIGTERM handlers are put back when
+    it returns: ignored there, they stayed ignored in the test process and in every child it started later (a
+    ``trace`` command's Ctrl-C, a router's SIGTERM: CI failures), and uvloop leaves its own handlers set.
 
     Raises:
         What :func:`serve_until_stopped` raises.
@@ -518,13 +522,21 @@ def run_service(service_name: str, cfg: CommonConfig, factory: ServiceFactory, *
         try:
             await serve_until_stopped(service_name, cfg, factory, instance=inst)
         finally:  # the process exits after this: the rest of a burst of stop signals is discarded
-            ignore_stop_signals(asyncio.get_running_loop())
+            if process_claimed():  # the service's own process (its main with no argv), not a caller's (a test's)
+                ignore_stop_signals(asyncio.get_running_loop())
 
+    # in-process (a test's main([...])): the caller's handlers back afterwards (uvloop leaves its own on the signals)
+    saved = None if process_claimed() else [(sig, signal.getsignal(sig)) for sig in STOP_SIGNALS]
     coro = serve()
-    if uvloop is not None:
-        uvloop.run(coro)
-    else:  # pragma: no cover
-        asyncio.run(coro)
+    try:
+        if uvloop is not None:
+            uvloop.run(coro)
+        else:  # pragma: no cover
+            asyncio.run(coro)
+    finally:
+        for sig, handler in saved or ():
+            if handler is not None:  # (None: not set from Python; nothing to put back)
+                signal.signal(sig, handler)
 
 
 def run_service_main(service_name: str, cfg: CommonConfig, factory: ServiceFactory, *, instance: str | None = None) -> int:

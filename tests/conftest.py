@@ -32,6 +32,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,16 +88,28 @@ def _logging_restored() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def _sighup_restored() -> Iterator[None]:
+def _stop_signals_restored() -> Iterator[None]:
     """The router's ``main`` ignores SIGHUP first thing (services/router/__main__.py), for the whole process: a test
     that calls it in this process (tests/unit/router/test_main_label.py) left the pytest worker ignoring SIGHUP, and
     every child a later test spawned inherited that. In a fresh clone's ``make test``, the worker that ran it failed
     test_main_sighup.py's cluster test (the planner started with SIGHUP ignored, as if the cluster had set it) and
-    test_launcher_newcomer.py's SIGUSR1 test (its sleepers lived through the SIGHUP). It is put back after every test."""
-    old = signal.getsignal(signal.SIGHUP)
+    test_launcher_newcomer.py's SIGUSR1 test (its sleepers lived through the SIGHUP). The same for SIGINT and SIGTERM:
+    a service run in this process that left them ignored (``shared.service.run_service`` before it put a caller's
+    handlers back) made a later ``trace generate`` run through its Ctrl-C (status 0, not 130) and a router ignore the
+    stop's SIGTERM until killed (7 failures of one CI worker). All three are put back after every test, and
+    ``shared.signals``' process claim (:func:`shared.signals.claim_process`, sticky for the process: a test calling a
+    service's ``main()`` with a patched ``sys.argv``) is taken back."""
+    sigs = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)
+    old = [(sig, signal.getsignal(sig)) for sig in sigs]
+    sigmod = sys.modules.get("shared.signals")
+    claim = None if sigmod is None else (sigmod._claimed, sigmod._caught, sigmod._early)
     yield
-    if old is not None:  # None: not set from Python (it is, for SIGHUP, at the interpreter's start)
-        signal.signal(signal.SIGHUP, old)
+    for sig, handler in old:
+        if handler is not None:  # None: not set from Python
+            signal.signal(sig, handler)
+    sigmod = sys.modules.get("shared.signals")
+    if sigmod is not None:
+        sigmod._claimed, sigmod._caught, sigmod._early = claim or (False, None, ())
 
 
 @pytest.fixture(scope="session", autouse=True)

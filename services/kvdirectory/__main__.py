@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from shared.config import ConfigError, load_config
 from shared.log import setup_logging
+from shared.signals import claim_process
 from shared.service import run_service_main
 
 from .config import DirectoryConfig
@@ -27,4 +28,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    claim_process()  # this process's own service (not a caller's main(...)): its stop signals ignored once it stops
     sys.exit(main())

@@ -9,6 +9,7 @@ from services.planner.config import PlannerConfig
 from services.planner.service import PlannerService
 from shared.config import ConfigError, load_config
 from shared.log import setup_logging
+from shared.signals import claim_process
 from shared.service import run_service_main
 
 
@@ -26,4 +27,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    claim_process()  # this process's own service (not a caller's main(...)): its stop signals ignored once it stops
     sys.exit(main())

@@ -14,6 +14,7 @@ import sys
 
 from shared.config import ConfigError, load_config
 from shared.log import setup_logging
+from shared.signals import claim_process
 from shared.service import process_label, run_service_main
 
 from services.router.config import RouterConfig
@@ -71,4 +72,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    claim_process()  # this process's own service (not a caller's main(...)): its stop signals ignored once it stops
     sys.exit(main())

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from shared.config import ConfigError, load_config
 from shared.log import setup_logging
 from shared.profile import ProfileError
+from shared.signals import claim_process
 from shared.service import run_service_main
 from services.worker.config import WorkerConfig, worker_profile
 from services.worker.service import WorkerService
@@ -37,4 +38,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    claim_process()  # this process's own service (not a caller's main(...)): its stop signals ignored once it stops
     sys.exit(main())

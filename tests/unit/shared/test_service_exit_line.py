@@ -115,3 +115,23 @@ def test_a_metrics_port_in_use_is_one_line_naming_the_service_once_and_exit_1():
     last = done.stderr.splitlines()[-1]
     assert last == f"kvdirectory: cannot listen for metrics on 127.0.0.1:{port}: Address already in use", done.stderr
     assert "kvdirectory kvdirectory" not in done.stderr and "Errno" not in last and "Traceback" not in done.stderr
+
+
+def test_a_service_run_in_process_leaves_the_callers_stop_signals_as_they_were(monkeypatch, capsys) -> None:
+    """A service's ``main([...])`` run in this process (its run ended by an unusable NATS setting, after the loop
+    started) must not leave SIGINT / SIGTERM ignored here: a test process that ignored them passed it on to every
+    child it started later (a ``trace generate`` then ran through its Ctrl-C with status 0, a router ignored the
+    stop's SIGTERM until killed: 7 CI failures). Only the service's own process (``main()``, no argv) ignores them
+    once it stops (``shared.service.run_service``)."""
+    import signal
+
+    mod = importlib.import_module("services.kvdirectory.__main__")
+    monkeypatch.setattr(mod, "setup_logging", lambda *a, **k: None)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        assert mod.main(["--nats-url", "nats://h1:4222,,nats://h2:4222"]) == 2
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+    capsys.readouterr()
