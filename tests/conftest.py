@@ -87,6 +87,18 @@ def _logging_restored() -> Iterator[None]:
     root.setLevel(level)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGINT as an interactive shell gives it (Python's ``KeyboardInterrupt``) in the test process, also when the
+    run was started as a background job of a non-interactive shell (``(make test &)``, a CI runner's script), which
+    POSIX starts with SIGINT ignored: every child a test started inherited that, so a ``trace generate`` ran through
+    its Ctrl-C (status 0, not 130) and ``up``'s stop could not end a router's drain with SIGINT (5 failures of a
+    fresh clone's ``make test`` started so; they passed before only while an earlier in-process test happened to
+    leave a handler set, which ``_stop_signals_restored`` now puts back). SIGTERM and SIGHUP are left as inherited
+    (``nohup`` keeps its meaning)."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(autouse=True)
 def _stop_signals_restored() -> Iterator[None]:
     """The router's ``main`` ignores SIGHUP first thing (services/router/__main__.py), for the whole process: a test
