@@ -1028,7 +1028,8 @@ class BranchTable:
                 self.branches[bid] = b
                 self.counters["branch.implicit_start"] += 1
         self._touch(b, now)
-        b.hold_until = 0.0  # the tool returned: the branch made its next request
+        if rid is None or rid != b.last_rid:  # the tool returned: the branch made its next request (a late decode
+            b.hold_until = 0.0  # placement of the request already placed is no new request: its hold stays)
         if rid is not None:
             b.last_rid = rid
         out = PlaceOutcome(branch=b, prev_prefill_node=b.last_prefill_node)
