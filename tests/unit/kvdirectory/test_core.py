@@ -869,3 +869,17 @@ def test_batch_counters_match_one_event_per_batch():
     assert one.counters["kv.blocks_stored"] == 12 and one.counters["kv.blocks_removed"] == 5
     assert one.index.copies == each.index.copies
     assert sorted(one.index.where) == sorted(each.index.where)
+
+
+def test_a_late_placement_of_the_request_already_placed_keeps_the_tool_call_hold(d):
+    """A request's decode placement can reach the directory after the harness's tool-call hint (the hint follows the
+    response; the placement is a bus message of another router or the decode binding): it is no new request, so the
+    hold stays. Before, it cleared the hold (test_branch_end_elsewhere_live.py failed 2 of 3: hold_until 0.0 right
+    after the hold). A placement of a new request clears it, as before."""
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", P[:3], 0.0, rid="r1")
+    assert d.branch_hold("b", True, 500.0, 10.0) == "held"
+    d.place("b", "p0", "decode", P[:3], 11.0, rid="r1")  # r1's decode binding, late
+    assert d.branch("b").hold_until == 510.0
+    d.place("b", "p0", "prefill", P[:4], 520.0, rid="r2")  # the next request: the tool returned
+    assert d.branch("b").hold_until == 0.0
