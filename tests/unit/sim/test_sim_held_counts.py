@@ -36,7 +36,7 @@ def _tally(monkeypatch: pytest.MonkeyPatch, sent: dict[str, int]) -> None:
     monkeypatch.setattr(branches.BranchTable, "take_count_lists", counted)
 
 
-@pytest.mark.parametrize(
+_CONFIGS = pytest.mark.parametrize(
     "cfg",
     [
         SimConfig(nodes=3, profile="tiny", policy="evolving", concurrency=6, seed=1),
@@ -45,6 +45,10 @@ def _tally(monkeypatch: pytest.MonkeyPatch, sent: dict[str, int]) -> None:
     ],
     ids=["evolving", "evolving-forced-switches"],
 )
+"""The two runs both tests compare: plain, and with forced phase switches (decode KV and hand-offs)."""
+
+
+@_CONFIGS
 def test_counts_for_held_blocks_only_change_no_result(cfg: SimConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     reqs = small_trace(16, 10, pause=0.05, first_blocks=16, growth=4)  # L2 (256 blocks a node) evicts
     held: dict[str, int] = {"entries": 0, "held_only": 0}
@@ -80,15 +84,7 @@ def _counting(f: Callable[..., None], handed: list[int]) -> Callable[..., None]:
     return tally
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        SimConfig(nodes=3, profile="tiny", policy="evolving", concurrency=6, seed=1),
-        SimConfig(nodes=3, profile="tiny", policy="evolving", concurrency=6, seed=2,
-                  forced_switches=(ForcedSwitch(0.3, "w0", "decode"), ForcedSwitch(0.9, "w0", "prefill"))),
-    ],
-    ids=["evolving", "evolving-forced-switches"],
-)
+@_CONFIGS
 def test_re_sent_counts_handed_over_at_once_change_no_result(cfg: SimConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """A host store's re-sent counts go to the engine as the directory makes them
     (``BranchTable.resend_sink`` = ``ClusterSim._resend_counts``), not through the outbox and the
