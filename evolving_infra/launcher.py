@@ -73,7 +73,7 @@ from shared.auth import redact_argv, redact_url
 from shared.log import setup_logging
 from shared.profile import ProfileError, available_profiles
 from shared.service import until_stopped
-from shared.signals import aborting, caught_early, hand_over_stop_signals, ignore_stop_signals, process_claimed
+from shared.signals import LateStopSignals, caught_early, ignore_stop_signals, process_claimed
 from shared.split import SplitError, parse_split
 from services.router.toolcalls import KNOWN_PARSERS as TOOL_CALL_PARSERS
 
@@ -1844,6 +1844,7 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
         return _demo_interrupted(signals, Path(log_dir))
     state: Path | None = None
     replayed = False  # the replay ended and its timeline was read: the report follows
+    late_stop: LateStopSignals | None = None  # the stop signals after the cluster stopped (this process's demo)
     ended: ClusterError | None = None  # the cluster ended during the replay (--no-restart: a service exited)
     retry = RetryPolicy()  # the OpenAI SDK's default, as `replay` without --max-retries; recorded in the meta
     try:
@@ -1899,7 +1900,7 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
             state.unlink(missing_ok=True)
         await cluster.stop()
         cluster.remove_generated_creds(own_log_dir=own_logs)
-        _default_signals()  # nothing left to stop: Ctrl-C while the report and plots are written interrupts them
+        late_stop = _default_signals()  # nothing left to stop: a signal while the report is written is recorded
         if not replayed:  # failed before the replay ended: OUT as it was, but for the records answered before
             drop_partial_records(records_file, only_empty=True)
     if ended is not None and not signals:  # its line first (and a crash's log tail), then the partial report of what the replay got
@@ -1954,6 +1955,8 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
     if partial is not None:
         print(f"PARTIAL REPORT: {partial_line(partial)}", flush=True)
     print_summary(report)
+    if not signals and late_stop is not None and late_stop.first is not None:  # came while the report was written
+        signals = [late_stop.first]  # the report in full, the signal's status
     if signals:  # the signal's status, as before; the report is what was answered until it came
         print(report_line(path))
         written = "partial report written" if partial is not None else "report written (the replay had ended)"
@@ -2044,22 +2047,26 @@ def _stop_on_signals(stop: asyncio.Event) -> list[int]:
     return got
 
 
-def _default_signals() -> None:
-    """Undo :func:`_stop_on_signals` once the demo's cluster has stopped: SIGINT raises ``KeyboardInterrupt`` again
-    (the CLI's "interrupted", status 130; the report writers remove what they had begun) and SIGTERM / SIGHUP end
-    the process, instead of setting a stop event that nothing waits for any more (a Ctrl-C while the plots were
-    drawn was swallowed: status 0, the report written). In the demo's own process (:func:`shared.signals.process_claimed`)
-    they end it as :func:`shared.signals.aborting` does: status 143 / 129 (``SystemExit``, the writers clean up as for
-    Ctrl-C), the rest of a burst ignored. Before, SIGTERM's default action killed it (-15), also when the signal was
-    only the rest of the burst whose first stopped the demo (a plain ``scancel``), its partial report then lost."""
+def _default_signals() -> LateStopSignals | None:
+    """Undo :func:`_stop_on_signals` once the demo's cluster has stopped, instead of setting a stop event that nothing
+    waits for any more (a Ctrl-C while the plots were drawn was swallowed: status 0). In the demo's own process
+    (:func:`shared.signals.process_claimed`) SIGINT, SIGTERM and SIGHUP (unless ignored: ``nohup``) are then
+    recorded, not acted on (:class:`shared.signals.LateStopSignals`, returned): the report is written in full (about a
+    second) and the demo exits with the first one's status, 130 / 143 / 129, the rest of a burst changing nothing.
+    Before, SIGTERM's default action killed it (-15), also when the signal was only the rest of the burst whose first
+    stopped the demo (a plain ``scancel``), its partial report then lost; an abort raised from the handler landed
+    wherever the main thread was (a ``__del__``: "Exception ignored", the abort lost; the demo's task: "Task
+    exception was never retrieved"). In-process (a test's call) SIGINT raises ``KeyboardInterrupt`` again and
+    SIGTERM / SIGHUP end the process (their defaults); returns None then."""
     loop = asyncio.get_running_loop()
     if process_claimed():
         hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)  # nohup: stays ignored
-        stops = (signal.SIGINT, signal.SIGTERM, *hup)
-        hand_over_stop_signals(loop, aborting(stops), stops)
-        return
+        late = LateStopSignals()
+        late.take_over(loop, (signal.SIGINT, signal.SIGTERM, *hup))
+        return late
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.remove_signal_handler(sig)  # False (nothing done) for one not installed: SIGHUP under nohup
+    return None
 
 
 def _demo_interrupted(signals: list[int], log_dir: Path) -> int:
@@ -2301,7 +2308,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             if owned:
                 ignore_stop_signals(asyncio.get_running_loop(), UP_STOP_SIGNALS)
 
-    return asyncio.run(run())  # an abort raised in its task (_default_signals): asyncio.run's shutdown retrieves it
+    return asyncio.run(run())
 
 
 # ----------------------------------------------------------------------------- registration

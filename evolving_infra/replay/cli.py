@@ -42,7 +42,7 @@ from evolving_infra.replay.core import Arrival, ReplayError
 from evolving_infra.stdio_args import STDIO, folder, shown, stdin_file
 from services.router.config import RouterConfig
 from shared.log import setup_logging
-from shared.signals import STOP_SIGNALS, aborting, hand_over_stop_signals, ignore_stop_signals, process_claimed
+from shared.signals import STOP_SIGNALS, LateStopSignals, ignore_stop_signals, process_claimed
 
 if TYPE_CHECKING:
     from evolving_infra.traces.schema import TraceRequest
@@ -166,7 +166,8 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
     stop = asyncio.Event()
     signals: list[str] = []
     loop = asyncio.get_running_loop()
-    on_signal = stop_signal_handler(loop, stop, signals, out)
+    late = LateStopSignals()  # those after the run: recorded while the report is written, none interrupts it
+    on_signal = stop_signal_handler(loop, stop, signals, out, late=late)
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     from evolving_infra.replay.live import RecordAppender
@@ -190,11 +191,12 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
         append.close()
         if len(signals) >= 2:
             pass  # aborted: on_signal ignores them
-        elif process_claimed():  # this process's replay: a signal from here aborts at once (its report being written),
-            hand_over_stop_signals(loop, aborting())  # 130 / 143 as a second one during the run, no -15 (a burst's)
+        elif process_claimed():  # this process's replay: a signal from here is recorded (LateStopSignals), the report
+            late.take_over(loop)  # written in full; the status stays 130 / 143 when the run was stopped, no -15
         else:  # an in-process call (a test's): back to the defaults, as before
             for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
+            late.installed = True  # a callback of on_signal still queued on the loop changes nothing now
         if not ended:  # failed or aborted (a second signal): OUT as it was, but for the records answered before
             drop_partial_records(partial, only_empty=True)
     meta = {
@@ -257,13 +259,17 @@ async def _replay_held(args: argparse.Namespace, held: ExitStack) -> int:
     if result.interrupted:
         sig_name = signals[0] if signals else "SIGINT"
         return 128 + getattr(signal, sig_name).value
+    if late.first is not None:  # came while the report was written (LateStopSignals): written in full, its status
+        print(f"replay: {signal.Signals(late.first).name} after the run had ended: its report was written in full",
+              file=sys.stderr)
+        return 128 + late.first
     if dest != out:  # OUT/report.json is still the earlier run's: a script reading it must know
         return OUTPUTS_ELSEWHERE
     return 0 if report["requests_failed"] == 0 else 1
 
 
 def stop_signal_handler(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, signals: list[str],
-                        out: Path) -> Callable[[signal.Signals], None]:
+                        out: Path, late: LateStopSignals | None = None) -> Callable[[signal.Signals], None]:
     """The replay's handler of its stop signals during the run, for ``loop.add_signal_handler(sig, handler, sig)``.
 
     Each call appends the signal's name to ``signals``. The first sets ``stop`` (the replay stops and writes what
@@ -278,9 +284,16 @@ def stop_signal_handler(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, si
         stop: set by the first signal.
         signals: the names received, in order (the report's ``meta.interrupted``); filled by the handler.
         out: the replay's ``--out`` folder, named in the line on stderr.
+        late: the handler of the signals after the run; once it is ``installed`` a call hands its signal there and
+            does nothing else (its callback was queued on ``loop`` before the hand-over: raising the abort then, with
+            the run over, raised it during ``asyncio.run``'s shutdown, which logged the replay's task's abort as
+            "Task exception was never retrieved").
     """
 
     def on_signal(sig: signal.Signals) -> None:
+        if late is not None and late.installed:
+            late(int(sig), None)
+            return
         signals.append(sig.name)
         if len(signals) == 1:
             stop.set()  # first: a print to a closed stderr (a dead tee, `2>&1 | head`) raises, and the stop was lost
@@ -597,8 +610,21 @@ def non_negative_int(text: str) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    """``evolving-infra replay``: run :func:`_replay` in its own event loop; returns its exit status. In the replay's
+    own process (:func:`shared.signals.process_claimed`) SIGINT and SIGTERM are ignored once ``_replay`` has ended:
+    Python's finalization puts a signal with a Python handler (:class:`shared.signals.LateStopSignals`, from the
+    run's end on) back to its default, and the rest of a burst then killed the replay (-15) after its report."""
     setup_logging("console", "warning")
-    return asyncio.run(_replay(args))
+    owned = process_claimed()
+
+    async def run() -> int:
+        try:
+            return await _replay(args)
+        finally:
+            if owned:
+                ignore_stop_signals(asyncio.get_running_loop())
+
+    return asyncio.run(run())
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
