@@ -11,7 +11,9 @@ were left to the signals' default action:
   killed the process by SIGTERM (status -15, not its own; under uvloop the handlers are never removed and Python's
   own finalization puts SIGTERM back to its default). :func:`ignore_stop_signals`, called on the loop once the
   process is stopping for good, ignores them from there to the exit (but for a moment of about 4 us in a process
-  with other threads, :func:`hand_over_stop_signals`).
+  with other threads, :func:`hand_over_stop_signals`). A command whose run is over but for writing its outputs
+  (``replay``, ``demo``) records them instead (:class:`LateStopSignals`) and exits with the first one's status once
+  they are written: an abort raised from a handler there landed in a ``__del__`` or in the command's task.
 - The start. ``evolving-infra up`` imports for about a second before its loop exists: a SIGTERM then killed it (-15)
   with no word. :func:`catch_early` records such a signal with a plain Python handler from the first line of the
   command's ``main``, and :func:`caught_early` hands it to the loop's handlers once they are set. A second one
