@@ -344,6 +344,37 @@ class KvDirectory:
         self.counters["kv.stale_resyncs"] += 1
         return True
 
+    def kv_unheard(self, node: str) -> bool:
+        """True while this directory has no view of ``node``'s KV and is not getting one: no
+        ``kv.events`` batch of it was heard and no snapshot of it applied (a node never
+        registered, or registered by a placement only), and it awaits no resync. A forgotten
+        node is not unheard: it awaits a snapshot already. Pure query, O(1)."""
+        i = self._ids.get(node)
+        if i is None:
+            return True
+        st = self._streams[i]
+        return not st.known and not st.awaiting
+
+    def resync_unheard(self, node: str) -> bool:
+        """Make a node whose KV this directory never heard (:meth:`kv_unheard`) await a snapshot:
+        a directory restarted while the node was idle learns of it from its ``node.state`` only,
+        and an idle node sends no ``kv.events`` batch, so the first-contact gap that asks the
+        others for a snapshot never comes and its blocks were never indexed (a SIGKILLed
+        directory's index missed a whole idle prefill node, 14,746 blocks in each tier, in CI).
+        The node is registered (:meth:`node_id`) and awaits as after a first contact: a batch 1
+        (a worker that restarted meanwhile) recovers it, any later batch is buffered until the
+        snapshot. Counted ``kv.unheard_resyncs``.
+
+        Returns:
+            True when the shell should ask ``kv.resync.<node>``; False (nothing changed) when
+            the node's KV was heard, or it awaits a resync already.
+        """
+        if not self.kv_unheard(node):
+            return False
+        self._streams[self.node_id(node)].awaiting = True
+        self.counters["kv.unheard_resyncs"] += 1
+        return True
+
     def forget_node(self, node: str) -> int:
         """Forget the KV of a node that went silent (the shell's ``--forget-node-after-s``: a
         worker SIGKILLed and never restarted sends no ``AllBlocksCleared``): its index entries are

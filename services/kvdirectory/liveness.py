@@ -44,6 +44,8 @@ class _Node:
     """When the node's last KV batch or state arrived (:meth:`KvLiveness.heard`; the caller's clock)."""
     forgotten: bool = False
     """Unheard for longer than the forget limit (set by :meth:`KvLiveness.forget`)."""
+    first_heard: float | None = None
+    """When the node was first heard (:meth:`KvLiveness.heard`; the caller's clock)."""
 
 
 class KvLiveness:
@@ -87,7 +89,18 @@ class KvLiveness:
         n.forgotten = False
         if n.last_heard is None or now > n.last_heard:
             n.last_heard = now
+        if n.first_heard is None:
+            n.first_heard = now
         return was
+
+    def batchless(self, now: float, after: float) -> list[str]:
+        """Nodes heard (a ``node.state``) more than ``after`` seconds before ``now`` of which no KV
+        batch has been heard since, not forgotten; sorted. The directory asks those whose KV it
+        has no view of for a snapshot (``DirectoryService``: an idle node sends no batch). O(nodes)."""
+        return sorted(
+            k for k, n in self._nodes.items()
+            if n.last_batch is None and not n.forgotten and n.first_heard is not None and now - n.first_heard > after
+        )  # fmt: skip
 
     def forget(self, now: float, after: float) -> list[str]:
         """Mark forgotten every node not :meth:`heard` for more than ``after`` seconds (> 0) before

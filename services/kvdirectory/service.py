@@ -59,6 +59,13 @@ from .settle import BranchSyncSettle
 
 COUNT_ENTRY_BYTES = 14
 """Most msgpack bytes of one ``CountSnapshot`` entry: an int64 hash (9) and a count below 2^32 (5)."""
+UNHEARD_RESYNC_AFTER_S = 2.0
+"""Wall seconds (monotonic) a node may be heard on ``node.state`` while this directory has heard none of its KV (no
+``kv.events`` batch, no snapshot) before the liveness loop asks it for a snapshot (``KvDirectory.resync_unheard``): a
+directory restarted while the node idles hears no batch of it until its next request, so its blocks were never
+indexed. Not at once: a starting worker publishes its batch 1 before its first state, but on JetStream, which can
+deliver it after the state (core NATS); asked then, the snapshot would be needless and the late batch 1 taken for a
+restart (a second one)."""
 
 
 class _CountSnap:
@@ -426,7 +433,8 @@ class DirectoryService(WatchedService):
             self.counters["counts.epoch_announced"] += 1
 
     async def _liveness_loop(self) -> None:
-        """Every ``liveness_interval_s``: mark silent serving nodes stale (one resync each), publish ``kv.liveness``."""
+        """Every ``liveness_interval_s``: mark silent serving nodes stale (one resync each), ask a snapshot of each node
+        heard for ``UNHEARD_RESYNC_AFTER_S`` whose KV was never heard, forget silent nodes, publish ``kv.liveness``."""
         while True:
             await asyncio.sleep(self.cfg.liveness_interval_s)
             try:
@@ -438,6 +446,11 @@ class DirectoryService(WatchedService):
                         node=node, silent_s=round(self.liveness.silent_s(node, now), 2), stale_after_s=self.cfg.kv_stale_after_s,
                     )  # fmt: skip
                     if not self._over_limit(node) and self.core.request_resync(node):  # (it registers or revives)
+                        self._ensure_resync(node)
+                for node in self.liveness.batchless(now, UNHEARD_RESYNC_AFTER_S):  # idle since before this process
+                    if not self._over_limit(node) and self.core.resync_unheard(node):  # (it registers)
+                        self.log.info("node heard but none of its KV (idle since before this directory started): resync asked",
+                                      node=node)  # fmt: skip
                         self._ensure_resync(node)
                 if self.cfg.forget_node_after_s > 0:
                     for node in self.liveness.forget(now, self.cfg.forget_node_after_s):

@@ -559,6 +559,54 @@ async def test_a_worker_that_stops_clears_its_blocks_from_the_directory(nats_url
         await c.bus.close()
 
 
+async def test_a_directory_started_while_a_worker_idles_indexes_its_blocks(nats_url):
+    """A KV directory that starts (or restarts: SIGKILLed, started again) while a worker holding
+    blocks idles learns of the node from its ``node.state`` alone: an idle node publishes no
+    ``kv.events`` batch, so the first-contact gap that asks the busy nodes for a snapshot never
+    comes. It asks the node for one once it has heard it ``UNHEARD_RESYNC_AFTER_S`` without a batch,
+    and indexes every block the worker holds. Before, it never did: CI's
+    ``test_directory_sigkill_loses_nothing_and_gets_index_and_branches_back`` found the restarted
+    directory's copies 14,746 below the workers' snapshots in both tiers 180 s after the run, the
+    blocks of a prefill node idle from before the restart (a prefill node's GPU and host hold the
+    same blocks: write-through, no GPU eviction); here the copies stayed 0."""
+    from services.kvdirectory.config import DirectoryConfig
+    from services.kvdirectory.service import UNHEARD_RESYNC_AFTER_S, DirectoryService
+
+    c = await Client.connect(nats_url)
+    async with workers(nats_url, {"node": "w0"}):
+        await c.bus.publish(WORK_PREFILL, prompt("r1", list(range(1, 11)), tail=1, max_tokens=3), node="w0")
+        await until(lambda: c.finished("r1"), what="r1 to finish")
+        await until(lambda: c.states["w0"] and c.states["w0"][-1].running == 0, what="w0 to idle")
+        batches = len(c.kv["w0"])
+        snap = await c.bus.request(KV_RESYNC, m.KvResyncRequest(node="w0", reason="test"), node="w0")  # idle: no batch
+        assert len(snap.gpu) >= 10 and len(snap.host) >= 10 and snap.seq == c.kv["w0"][-1].seq, (len(snap.gpu), snap.seq)
+        stop_dir = asyncio.Event()
+        cfg = DirectoryConfig(nats_url=nats_url, block_size=BS, liveness_interval_s=0.1)
+        t0 = time.monotonic()
+        directory = asyncio.create_task(serve_until_stopped("kvdirectory", cfg, DirectoryService, instance="kvdirectory", stop_event=stop_dir))
+        try:
+            await answering(c.bus, "kvdirectory")
+
+            async def stats() -> m.StatsReply:
+                return await c.bus.request(SVC_STATS, m.StatsRequest(), instance="kvdirectory")
+
+            async def indexed() -> bool:
+                g = (await stats()).gauges
+                return g["copies.gpu"] == len(snap.gpu) and g["copies.host"] == len(snap.host)
+
+            await until(indexed, timeout=UNHEARD_RESYNC_AFTER_S + 10.0, what="the directory to index the idle worker's blocks")
+            assert time.monotonic() - t0 > UNHEARD_RESYNC_AFTER_S  # not asked before the bound (a starting worker's batch 1)
+            s = await stats()
+            assert s.counters["kv.unheard_resyncs"] == 1 and s.counters["kv.resyncs"] == 1, s.counters
+            assert s.gauges["nodes.awaiting_resync"] == 0 and s.gauges["blocks.indexed"] >= 10
+            assert len(c.kv["w0"]) == batches  # the worker published no batch: its state alone got it asked
+            assert (await c.stats("w0")).counters["kv.resyncs"] == 2  # the test's own, then the directory's
+        finally:
+            stop_dir.set()
+            await asyncio.wait_for(directory, 10)
+    await c.bus.close()
+
+
 async def test_a_resync_answered_while_the_worker_stops_offers_no_blocks(nats_url):
     """A stopping worker's last KV batch says its blocks are gone (``AllBlocksCleared``); a
     ``kv.resync`` it answers after that (``Bus.close`` drains: in-flight handlers still run after

@@ -74,3 +74,48 @@ def test_a_forgotten_node_leaves_the_report_and_checks_and_drop_forgets_it_for_g
     assert lv.forget(703.0, 300.0) == ["w0", "w1"] and lv.report(703.0) == []
     assert lv.drop("w0") and not lv.drop("w0") and len(lv) == 1
     assert not lv.heard("w0", 704.0)  # gone for good: heard again, it is a new node
+
+
+def test_a_node_whose_kv_was_never_heard_awaits_one_snapshot():
+    """A directory restarted while a node idles hears only its ``node.state``: ``resync_unheard`` makes
+    it await a snapshot (once), which then indexes it; a node whose batch or snapshot was heard, one
+    awaiting a resync and a forgotten one are left alone."""
+    from shared.messages import BlockStored, KvEventBatch, KvSnapshot
+
+    d = KvDirectory(4)
+    assert d.kv_unheard("w0") and not d.has_node("w0")  # a query: registers nothing
+    assert d.resync_unheard("w0") and d.awaiting_resync("w0") and d.counters["kv.unheard_resyncs"] == 1
+    assert not d.kv_unheard("w0") and not d.resync_unheard("w0") and d.counters["kv.unheard_resyncs"] == 1
+    assert d.resync_request("w0").node == "w0"
+    res = d.apply_snapshot(KvSnapshot(node="w0", seq=7, block_size=4, gpu=[11, 12], gpu_parents=[None, 11], host=[11], host_parents=[None]), 0.0)
+    assert res.status == "resynced" and not d.awaiting_resync("w0") and d.index.copies[d.node_id("w0")] == [2, 1]
+    assert not d.kv_unheard("w0") and not d.resync_unheard("w0")  # known from its snapshot, though no batch came
+    assert d.apply_kv_batch(KvEventBatch(node="w0", seq=8, events=[BlockStored(block_hashes=[13], parent_block_hash=12, block_size=4)]), 1.0).status == "applied"
+    d.apply_kv_batch(KvEventBatch(node="w1", seq=1, events=[]), 0.0)  # its batch heard
+    assert not d.kv_unheard("w1") and not d.resync_unheard("w1")
+    d.apply_kv_batch(KvEventBatch(node="w2", seq=5, events=[]), 0.0)  # first contact: awaits a snapshot already
+    assert not d.resync_unheard("w2")
+    d.apply_kv_batch(KvEventBatch(node="w3", seq=1, events=[]), 0.0)
+    d.forget_node("w3")
+    assert not d.kv_unheard("w3") and not d.resync_unheard("w3") and d.is_forgotten("w3")  # still forgotten, not revived
+    # asked, then its batch 1 comes (the worker restarted meanwhile: its KV starts empty): applied, no snapshot needed
+    assert d.resync_unheard("w4")
+    res = d.apply_kv_batch(KvEventBatch(node="w4", seq=1, events=[BlockStored(block_hashes=[21], parent_block_hash=None, block_size=4)]), 0.0)
+    assert res.status == "recovered" and not d.awaiting_resync("w4") and d.index.copies[d.node_id("w4")] == [1, 0]
+    assert d.counters["kv.unheard_resyncs"] == 2
+
+
+def test_batchless_lists_nodes_heard_long_enough_without_a_kv_batch():
+    lv = KvLiveness(stale_after=2.0)
+    lv.heard("w0", 0.0)  # states only (idle)
+    lv.heard("w1", 0.0)
+    lv.batch("w1", 0.5)  # a batch heard
+    lv.heard("w2", 1.5)
+    assert lv.batchless(2.0, 2.0) == [] and lv.batchless(2.5, 2.0) == ["w0"]
+    lv.heard("w0", 3.0)  # its later states keep the first time
+    assert lv.batchless(3.6, 2.0) == ["w0", "w2"]
+    assert lv.forget(300.0, 250.0) == ["w0", "w1", "w2"] and lv.batchless(300.0, 2.0) == []  # forgotten: left out
+    assert lv.heard("w2", 301.0) and lv.batchless(301.0, 2.0) == ["w2"]
+    lv.batch("w2", 302.0)
+    assert lv.batchless(400.0, 2.0) == []
+    assert KvLiveness(1.0).batchless(10.0, 2.0) == []
