@@ -176,7 +176,7 @@ async def test_a_stream_that_comes_back_shorter_loses_no_new_message(backlog):
 
             async def send(a: int, b: int) -> None:
                 await p.send(a, b)
-                await pub.nc.flush()
+                await pub.flush()
 
             def until(done, what: str):
                 return p.until(done, what, within_s=15.0)
@@ -334,7 +334,7 @@ async def test_restart_keeps_the_port_and_the_stream():
         bus = await Bus.connect(srv.url, Subjects("p1"), service="t", instance="t")
         assert await bus.ensure_stream() and bus.jetstream
         await bus.publish(REQ_OUT, m.TokenChunk(rid="a", node="w0"), rid="a", node="w0")
-        await bus.nc.flush()
+        await bus.flush()  # the server has the publish (nats-py's flush can PING ahead of it) before its SIGKILL
         port = srv.port
         os.kill(srv.pid, signal.SIGKILL)
         srv.proc.wait()
@@ -386,7 +386,7 @@ async def test_only_the_last_resend_window_is_published_again_after_a_disconnect
         try:
             assert await bus.ensure_stream()
             await bus.publish(REQ_OUT, m.TokenChunk(rid="old", node="w0", index=0), rid="old", node="w0")
-            await bus.nc.flush()
+            await bus.flush()
             await asyncio.sleep(RESEND_WINDOW_S + 0.5)  # quiet: the message is out of the window
             srv.restart()  # SIGKILL and start again
             for _ in range(100):

@@ -162,7 +162,7 @@ async def test_malformed_payloads_are_counted_and_service_keeps_serving(nats_url
         for full in targets.values():
             await c.publish_raw(full, b"\xc1 not msgpack")
             await c.publish_raw(full, m.encode(m.StatsRequest()))  # valid msgpack, wrong schema
-        await c.nc.flush()
+        await c.flush()
 
         async def counted():
             s = await stats(c)

@@ -66,7 +66,7 @@ async def test_a_planner_killed_and_restarted_keeps_the_operators_split_and_swit
         await bus.subscribe(SPLIT_APPLIED, on_applied)
         await bus.subscribe(PLANNER_DECISIONS, on_dec)
         await bus.subscribe(NODE_STATE, on_state)
-        await bus.nc.flush()
+        await bus.flush()  # the SUBs registered (nats-py's flush can PING ahead of them)
         try:
             first = await _split_get(bus, 30.0)
             assert first.epoch == 1 and split_name(first.phases) == "2P2D"  # a fresh cluster: the configured split
