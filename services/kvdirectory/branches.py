@@ -451,7 +451,7 @@ class BranchTable:
         with :attr:`chained`, in :attr:`runs`: O(runs the slice spans) Python steps (~11 per
         count-up and ~17 per release in the 600-s ``evolving`` simulation at 64-token blocks,
         whose Counts name ~950 and ~1,700 blocks), plus the outbox's lists (a slice copy and the
-        counts after, one list repeat per run). The same counts, outbox entries and counters as
+        counts after, one list repeat per stretch of equal counts after). The same counts, outbox entries and counters as
         the per-block methods (``tests/unit/kvdirectory/test_count_runs.py``)."""
         after, crossed, refused = self.runs.count(n, path, a, k, step)
         if refused:
@@ -1270,7 +1270,7 @@ class BranchTable:
 
         One change that fits one message (the usual): its own lists are the message's (every
         list in the outbox is made for it alone), O(1) (with ``held_counts_only``, O(log L +
-        index runs of the cut tail) probes, plus a copy of the blocks kept when a tail is cut);
+        index runs of the cut tail) probes; a cut tail is deleted from those lists in place);
         changes touching distinct blocks (a move's count and a release elsewhere): O(listed
         blocks) list copies; else O(listed blocks) C-level dict work to merge them."""
         names = self.node_names
@@ -1317,7 +1317,10 @@ class BranchTable:
                         if not k:  # the node holds none of its blocks
                             deps.clear()
                             continue
-                        hashes, counts = hashes[:k], counts[:k]
+                        # the outbox's own lists (made for this change alone): cut in place,
+                        # not copied (a copy of the head and a free of the whole list)
+                        del hashes[k:]
+                        del counts[k:]
                         if ch is not None:
                             ch = [(ch[0][0], k)]
                 deps.clear()
@@ -1646,7 +1649,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 class _CRun:
     """A run of the counted-block forest (:class:`_CountRuns`): consecutive blocks of one chain
     (``keys``, parent first; ``keys[0]`` at path position ``depth``) with the same count on every
-    node (``cnt``: node index → count > 0; empty only while a new run is being counted)."""
+    node (``cnt``: node index → count > 0; empty while a new run is being counted, and once its
+    blocks are counted nowhere: a run left in ``where``)."""
 
     __slots__ = ("keys", "depth", "cnt")
 
@@ -1665,14 +1669,20 @@ class _CountRuns:
     only where the slice starts or ends inside it or the path leaves it, and joining two runs it
     walks in a row once their counts are equal (:meth:`join`). A move (a count-up on the new node, a
     count-down on the old) then costs O(runs of the path) Python steps, not a dict update per
-    block per node; a block enters ``where`` once when first counted anywhere and leaves it when
-    counted nowhere. Relies on chained paths (a hash names its whole prefix, so a block's path
+    block per node; a block enters ``where`` once, when first counted anywhere, and stays there:
+    a run whose blocks a Count leaves counted nowhere keeps them (its counts empty, out of
+    ``runs``), and a later count-up walks it as any run. Popping them cost ~300 instructions a
+    block (44 K a 600-s ``evolving`` simulation at 512-token blocks, 0.35 M at 64) and almost
+    none comes back (47 of 74 K at 512); what stays is a dict entry per block ever counted (the
+    simulator's ``SeenIds`` keeps every block ever sent). Relies on chained paths (a hash names its whole prefix, so a block's path
     position is the same in every path naming it, and the blocks counted anywhere are closed
     under parents): a run found where a path does not continue it raises ValueError, with no
     count changed (:meth:`_take_back`).
 
     ``total[n]``: blocks counted > 0 on node n (``len(R[n])``), kept per run crossing 0;
-    ``runs``: every run, in the order made (a node's counted blocks are listed run by run).
+    ``runs``: every run counted on some node, in the order listed (a node's counted blocks are
+    listed run by run; a run counted nowhere is dropped from it and listed again, at the end,
+    when counted again).
     """
 
     __slots__ = ("where", "total", "runs")
@@ -1688,13 +1698,15 @@ class _CountRuns:
         keys = r.keys
         if o <= len(keys) - o:
             head = _CRun(keys[:o], r.depth, r.cnt.copy())
-            self.runs[head] = None
+            if r.cnt:  # (a run counted nowhere is not listed, nor are its parts)
+                self.runs[head] = None
             self.where.update(zip(head.keys, repeat(head)))
             del keys[:o]
             r.depth += o
             return head, r
         tail = _CRun(keys[o:], r.depth + o, r.cnt.copy())
-        self.runs[tail] = None
+        if r.cnt:
+            self.runs[tail] = None
         self.where.update(zip(tail.keys, repeat(tail)))
         del keys[o:]
         return r, tail
@@ -1718,29 +1730,29 @@ class _CountRuns:
         return down
 
     def ensure(self, path: list[int], a: int, k: int) -> None:
-        """Put the blocks of ``path[a:k]`` counted nowhere (a tail of it: what is counted
-        anywhere is closed under parents) into ``where`` as one new run with no count yet (the
-        caller counts it at once). O(log) probes + O(new blocks) C-level.
+        """Put the blocks of ``path[a:k]`` never counted (a tail of it: what was ever counted
+        is closed under parents) into ``where`` as one new run with no count yet, not listed in
+        ``runs`` (the caller counts it at once, which lists it). O(log) probes + O(new blocks)
+        C-level.
 
         Raises:
             ValueError: a block of that tail is counted already (the paths are not chains).
         """
         where = self.where
-        a = _counted_head(where, path, a, k)  # the first block counted nowhere: two probes, else a bisection
+        a = _counted_head(where, path, a, k)  # the first block never counted: two probes, else a bisection
         if a == k:
             return
         keys = path[a:k]
         if not where.keys().isdisjoint(keys):
             raise ValueError(f"path position {a} on names blocks counted elsewhere in a path: paths are not chains")
-        r = _CRun(keys, a, {})
-        self.runs[r] = None
-        where.update(zip(keys, repeat(r)))
+        where.update(zip(keys, repeat(_CRun(keys, a, {}))))
 
     def count(self, n: int, path: list[int], a: int, k: int, step: int) -> tuple[list[int], list[int], list[int]]:
         """Add ``step`` (+1 or -1) to node n's count of every block of ``path[a:k]`` (a < k): one
         count change per run walked, a run cut where the slice starts, ends or leaves it, two
         runs walked in a row joined once their counts are equal. O(runs) Python steps + O(blocks
-        counted nowhere before, or re-pointed by a cut or a join) C-level.
+        counted nowhere before, or re-pointed by a cut or a join) C-level, and ``after`` built
+        with one list repeat per stretch of equal counts after (not one per run).
 
         Returns:
             ``(after, crossed, refused)``: the counts after, one per block that changed (all of
@@ -1757,28 +1769,37 @@ class _CountRuns:
         where = self.where
         get = where.get
         total = self.total
-        if step > 0:  # ensure(path, a, k) without its frame (one per count-up): the tail counted nowhere, a new run
+        fresh: _CRun | None = None
+        if step > 0:  # ensure(path, a, k) without its frame (one per count-up): the tail never counted, a new run
             j = _counted_head(where, path, a, k)
             if j < k:
                 keys = path[j:k]
                 if not where.keys().isdisjoint(keys):
                     raise ValueError(f"path position {j} on names blocks counted elsewhere in a path: paths are not chains")
                 fresh = _CRun(keys, j, {})
-                self.runs[fresh] = None
                 where.update(zip(keys, repeat(fresh)))
         after: list[int] = []
         crossed: list[int] = []
         refused: list[int] = []
         prev: _CRun | None = None  # the run just before, on the path, if this walk left it counted
         pc: dict[int, int] | None = None  # prev's counts (None with prev: never equal to a run's)
-        i = a
+        # ``after`` is written a stretch of equal counts at a time (path[s:i], each ``av``), not a
+        # run at a time: runs walked in a row often differ only on other nodes (a count-up from 0
+        # at 512-token blocks walks ~11 runs in ~6 stretches), and each ``after += [v] * L`` costs
+        # a list built, an extension (a reallocation) and its free: ~1,400 instructions beyond
+        # the entries themselves
+        av = -1  # (-1: no stretch open; counts after are >= 0)
+        s = i = a
         while i < k:
             h = path[i]
             r = get(h)
             if r is None:  # a -1 on a block counted nowhere (an inconsistent caller): refused
+                if i > s:
+                    after += [av] * (i - s)
                 refused += (i, i + 1)
                 prev = pc = None
                 i += 1
+                s = i
                 continue
             keys = r.keys
             L = len(keys)
@@ -1788,7 +1809,7 @@ class _CountRuns:
                 # where the slice and the path keep to it, and cut it there
                 o = i - r.depth
                 if not 0 <= o < L or keys[o] != h:
-                    self._take_back(n, path, a, i, k, step, refused)
+                    self._take_back(n, path, a, i, k, step, refused, fresh)
                     raise ValueError(f"block {h} at path position {i} lies elsewhere in a counted run: paths are not chains")
                 L -= o
                 if L > k - i:
@@ -1811,19 +1832,23 @@ class _CountRuns:
             old = cnt.get(n, 0)
             new = old + step
             if new > 0:
-                cnt[n] = new
                 if not old:
+                    if not cnt:  # counted nowhere before (new, or left in where): listed
+                        self.runs[r] = None
                     total[n] += L
                     crossed += (i, e)
+                cnt[n] = new
                 if pc == cnt:  # equal counts on every node: one run
                     prev = self.join(prev, r)  # type: ignore[arg-type]  # pc is prev's counts
                 else:
                     prev = r
                     pc = cnt
             elif new:  # a -1 on a block n does not count: refused
+                if i > s:
+                    after += [av] * (i - s)
                 refused += (i, e)
                 prev = pc = None
-                i = e
+                s = i = e
                 continue
             else:
                 del cnt[n]
@@ -1835,22 +1860,28 @@ class _CountRuns:
                     else:
                         prev = r
                         pc = cnt
-                else:  # counted nowhere now: out of the forest
-                    _drain(map(where.pop, r.keys))
+                else:  # counted nowhere now: out of the list, its blocks left in where
                     del self.runs[r]
                     prev = pc = None
-            after += [new] * L
+            if new != av:  # the open stretch of equal counts after ends here
+                if i > s:
+                    after += [av] * (i - s)
+                av = new
+                s = i
             i = e
+        if k > s:
+            after += [av] * (k - s)
         return after, crossed, refused
 
-    def _take_back(self, n: int, path: list[int], a: int, i: int, k: int, step: int, refused: list[int]) -> None:
+    def _take_back(
+        self, n: int, path: list[int], a: int, i: int, k: int, step: int, refused: list[int], fresh: _CRun | None
+    ) -> None:
         """Undo a :meth:`count` of ``path[a:k]`` that found at path position ``i`` a run the path
         does not follow: ``-step`` on the stretches of ``path[a:i]`` it changed (those not in
-        ``refused``), blocks a -1 took out of the forest put back first as runs of their own, and
-        the run :meth:`ensure` made for the slice's tail (not reached: it starts after ``i``)
-        taken out again. Only on that error (non-chain input); O(runs of ``path[a:i]``) Python
-        steps + O(its blocks) C-level."""
-        where = self.where
+        ``refused``; a block a -1 left counted nowhere is still in ``where``, its run walked as
+        any), and the run ``fresh`` it made for the slice's tail (not reached: it starts after
+        ``i``; None if none) taken out of ``where`` again. Only on that error (non-chain input);
+        O(runs of ``path[a:i]``) Python steps + O(its blocks) C-level."""
         changed: list[tuple[int, int]] = []
         s = a
         for x, y in zip(refused[::2], refused[1::2]):
@@ -1860,45 +1891,28 @@ class _CountRuns:
         if i > s:
             changed.append((s, i))
         for s, e in changed:
-            if step < 0:  # a -1 to 0 everywhere dropped those blocks: back, counted on no node yet
-                j = s
-                while j < e:
-                    if path[j] in where:
-                        j += 1
-                        continue
-                    x = j
-                    while j < e and path[j] not in where:
-                        j += 1
-                    r = _CRun(path[x:j], x, {})
-                    self.runs[r] = None
-                    where.update(zip(r.keys, repeat(r)))
             self.count(n, path, s, e, -step)
-        if step > 0:
-            tail = where.get(path[k - 1])
-            if tail is not None and not tail.cnt:
-                _drain(map(where.pop, tail.keys))
-                del self.runs[tail]
+        if fresh is not None:
+            _drain(map(self.where.pop, fresh.keys))
 
     def drop_node(self, n: int) -> None:
-        """Node n counts nothing any more (``BranchTable.reset_node``). O(counted blocks) C-level
-        + O(runs) Python steps."""
-        where = self.where
+        """Node n counts nothing any more (``BranchTable.reset_node``): O(runs) Python steps (a
+        run left counted nowhere keeps its blocks in ``where``)."""
         for r in list(self.runs):
             if r.cnt.pop(n, None) is not None and not r.cnt:
-                _drain(map(where.pop, r.keys))
                 del self.runs[r]
         self.total[n] = 0
 
     def check(self) -> None:
-        """Every block in ``where`` lies in its run at its place, runs have counts, and ``total``
-        adds up. O(counted blocks)."""
+        """Every block in ``where`` lies in its run at its place, counts are > 0, the runs listed
+        are those counted on some node, and ``total`` adds up. O(blocks ever counted)."""
         total = [0] * len(self.total)
         for h, r in self.where.items():
-            assert r.cnt and all(c > 0 for c in r.cnt.values()), f"run of {h}: counts {r.cnt}"
+            assert all(c > 0 for c in r.cnt.values()), f"run of {h}: counts {r.cnt}"
             for n in r.cnt:
                 total[n] += 1
         seen = {id(r): r for r in self.where.values()}
-        assert seen.keys() == {id(r) for r in self.runs}, "runs listed are not the runs in use"
+        assert {i for i, r in seen.items() if r.cnt} == {id(r) for r in self.runs}, "runs listed are not the counted runs"
         for r in seen.values():
             assert r.keys and all(self.where.get(h) is r for h in r.keys), f"a run's blocks not all pointing to it (depth {r.depth})"
         assert total == self.total, f"counted totals {self.total} != {total}"

@@ -13,8 +13,9 @@ from tests.unit.kvdirectory.helpers import BS, drained, store
 
 
 def _runs(d: KvDirectory) -> list[tuple[int, int, dict[int, int]]]:
-    """The forest's runs as ``(depth, blocks, counts per node)``, in depth order."""
-    seen = {id(r): r for r in d.branches.runs.where.values()}
+    """The forest's counted runs as ``(depth, blocks, counts per node)``, in depth order (a run
+    counted nowhere stays in ``where`` with no counts: not listed)."""
+    seen = {id(r): r for r in d.branches.runs.where.values() if r.cnt}
     return sorted((r.depth, len(r.keys), dict(r.cnt)) for r in seen.values())
 
 
@@ -36,8 +37,38 @@ def test_a_move_of_a_long_path_changes_one_count_per_run() -> None:
     assert drained(d) == [("p0", path, [0] * 2000), ("p1", path, [1] * 2000)]
     assert len(d.branches.R[p0]) == 0 and len(d.branches.R[p1]) == 2000
     d.branch_end("b", 3.0)
-    assert _runs(d) == [] and not d.branches.runs.where  # counted nowhere: out of the forest
+    assert _runs(d) == [] and not d.branches.runs.runs  # counted nowhere: no run listed
     assert drained(d) == [("p1", path, [0] * 2000)]
+    d.branches.check()
+
+
+def test_a_run_counted_nowhere_keeps_its_blocks_and_is_walked_again() -> None:
+    """A release that leaves a run counted nowhere does not pop its blocks from ``where`` (a pop
+    per block was most of a release's C-level work): the run stays there with no counts, out of
+    the listed runs, every probe of R reading 0; a later count-up walks that same run (no new run
+    made for blocks ever counted) and lists it again."""
+    path = list(range(40, 60))
+    d = KvDirectory(BS, chained=True)
+    p0, p1 = d.node_id("p0"), d.node_id("p1")
+    runs = d.branches.runs
+    d.branch_start("a", 0.0)
+    d.place("a", "p0", "prefill", path, 1.0)
+    (r,) = runs.runs
+    d.branch_end("a", 2.0)
+    assert not runs.runs and set(runs.where) == set(path) and all(runs.where[h] is r for h in path)
+    assert r.cnt == {} and len(d.branches.R[p0]) == 0 and d.count("p0", path[0]) == 0
+    assert d.branches.R[p0].get(path[-1]) is None and path[3] not in d.branches.R[p0]
+    with pytest.raises(KeyError):
+        d.branches.R[p0].counts_of(path[:2])
+    d.branches.check()
+    d.branch_start("b", 3.0)
+    d.place("b", "p1", "prefill", path[:12] + [900, 901], 3.0)  # the run's head again (cut at 12), a new tail
+    # the old run cut at 12, its head counted again and joined with the new tail (counted alike)
+    assert list(runs.runs) == [r] and r.keys == path[:12] + [900, 901] and r.cnt == {p1: 1}
+    assert _runs(d) == [(0, 14, {p1: 1})]
+    assert runs.where[path[12]].cnt == {}  # the rest of the old run: still counted nowhere
+    assert [d.count("p1", h) for h in path] == [1] * 12 + [0] * 8
+    assert drained(d)[-1] == ("p1", path[:12] + [900, 901], [1] * 14)
     d.branches.check()
 
 
@@ -112,8 +143,8 @@ def test_a_path_refused_mid_walk_changes_no_count(first: list[int], second: list
 
 def test_a_release_refused_mid_walk_is_taken_back() -> None:
     """The same for a -1 walk (``_CountRuns.count``, step -1; a release names the slice its branch
-    counted, so only a caller's error meets this): blocks the walk took to 0 everywhere, and so out
-    of the forest, come back with their counts."""
+    counted, so only a caller's error meets this): blocks the walk took to 0 everywhere (left in
+    ``where`` with no counts) get their counts back."""
     from services.kvdirectory.branches import _CountRuns
 
     runs = _CountRuns()
@@ -133,6 +164,30 @@ def test_a_release_refused_mid_walk_is_taken_back() -> None:
         runs.count(0, [1, 3], 0, 2, -1)  # block 1 went to 0 everywhere before the error
     assert {h: dict(r.cnt) for h, r in runs.where.items()} == {1: {0: 1}, 2: {0: 1}, 3: {0: 1}}
     assert runs.total == [3]
+    runs.check()
+
+
+def test_counts_after_are_written_by_stretch_around_refusals() -> None:
+    """``_CountRuns.count`` writes ``after`` a stretch of equal counts at a time (runs walked in a
+    row that differ only on other nodes are one stretch): the counts after are still one per
+    changed block, in path order, up to a refused stretch (a -1 where the node counts nothing, or
+    on a block counted nowhere), which is left out."""
+    from services.kvdirectory.branches import _CountRuns
+
+    runs = _CountRuns()
+    runs.total = [0, 0, 0]
+    path = [1, 2, 3, 4, 5, 6]
+    assert runs.count(0, path, 0, 6, 1) == ([1] * 6, [0, 6], [])
+    runs.count(1, path, 0, 2, 1)  # node 1 cuts the run at 2 and 4: node 0's counts stay one stretch
+    runs.count(2, path, 0, 4, 1)
+    assert runs.count(0, path, 0, 6, 1) == ([2] * 6, [], [])
+    runs.count(1, path, 0, 2, -1)
+    assert runs.count(1, path, 0, 4, 1) == ([1] * 4, [0, 2, 2, 4], [])
+    # node 1 counts path[:4]: a -1 over the whole path refuses path[4:]
+    assert runs.count(1, path, 0, 6, -1) == ([0] * 4, [0, 4], [4, 6])
+    # a block never counted (7) after the path: refused, the stretch before it written whole
+    assert runs.count(0, [*path, 7], 0, 7, -1) == ([1] * 6, [], [6, 7])
+    assert runs.count(0, [*path, 7], 2, 7, -1) == ([0] * 4, [2, 4, 4, 6], [6, 7])
     runs.check()
 
 

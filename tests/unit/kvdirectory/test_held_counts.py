@@ -42,6 +42,24 @@ def test_a_move_sends_the_held_prefix_and_the_store_re_sends_the_rest():
     d.branches.check()
 
 
+@pytest.mark.parametrize("chained", [False, True], ids=["per-block", "chained"])
+def test_a_cut_count_hands_over_the_outboxs_own_lists_cut_in_place(chained: bool):
+    """A Count cut by the held cut (one change in the node's outbox) is sent as the outbox's own
+    lists with their tails deleted, not as copies of their heads (every list in the outbox is made
+    for its change alone): the drain of a move's path whose head the node holds copies nothing."""
+    d = KvDirectory(BS, held_counts_only=True, chained=chained)
+    n = d.node_id("p0")
+    store(d, "p0", H[:5], "host")
+    d.branch_start("b", 0.0)
+    d.place("b", "p0", "prefill", H[:12], 1.0)
+    ((hashes, step, counts),) = d.branches.outbox[n]
+    assert (hashes, step, counts) == (H[:12], 1, [1] * 12)
+    ((node, _seq, h, c),) = d.branches.take_count_lists()
+    assert (node, h, c) == (n, H[:5], [1] * 5)
+    assert h is hashes and c is counts
+    d.branches.check()
+
+
 def test_a_release_on_a_node_that_evicted_the_path_sends_nothing():
     d = KvDirectory(BS, held_counts_only=True)
     store(d, "p0", H[:6], "host")
