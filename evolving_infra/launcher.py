@@ -73,7 +73,7 @@ from shared.auth import redact_argv, redact_url
 from shared.log import setup_logging
 from shared.profile import ProfileError, available_profiles
 from shared.service import until_stopped
-from shared.signals import LateStopSignals, caught_early, ignore_stop_signals, process_claimed
+from shared.signals import LateStopSignals, caught_early, process_claimed, run_then_ignore
 from shared.split import SplitError, parse_split
 from services.router.toolcalls import KNOWN_PARSERS as TOOL_CALL_PARSERS
 
@@ -1699,17 +1699,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     ignoring = contextlib.suppress(ValueError)  # not the main thread (a test's): the caller's signals are its own
     with ignoring:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    owned = process_claimed()  # this process's `up` (evolving_infra.cli.main), not a test's in-process call
-
-    async def run() -> int:
-        try:
-            return await _up(args)
-        finally:  # the process exits after this: the rest of a burst of stop signals is discarded, where one that
-            if owned:  # landed while asyncio.run closed the loop, or just after, killed `up` by SIGTERM (-15)
-                ignore_stop_signals(asyncio.get_running_loop(), UP_STOP_SIGNALS)
-
     try:
-        return asyncio.run(run())
+        return run_then_ignore(_up(args), UP_STOP_SIGNALS)
     finally:
         with ignoring:
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -2299,16 +2290,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     (its report written): one then, the rest of a burst, ends nothing, and the demo exits with its own status where
     one landing while ``asyncio.run`` closed the loop, or just after, killed it (-15)."""
     setup_logging("console", "warning")
-    owned = process_claimed()
-
-    async def run() -> int:
-        try:
-            return await _demo(args)
-        finally:
-            if owned:
-                ignore_stop_signals(asyncio.get_running_loop(), UP_STOP_SIGNALS)
-
-    return asyncio.run(run())
+    return run_then_ignore(_demo(args), UP_STOP_SIGNALS)
 
 
 # ----------------------------------------------------------------------------- registration

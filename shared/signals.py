@@ -24,7 +24,7 @@ were left to the signals' default action:
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # not imported at run time: `up` calls catch_early before its heavy imports
@@ -54,6 +54,33 @@ def ignore_stop_signals(loop: asyncio.AbstractEventLoop, signals: Iterable[int] 
         ValueError: not called in the main thread (``signal.signal``'s).
     """
     hand_over_stop_signals(loop, signal.SIG_IGN, signals)
+
+
+def run_then_ignore(main: Coroutine[Any, Any, int], signals: Iterable[int] = STOP_SIGNALS) -> int:
+    """``asyncio.run(main)`` for a command's entry point; returns ``main``'s exit status. In the command's own process
+    (:func:`process_claimed`) ``signals`` are ignored from the moment ``main`` has ended, on its loop
+    (:func:`ignore_stop_signals`), to the exit: the process is stopping for good, and the rest of a burst (a plain
+    ``scancel``) landing while ``asyncio.run`` closed the loop, or just after, killed it (-15; Python's finalization
+    also puts a signal with a Python handler, :class:`LateStopSignals`, back to its default). A command called
+    in-process (a test's ``main([...])``) leaves the caller's signals as asyncio leaves them. ``up``, ``demo`` and
+    ``replay`` run through this.
+
+    Raises:
+        whatever ``main`` raises (``SystemExit`` and ``KeyboardInterrupt`` included).
+    """
+    import asyncio
+
+    owned = process_claimed()
+    sigs = tuple(signals)
+
+    async def run() -> int:
+        try:
+            return await main
+        finally:
+            if owned:
+                ignore_stop_signals(asyncio.get_running_loop(), sigs)
+
+    return asyncio.run(run())
 
 
 def hand_over_stop_signals(loop: asyncio.AbstractEventLoop, handler: signal.Handlers | Callable[[int, Any], Any],

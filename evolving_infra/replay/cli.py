@@ -42,7 +42,7 @@ from evolving_infra.replay.core import Arrival, ReplayError
 from evolving_infra.stdio_args import STDIO, folder, shown, stdin_file
 from services.router.config import RouterConfig
 from shared.log import setup_logging
-from shared.signals import STOP_SIGNALS, LateStopSignals, ignore_stop_signals, process_claimed
+from shared.signals import STOP_SIGNALS, LateStopSignals, ignore_stop_signals, process_claimed, run_then_ignore
 
 if TYPE_CHECKING:
     from evolving_infra.traces.schema import TraceRequest
@@ -615,16 +615,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     Python's finalization puts a signal with a Python handler (:class:`shared.signals.LateStopSignals`, from the
     run's end on) back to its default, and the rest of a burst then killed the replay (-15) after its report."""
     setup_logging("console", "warning")
-    owned = process_claimed()
-
-    async def run() -> int:
-        try:
-            return await _replay(args)
-        finally:
-            if owned:
-                ignore_stop_signals(asyncio.get_running_loop())
-
-    return asyncio.run(run())
+    return run_then_ignore(_replay(args))
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
