@@ -299,6 +299,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.flaky(reruns=reruns, reruns_delay=1))
 
 
+_rerun_failures: list[tuple[str, str]] = []
+"""(node id, the failed attempt's report) of each live test run again (:func:`pytest_collection_modifyitems`)."""
+RERUN_REPORT_CHARS = 4000
+"""How much of a rerun test's failed attempt the summary prints (its end: the assertion and what it saw)."""
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Keep the failure of a live test's attempt that pytest-rerunfailures ran again (outcome ``rerun``): the
+    junit file and ``-rR`` name the test only, so what raced would be lost with the attempt. Under xdist the
+    workers' reports reach this hook in the controller."""
+    if report.outcome == "rerun":
+        _rerun_failures.append((report.nodeid, str(report.longrepr)[-RERUN_REPORT_CHARS:]))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print each rerun live test's failed attempt (:func:`pytest_runtest_logreport`) after the run: a test that
+    passed on its rerun still hit a race or a bound, and this is what it saw."""
+    for nodeid, text in _rerun_failures:
+        terminalreporter.write_sep("-", f"RERUN {nodeid}: its failed attempt (the end of its report)")
+        for line in text.splitlines():
+            terminalreporter.write_line(line)
+
+
 _niced = False
 
 
