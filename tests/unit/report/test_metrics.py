@@ -276,6 +276,8 @@ def test_live_ttft_split_into_the_node_and_the_control_plane():
     text = out.getvalue()
     assert "on node  mean 2.333 s" in text and "× speedup 50" in text
     assert "note: 76% of the mean TTFT is control plane" in text
+    # the headline is the client's: said on its line (a newcomer read it as the policies' TTFT)
+    assert "TTFT       mean 11.000 s  p50 11.000 s  p95 11.900 s  (client: on node + control plane)" in text, text
     # the node's part dominating: no note; simulator records (no node_arrived_at): no keys, no lines
     quick = [rec(0, ttft=2.0)]
     quick[0].node_arrived_at, quick[0].first_token_at = 0.5, 2.0
@@ -285,6 +287,9 @@ def test_live_ttft_split_into_the_node_and_the_control_plane():
     sim = [rec(0, ttft=2.0)]
     sim[0].first_token_at = 1.0
     assert not any(k.startswith(("ttft_node", "ttft_control")) for k in summarize(sim))
+    out = io.StringIO()
+    print_summary(summarize(sim), file=out)
+    assert "TTFT       mean" in out.getvalue() and "(client" not in out.getvalue()  # a simulation's TTFT: no control plane
 
 
 def test_live_replay_window_is_the_duration_not_the_span_of_the_requests():
