@@ -1729,24 +1729,6 @@ class _CountRuns:
         del self.runs[up]
         return down
 
-    def ensure(self, path: list[int], a: int, k: int) -> None:
-        """Put the blocks of ``path[a:k]`` never counted (a tail of it: what was ever counted
-        is closed under parents) into ``where`` as one new run with no count yet, not listed in
-        ``runs`` (the caller counts it at once, which lists it). O(log) probes + O(new blocks)
-        C-level.
-
-        Raises:
-            ValueError: a block of that tail is counted already (the paths are not chains).
-        """
-        where = self.where
-        a = _counted_head(where, path, a, k)  # the first block never counted: two probes, else a bisection
-        if a == k:
-            return
-        keys = path[a:k]
-        if not where.keys().isdisjoint(keys):
-            raise ValueError(f"path position {a} on names blocks counted elsewhere in a path: paths are not chains")
-        where.update(zip(keys, repeat(_CRun(keys, a, {}))))
-
     def count(self, n: int, path: list[int], a: int, k: int, step: int) -> tuple[list[int], list[int], list[int]]:
         """Add ``step`` (+1 or -1) to node n's count of every block of ``path[a:k]`` (a < k): one
         count change per run walked, a run cut where the slice starts, ends or leaves it, two
@@ -1764,13 +1746,14 @@ class _CountRuns:
             ValueError: a run found does not follow the path (the paths are not chains); the
                 counts it changed before are taken back first (:meth:`_take_back`), so none
                 of the slice has changed. Also (a count-up, before any change) when the
-                slice's tail counted nowhere names a block counted elsewhere (:meth:`ensure`).
+                slice's tail never counted names a block counted elsewhere.
         """
         where = self.where
         get = where.get
         total = self.total
         fresh: _CRun | None = None
-        if step > 0:  # ensure(path, a, k) without its frame (one per count-up): the tail never counted, a new run
+        if step > 0:  # the slice's tail never counted (what was ever counted is closed under parents: two probes, else
+            # a bisection) becomes one new run with no count yet, listed in runs once counted below
             j = _counted_head(where, path, a, k)
             if j < k:
                 keys = path[j:k]
