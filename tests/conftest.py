@@ -265,7 +265,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 LIVE_RERUNS_ENV = "EI_LIVE_RERUNS"
 """Environment variable: how many times a failed test of a live tier (:data:`RERUN_DIRS`) is run again (``make test``
 sets 1; unset or 0 for a plain ``pytest``: no rerun)."""
-RERUN_DIRS = ("tests/e2e/", "tests/integration/", "tests/deploy/")
+RERUN_DIRS = (*LIVE_DIRS, "tests/deploy/")
 """The tiers whose tests start real processes (nats-server, services, Docker, Slurm) and wait on them with wall-clock
 bounds: on the 2-core CI box, loaded by both lanes, such a wait sometimes runs out where the same test passes alone."""
 
