@@ -211,9 +211,10 @@ class LateStopSignals:
             self.first = signum
 
     def take_over(self, loop: asyncio.AbstractEventLoop, signals: Iterable[int] = STOP_SIGNALS) -> None:
-        """Take ``signals`` off ``loop`` and record them from now until the process exits
-        (:func:`hand_over_stop_signals`, no moment at their default for the calling thread). From a coroutine or
-        callback running on ``loop``, in the main thread.
+        """Take ``signals`` off ``loop`` and record them from now on (:func:`hand_over_stop_signals`, no moment at
+        their default for the calling thread), until the command's loop ends and :func:`run_then_ignore` ignores them
+        (Python's finalization would put a Python handler back to SIG_DFL). From a coroutine or callback running on
+        ``loop``, in the main thread.
 
         Raises:
             ValueError: not called in the main thread (``signal.signal``'s).
