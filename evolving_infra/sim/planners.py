@@ -4,13 +4,9 @@ The simulator runs the *same* planner policies as the live planner service
 (``services.planner.policy.make_planner``) and the same routing policies as the
 router (``services.router.policy.make_policy``). This module finds them by name
 at run time and says clearly when one is missing, so the simulator never
-carries its own copy of a policy. One small piece belongs to the simulator
-itself:
-
-* :class:`RoundRobinDecode` — a routing-policy wrapper that keeps the wrapped
-  policy's prefill choice and binds decode nodes round-robin, the SGLang Model
-  Gateway's PD behaviour that the paper's baselines use (§6.1 "cache-aware
-  prefill routing and round-robin decode routing").
+carries its own copy of a policy. The round-robin decode binding of the
+baselines (:class:`~services.router.policy.RoundRobinDecode`, re-exported here)
+is the router's too: a live router runs it with ``--decode-routing round-robin``.
 
 Planner interface (``services/planner/policy.py``)::
 
@@ -23,12 +19,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence, Set as AbstractSet
 from typing import Any, Protocol
 
-from shared.messages import IterationRecord, KvLookupReply, NodeState, Phase
+from shared.messages import IterationRecord, NodeState, Phase
 from shared.profile import Profile
 
 from services.planner import policy as planner_policy
-from services.router.nodes import NodeLoad
-from services.router.policy import DecodeChoice, PrefillChoice, RouteRequest, RoutingPolicy, make_policy, policy_names
+from services.router.policy import RoundRobinDecode, RoutingPolicy, make_policy, policy_names, with_decode_routing
+
+__all__ = ["ComponentMissing", "PlannerLike", "RoundRobinDecode", "make_planner", "make_routing", "planner_names",
+           "request_done_type", "routing_available"]
 
 PLANNER_MODULE = "services.planner.policy"
 
@@ -84,42 +82,4 @@ def make_routing(name: str, decode_routing: str, **options: Any) -> RoutingPolic
     """
     if name not in policy_names():
         raise ComponentMissing(f"routing policy {name!r} is not registered in services/router/policy.py; known: {', '.join(policy_names())}")
-    inner = make_policy(name, **options)
-    if decode_routing == "round-robin":
-        return RoundRobinDecode(inner)
-    return inner
-
-
-try:  # the router's forwarding base (every hook reaches the wrapped policy), when present
-    from services.router.policy import PolicyWrapper as _WrapperBase
-except ImportError:  # pragma: no cover - older router tree
-    _WrapperBase = RoutingPolicy  # type: ignore[misc,assignment]
-
-
-class RoundRobinDecode(_WrapperBase):
-    """Wraps a routing policy: its prefill choice, decode nodes bound round-robin.
-
-    Source: SGLang Model Gateway PD mode, which picks the decode worker with its
-    ``--decode-policy`` (round robin in the paper's baselines, §6.1). The counter
-    is the instance's own; the cycle is over the eligible decode nodes in node-id
-    order, continuing at ``counter mod len(candidates)`` when the set changes.
-    Every other hook is forwarded to the wrapped policy (``PolicyWrapper``).
-    """
-
-    def __init__(self, inner: RoutingPolicy) -> None:
-        if _WrapperBase is RoutingPolicy:  # pragma: no cover
-            self.inner = inner
-            self.name = inner.name  # type: ignore[misc]
-        else:
-            super().__init__(inner)
-        self._next = 0
-
-    def choose_prefill(self, req: RouteRequest, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], now: float) -> PrefillChoice:
-        return self.inner.choose_prefill(req, lookup, candidates, now)
-
-    def choose_decode(self, req: RouteRequest, candidates: Sequence[NodeLoad], now: float) -> DecodeChoice | None:
-        if not candidates:
-            return None
-        node = candidates[self._next % len(candidates)].node
-        self._next += 1
-        return DecodeChoice(node=node, loads={n.node: n.inflight for n in candidates})
+    return with_decode_routing(make_policy(name, **options), decode_routing)

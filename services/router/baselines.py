@@ -167,6 +167,7 @@ class DynamoKvPolicy(RoutingPolicy):
     """
 
     name = "dynamo-kv"
+    decode_rule = "dynamo_cost"
 
     def __init__(
         self,

@@ -141,6 +141,17 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
             "with the prefill node"
         ),
     ] = "prefill-start"
+    decode_routing: Annotated[
+        Literal["least-loaded", "round-robin"],
+        Meta(
+            description="which decode node a PD request is bound to (not when: --decode-binding): least-loaded = the "
+            "--routing policy's own rule (the least loaded decode node: running + waiting + this router's in flight, "
+            "ties to the lowest node id; ttft: among those with KV room for the request; dynamo-kv: its KV cost) | "
+            "round-robin = the eligible decode nodes in turn, in node-id order, a re-binding (a decode node handed "
+            "the request back) taking the next one; each router keeps its own turn (SGLang Model Gateway PD mode: "
+            "the paper's baselines, evolving-infra up --policy static / dynamo / arrow, as simulate runs them)"
+        ),
+    ] = "least-loaded"
     fence_after_s: Annotated[
         float, Meta(gt=0, description="wall seconds without a node.state after which a node is fenced out (measured on the "
                     "monotonic clock: a step of the wall clock fences no node), counted only while the bus delivers to the "
@@ -357,7 +368,9 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
     def routing_policy(self, **extra: object) -> "RoutingPolicy":
         """The ``--routing`` policy the router runs: :meth:`policy_options` with ``--profile-clock`` and
         ``--speedup``, so that the ttft policy's profile is on the cluster clock (a ``wall`` profile, a torch
-        worker's measured at speed-up 1, predicts its times x ``--speedup``: ``shared.profile.on_cluster_clock``).
+        worker's measured at speed-up 1, predicts its times x ``--speedup``: ``shared.profile.on_cluster_clock``),
+        binding decode nodes by ``--decode-routing`` (``services.router.policy.with_decode_routing``: round-robin
+        wraps the policy in ``RoundRobinDecode``).
 
         Args:
             extra: more options for ``make_policy`` (the service's ``ttft_breakdown``).
@@ -365,9 +378,10 @@ class RouterConfig(CommonConfig, frozen=True, kw_only=True, forbid_unknown_field
         Raises:
             ValueError: an unknown policy, a bad option, or a profile that cannot be loaded (``ProfileError``).
         """
-        from services.router.policy import make_policy
+        from services.router.policy import make_policy, with_decode_routing
 
-        return make_policy(self.routing, **self.policy_options(), profile_clock=self.profile_clock, speedup=self.speedup, **extra)
+        policy = make_policy(self.routing, **self.policy_options(), profile_clock=self.profile_clock, speedup=self.speedup, **extra)
+        return with_decode_routing(policy, self.decode_routing)
 
     def policy_options(self) -> dict[str, object]:
         """Every policy knob, for ``make_policy(routing, **options)`` (each policy takes its own)."""

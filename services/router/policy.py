@@ -32,8 +32,10 @@ New policies subclass :class:`RoutingPolicy`, set ``name`` and register with
 Registered: ``ttft`` (``services/router/ttft.py``, the paper's router),
 ``cache-aware``, ``round-robin`` (here), ``dynamo-kv`` and ``sticky``
 (``services/router/baselines.py``). A wrapper that changes one decision
-(e.g. the simulator's round-robin decode binding) subclasses
-:class:`PolicyWrapper`, which forwards every hook to the wrapped policy.
+subclasses :class:`PolicyWrapper`, which forwards every hook to the wrapped
+policy: :class:`RoundRobinDecode` (the baselines' round-robin decode binding,
+``--decode-routing round-robin`` live and in the simulator) is one;
+:func:`with_decode_routing` applies a ``--decode-routing`` choice.
 """
 
 from __future__ import annotations
@@ -167,6 +169,9 @@ class RoutingPolicy(abc.ABC):
     """
 
     name: ClassVar[str] = ""
+    decode_rule: str = "least_loaded"
+    """How :meth:`choose_decode` picks (for the router's logs and ``/v1/cluster``): ``least_loaded`` (this default),
+    ``least_loaded_kv_room`` (``ttft``), ``dynamo_cost`` (``dynamo-kv``), ``round_robin`` (:class:`RoundRobinDecode`)."""
 
     @abc.abstractmethod
     def choose_prefill(
@@ -248,6 +253,7 @@ class PolicyWrapper(RoutingPolicy):
     def __init__(self, inner: RoutingPolicy) -> None:
         self.inner = inner
         self.name = inner.name  # type: ignore[misc]
+        self.decode_rule = inner.decode_rule
 
     def choose_prefill(self, req: RouteRequest, lookup: KvLookupReply | None, candidates: Sequence[NodeLoad], now: float) -> PrefillChoice:
         return self.inner.choose_prefill(req, lookup, candidates, now)
@@ -278,6 +284,63 @@ class PolicyWrapper(RoutingPolicy):
 
     def on_models(self, msg: PlannerModels, now: float) -> int:
         return self.inner.on_models(msg, now)
+
+
+DECODE_ROUTINGS = ("least-loaded", "round-robin")
+"""``--decode-routing`` choices: ``least-loaded`` = the routing policy's own :meth:`RoutingPolicy.choose_decode`
+(least loaded; ``ttft``: least loaded with KV room; ``dynamo-kv``: its KV cost), ``round-robin`` =
+:class:`RoundRobinDecode` (SGLang Model Gateway PD mode, the paper's baselines, §6.1)."""
+
+
+class RoundRobinDecode(PolicyWrapper):
+    """Wraps a routing policy: its prefill choice, decode nodes bound round-robin.
+
+    Source: SGLang Model Gateway PD mode, which picks the decode worker with its
+    ``--decode-policy`` (round robin in the paper's baselines, §6.1: "cache-aware
+    prefill routing and round-robin decode routing"). The counter is the
+    instance's own (each router process has one, as independent gateway
+    instances do); the cycle is over the eligible decode candidates in the order
+    given (node-id order: ``NodeLoadView`` sorts them), continuing at
+    ``counter mod len(candidates)`` when the set changes. Every call that binds
+    takes the next one: a first binding at dispatch or at prefill start, and a
+    re-binding (a decode node handed the request back: ``RouterCore.bind_decode``).
+    Every other hook is forwarded to the wrapped policy (:class:`PolicyWrapper`).
+    The choice's ``loads`` are the candidates' in-flight counts (the gateway's
+    ``worker.load()``), for the route log only.
+    """
+
+    decode_rule = "round_robin"
+
+    def __init__(self, inner: RoutingPolicy) -> None:
+        super().__init__(inner)
+        self.decode_rule = "round_robin"
+        self._next = 0
+
+    def choose_decode(self, req: RouteRequest, candidates: Sequence[NodeLoad], now: float) -> DecodeChoice | None:
+        """The candidate at ``counter mod len(candidates)``, then the counter advances.
+
+        Returns:
+            None when ``candidates`` is empty (the counter does not advance).
+        """
+        if not candidates:
+            return None
+        node = candidates[self._next % len(candidates)].node
+        self._next += 1
+        return DecodeChoice(node=node, loads={n.node: n.inflight for n in candidates})
+
+
+def with_decode_routing(policy: RoutingPolicy, decode_routing: str) -> RoutingPolicy:
+    """``policy`` with the decode rule ``decode_routing`` (one of :data:`DECODE_ROUTINGS`): itself for
+    ``least-loaded`` (its own rule), wrapped in :class:`RoundRobinDecode` for ``round-robin``.
+
+    Raises:
+        ValueError: ``decode_routing`` is not one of :data:`DECODE_ROUTINGS`.
+    """
+    if decode_routing == "round-robin":
+        return RoundRobinDecode(policy)
+    if decode_routing != "least-loaded":
+        raise ValueError(f"decode routing must be one of {', '.join(DECODE_ROUTINGS)}, got {decode_routing!r}")
+    return policy
 
 
 def _min_load(candidates: Sequence[NodeLoad], loads: dict[str, int]) -> NodeLoad:

@@ -20,7 +20,8 @@ HTTP (uvicorn runs inside the service's own event loop, next to the bus):
 ``GET /livez``                         liveness: 200 ``{"status": "ok"}`` whenever the HTTP server answers, draining
                                        and stopping included (a liveness probe on ``/healthz`` restarted a draining
                                        router, failing its open streams); nothing else is checked
-``GET /v1/cluster``                    nodes, phases, state ages, fencing, in-flight counts, the clock's speedup
+``GET /v1/cluster``                    nodes, phases, state ages, fencing, in-flight counts, the clock's speedup,
+                                       the routing policy and decode rule (``decode_routing``, ``decode_rule``)
 ``GET /metrics``                       Prometheus text format (``services/router/prom.py`` lists the metrics)
 ``POST /v1/branches/{id}/end``         end an agent branch (publishes ``BranchEnd``)
 ``POST /v1/branches/{id}/tool-call``   "tool call outstanding" hint, body ``{"outstanding": true, "expected_s": 120}``
@@ -1171,6 +1172,8 @@ class RouterService(WatchedService):
             port=self.port,
             url=http_url(self.cfg.host, self.port),
             routing=self.core.policy.name,
+            decode_routing=self.cfg.decode_routing,
+            decode_rule=self.core.policy.decode_rule,
             tokenizer=self.tokenizer.name,
             model=self.cfg.model,
             block_size=self.cfg.block_size,
@@ -2011,7 +2014,8 @@ class RouterService(WatchedService):
             await self._publish_placed(placed)
         self.counters[f"routed.decode.{out.node}"] += 1
         if self.log.is_enabled_for(logging.DEBUG):
-            self.log.debug("decode bound", rid=p.rid, prefill=out.prefill_node, decode=out.node, loads=out.decode.loads)
+            self.log.debug("decode bound", rid=p.rid, prefill=out.prefill_node, decode=out.node, decode_rule=self.core.policy.decode_rule,
+                           loads=out.decode.loads)
 
     async def _on_held(self, q: m.HeldQuery, _subject: str) -> m.HeldReply:
         """``route.held``: a node asks which of the requests it holds for this router are no longer
@@ -3245,6 +3249,10 @@ class RouterService(WatchedService):
         return self._json(
             {
                 "policy": self.core.policy.name,
+                # how a decode node is chosen: --decode-routing, and the rule it runs (RoutingPolicy.decode_rule:
+                # round_robin, least_loaded, least_loaded_kv_room for ttft, dynamo_cost for dynamo-kv)
+                "decode_routing": self.cfg.decode_routing,
+                "decode_rule": self.core.policy.decode_rule,
                 "block_size": self.core.block_size,
                 # simulated s per wall s (--speedup / EI_SPEEDUP): `replay` takes it, or refuses another, so its
                 # times are on this cluster's clock (a compose or Slurm stack has no state file to read it from)
@@ -4478,6 +4486,7 @@ class RouterService(WatchedService):
             path=pre.path,
             prefill=pre.node,
             decode=out.decode_node,
+            decode_rule=self.core.policy.decode_rule if out.decode else None,
             matched_blocks=pre.matched_blocks,
             match_rate=round(pre.match_rate, 4),
             candidates=[n.node for n in out.candidates],

@@ -1320,6 +1320,7 @@ class TtftPolicy(RoutingPolicy):
     """
 
     name = "ttft"
+    decode_rule = "least_loaded_kv_room"
 
     def __init__(self, predictor: TtftPredictor, *, block_size: int = 64) -> None:
         self.predictor = predictor
