@@ -128,6 +128,9 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Workers' ``--host-eviction``: lru or branch-count."""
     decode_binding: str = "prefill-start"
     """Router ``--decode-binding``: prefill-start or dispatch."""
+    decode_routing: str = "least-loaded"
+    """Router ``--decode-routing``: least-loaded (the routing policy's own rule) or round-robin (the baselines'
+    decode binding, SGLang Model Gateway PD mode; ``up``/``demo`` set it from ``--policy``)."""
     router_env: tuple[tuple[str, str], ...] = ()
     """Environment variables set for the router process only, over the launcher's (``up``/``demo``: the API keys
     they read at start, ``EI_API_KEYS``, so that no key is on a command line and a restarted router serves the
@@ -431,7 +434,7 @@ def worker_placement(
 
 def service_flags(spec: ClusterSpec, service: str) -> list[str]:
     """The flags of ``service`` that say which serving system and engine the cluster runs: its policy set's part
-    (router ``--routing``/``--decode-binding``/routing options, planner ``--planner``/``--planner-args``/``--split``,
+    (router ``--routing``/``--decode-binding``/``--decode-routing``/routing options, planner ``--planner``/``--planner-args``/``--split``,
     workers ``--host-eviction``), the KV directory's ``--routers`` (the routers it waits for after a restart), the
     profile (and the workers' KV sizes over it; for the torch engine the router's and planner's ``--profile-clock
     wall``, as the workers read it from ``--engine``), block size, tokenizer, served model name,
@@ -477,7 +480,8 @@ def service_flags(spec: ClusterSpec, service: str) -> list[str]:
                 + (["--engine", s.engine, "--model", s.model_dir] if s.engine != "sim" else [])
                 + (["--dtype", s.dtype] if s.dtype else []) + traces + requests)
     if service == "router":
-        return (["--routing", s.routing, "--decode-binding", s.decode_binding, "--profile", s.profile, "--block-size",
+        return (["--routing", s.routing, "--decode-binding", s.decode_binding, "--decode-routing", s.decode_routing,
+                 "--profile", s.profile, "--block-size",
                  str(s.block_size), "--model", s.model, "--tokenizer", s.tokenizer]
                 + clock
                 + (["--model-names", ",".join(s.model_names)] if s.model_names else [])

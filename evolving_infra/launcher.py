@@ -1242,6 +1242,7 @@ def _spec(args: argparse.Namespace, *, one_host: bool = True, **overrides: objec
         planner_args=pol.planner_args,
         eviction=pol.eviction,
         decode_binding=pol.decode_binding,
+        decode_routing=pol.decode_routing,
         router_args=pol.router_args,
         router_env=router_env,
         block_size=args.block_size,

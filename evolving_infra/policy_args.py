@@ -4,7 +4,7 @@
 default: ttft routing, the evolving planner with its SLO guard, branch-count host eviction,
 decode bound when the prefill starts, decoupled in-place switching — or the baselines
 ``static[:xPyD]``, ``dynamo``, ``arrow``); ``--routing``, ``--planner``, ``--eviction``,
-``--decode-binding`` override one part of it, ``--planner-opt K=V`` sets a planner
+``--decode-binding``, ``--decode-routing`` override one part of it, ``--planner-opt K=V`` sets a planner
 parameter (``EvolvingParams`` / ``DynamoParams`` / ``ArrowParams`` fields) and
 ``--routing-opt K=V`` a routing policy knob (the router's options that
 ``RouterConfig.policy_options`` passes to its policy, e.g. ``ttft_fetch_min_tokens``; a live
@@ -12,7 +12,8 @@ router gets each as its flag, ``--ttft-fetch-min-tokens``). The simulator
 reads the flags itself (``evolving_infra.sim.cli``); a live cluster gets them through
 :func:`live_policy`, which maps a set onto the services' flags and says what a live
 cluster cannot do as the set asks (the live workers always switch in place with their
-KV kept — the decoupled plane — and bind decode by the router's own rule).
+KV kept — the decoupled plane). The decode routing reaches the router as its ``--decode-routing``
+(the baselines' round-robin, as ``simulate`` runs them).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import argparse
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from evolving_infra.sim.policies import DECODE_BINDINGS, EVICTIONS, SET_NAMES, PolicyError, policy_set, serving, with_overrides
+from evolving_infra.sim.policies import (
+    DECODE_BINDINGS, EVICTIONS, ROUTING_DECODE, SET_NAMES, PolicyError, policy_set, serving, with_overrides,
+)
 from shared.config import parse_key_values
 from shared.values import FrozenValue, set_field
 
@@ -33,7 +36,7 @@ DEFAULT_POLICY = "evolving"
 
 def add_policy_args(p: argparse.ArgumentParser, *, live: bool, default: str = DEFAULT_POLICY) -> argparse._ArgumentGroup:
     """Add ``--policy``, ``--routing``, ``--planner``, ``--eviction``, ``--decode-binding``,
-    ``--planner-opt`` and ``--routing-opt`` to ``p`` (the simulator adds its own extra switches to the returned group).
+    ``--planner-opt``, ``--routing-opt`` and ``--decode-routing`` to ``p`` (the simulator adds its own extra switches to the returned group).
     ``live``: the help says how a live cluster maps each choice."""
     pol = p.add_argument_group("policies (--policy picks a serving system; the other flags override one part of it)")
     pol.add_argument(
@@ -65,6 +68,11 @@ def add_policy_args(p: argparse.ArgumentParser, *, live: bool, default: str = DE
                         "and block_size come from --profile and --block-size" if live
                         else "; *_s in simulated seconds; profile, block_size and seed come from --profile, --block-size "
                         "and --seed"))
+    pol.add_argument("--decode-routing", default=None, choices=ROUTING_DECODE,
+                     help="which decode node a request is bound to (not when: --decode-binding): round-robin (SGLang Model "
+                     "Gateway's PD mode, the baselines') or least-loaded (the routing policy's own rule) (default: the "
+                     "set's: least-loaded for evolving, round-robin for static, dynamo and arrow)"
+                     + ("; live: the router's --decode-routing, each router keeping its own turn" if live else ""))
     return pol
 
 
@@ -79,6 +87,9 @@ class LivePolicy(FrozenValue):
     eviction: str
     decode_binding: str
     """The router's ``--decode-binding``: ``prefill-start`` or ``dispatch``."""
+    decode_routing: str
+    """(default ``least-loaded``) The router's ``--decode-routing``: ``least-loaded`` (the routing policy's own
+    rule) or ``round-robin`` (the baselines', ``services.router.policy.RoundRobinDecode``)."""
     split: str | None
     """The set's split (``static:4P5D``), None = the command's ``--split``."""
     router_args: tuple[str, ...]
@@ -88,11 +99,13 @@ class LivePolicy(FrozenValue):
 
     __slots__ = __match_args__ = (
         "name", "routing", "planner", "planner_args", "eviction", "decode_binding", "split", "router_args", "notes",
+        "decode_routing",
     )
 
     def __init__(
         self, name: str, routing: str, planner: str, planner_args: tuple[str, ...], eviction: str,
         decode_binding: str, split: str | None, router_args: tuple[str, ...] = (), notes: tuple[str, ...] = (),
+        decode_routing: str = "least-loaded",
     ) -> None:
         set_field(self, "name", name)
         set_field(self, "routing", routing)
@@ -103,13 +116,17 @@ class LivePolicy(FrozenValue):
         set_field(self, "split", split)
         set_field(self, "router_args", router_args)
         set_field(self, "notes", notes)
+        set_field(self, "decode_routing", decode_routing)
 
     def describe(self) -> str:
         """One line for the command's output. The binding is named as ``--decode-binding`` takes it: the router's
         ``dispatch`` is what ``enqueue`` and ``route`` both run live (printed bare, a user passing it back got an
-        argparse error)."""
+        argparse error). A round-robin decode routing is named after the routing (the routing policy's own rule,
+        least-loaded, is not)."""
         opts = f" ({', '.join(self.planner_args)})" if self.planner_args else ""
         ropts = f" ({' '.join(self.router_args)})" if self.router_args else ""
+        if self.decode_routing != "least-loaded":
+            ropts += f", decode routing {self.decode_routing}"
         binding = "at dispatch (enqueue / route)" if self.decode_binding == "dispatch" else self.decode_binding
         return (f"policy {self.name}: routing {self.routing}{ropts}, planner {self.planner}{opts}, eviction {self.eviction}, "
                 f"decode binding {binding}")
@@ -117,14 +134,9 @@ class LivePolicy(FrozenValue):
     def meta(self) -> dict[str, Any]:
         """For ``report.json``'s ``meta.policy``."""
         return {"name": self.name, "routing": self.routing, "planner": self.planner, "planner_args": list(self.planner_args),
-                "eviction": self.eviction, "decode_binding": self.decode_binding, "router_args": list(self.router_args),
+                "eviction": self.eviction, "decode_binding": self.decode_binding, "decode_routing": self.decode_routing,
+                "router_args": list(self.router_args),
                 "notes": list(self.notes)}
-
-
-_LIVE_DECODE_RULES = {  # RoutingPolicy.choose_decode of each (services/router): the default is least_loaded_decode
-    "ttft": "the least loaded decode node with KV room for the request",
-    "dynamo-kv": "the lowest Dynamo KV cost",
-}
 
 
 def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | None = None) -> LivePolicy:
@@ -144,7 +156,7 @@ def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | 
 
     try:
         ps = with_overrides(policy_set(args.policy), routing=args.routing, planner=args.planner, eviction=args.eviction,
-                            decode_binding=args.decode_binding)
+                            decode_binding=args.decode_binding, decode_routing=getattr(args, "decode_routing", None))
         opts = parse_key_values(args.planner_opt or [], "--planner-opt")
         router_args = routing_option_args(parse_key_values(args.routing_opt or [], "--routing-opt"))
         check_planner_options(ps.planner, opts)
@@ -163,15 +175,11 @@ def live_policy(args: argparse.Namespace, *, planner_defaults: dict[str, Any] | 
         opts = {**planner_defaults, **opts}
     if ps.switch_mode not in ("decoupled", "none"):
         notes.append(f"switch mode {ps.switch_mode}: live workers switch in place keeping their KV (decoupled)")
-    if ps.decode_routing == "round-robin":  # "decode routing round-robin: ..." read as what the router does
-        rule = _LIVE_DECODE_RULES.get(ps.routing, "the least loaded decode node (running + waiting + in flight)")
-        notes.append(f"decode routing: policy {ps.name}'s round-robin is simulate's; the live router binds each request's "
-                     f"decode node by routing {ps.routing}'s rule instead: {rule}, ties to the lowest node id (requests "
-                     "sent one at a time all decode on the first decode node)")
     binding = "prefill-start" if ps.decode_binding == "prefill-start" else "dispatch"
     items = tuple(f"{k}={_fmt(v)}" for k, v in opts.items())
     return LivePolicy(name=ps.name, routing=ps.routing, planner=ps.planner, planner_args=items, eviction=ps.eviction,
-                      decode_binding=binding, router_args=router_args, split=ps.split, notes=tuple(notes))
+                      decode_binding=binding, router_args=router_args, split=ps.split, notes=tuple(notes),
+                      decode_routing=ps.decode_routing)
 
 
 def _planner_params(planner: str) -> type | None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from evolving_infra.policy_args import add_policy_args
 from evolving_infra.stdio_args import STDIO, folder, shown, stdin_file
-from evolving_infra.sim.policies import DEFAULT_RELAUNCH_S, ROUTING_DECODE, SWITCH_MODES
+from evolving_infra.sim.policies import DEFAULT_RELAUNCH_S, SWITCH_MODES
 from shared.config import parse_key_values
 
 if TYPE_CHECKING:
@@ -421,10 +421,6 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                    help="that node's engine runs FACTOR times slower than the profile (router and planner not told; "
                    "repeatable; what-if runs of the online per-node models)")
     pol = add_policy_args(p, live=False)
-    pol.add_argument("--decode-routing", default=None, choices=ROUTING_DECODE, help="which decode node a request is bound to (not when: --decode-binding): "
-                     "round-robin (SGLang Model Gateway's PD mode, the baselines') or least-loaded (the routing "
-                     "policy's own rule) (default: the set's: least-loaded for evolving, round-robin for static, "
-                     "dynamo and arrow)")
     pol.add_argument("--switch-mode", default=None, choices=SWITCH_MODES,
                      help="phase switch mechanics: decoupled = drain in place, KV kept in a pool every prefill node "
                      "reads (paper §4; inplace = alias); relaunch = Dynamo (downtime --relaunch-s, KV lost); "

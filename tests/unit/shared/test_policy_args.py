@@ -233,20 +233,24 @@ _WORKER = "--profile gb300-glm52 --stream-interval 1 --tokenizer sim"
 
 
 @pytest.mark.parametrize("up, nodes, router, planner, eviction, phases", [
-    (["--policy", "evolving"], 4, "--routing ttft --decode-binding prefill-start",
+    (["--policy", "evolving"], 4, "--routing ttft --decode-binding prefill-start --decode-routing least-loaded",
      "--split 2P2D --planner evolving", "branch-count", "PPDD"),
-    (["--policy", "static:2P2D"], 4, "--routing cache-aware --decode-binding dispatch", "--split 2P2D --planner static", "lru", "PPDD"),
-    (["--policy", "dynamo"], 3, "--routing cache-aware --decode-binding dispatch", "--split 2P1D --planner dynamo", "lru", "PPD"),
-    (["--policy", "arrow"], 4, "--routing cache-aware --decode-binding prefill-start", "--split 2P2D --planner arrow", "lru", "PPDD"),
+    (["--policy", "static:2P2D"], 4, "--routing cache-aware --decode-binding dispatch --decode-routing round-robin",
+     "--split 2P2D --planner static", "lru", "PPDD"),
+    (["--policy", "dynamo"], 3, "--routing cache-aware --decode-binding dispatch --decode-routing round-robin",
+     "--split 2P1D --planner dynamo", "lru", "PPD"),
+    (["--policy", "arrow"], 4, "--routing cache-aware --decode-binding prefill-start --decode-routing round-robin",
+     "--split 2P2D --planner arrow", "lru", "PPDD"),
     (["--policy", "evolving", "--planner-opt", "t_learn_s=300", "--routing-opt", "sticky_ttl_s=5"], 4,
-     "--routing ttft --decode-binding prefill-start --sticky-ttl-s 5.0",
+     "--routing ttft --decode-binding prefill-start --decode-routing least-loaded --sticky-ttl-s 5.0",
      "--split 2P2D --planner evolving --planner-args t_learn_s=300", "branch-count", "PPDD"),
 ])
 def test_up_gives_each_service_the_flags_it_gave_before_service_flags_and_deploy_args_the_same(
         tmp_path, up, nodes, router, planner, eviction, phases):
     """Each child's service flags for every policy set, as ``LocalCluster._plan_children`` wrote them before
     they moved into ``cluster.service_flags`` (recorded from c96aa25; the flag order within a worker changed,
-    nothing else), and ``deploy-args`` (compose, Slurm) prints a run of each child's argv."""
+    and the router's ``--decode-routing`` came with session 58: round-robin for the baselines, as simulate runs
+    them), and ``deploy-args`` (compose, Slurm) prints a run of each child's argv."""
     from evolving_infra.deploy_cli import deploy_args
 
     argv_up = [*up, "--nodes", str(nodes)]
@@ -280,18 +284,33 @@ def test_up_gives_each_service_the_flags_it_gave_before_service_flags_and_deploy
     assert printed == ["--block-size", "64", "--routers", "router"], printed
 
 
-def test_the_round_robin_decode_note_says_what_the_live_router_does_instead(tmp_path):
-    """``up --policy static:1P2D`` printed "note: decode routing round-robin: ...", read as round-robin decode
-    (session 42: six requests one at a time all decoded on w1; cache-aware binds the least loaded, ties to the
-    lowest id). The note now names the rule the router uses."""
-    args = build_parser().parse_args(["up", "--nodes", "3", "--policy", "static:1P2D", "--log-dir", str(tmp_path)])
-    _spec(args)
-    (note,) = [n for n in args.live_policy.notes if "decode" in n]
-    assert not note.startswith("decode routing round-robin"), note
-    assert "routing cache-aware's rule instead: the least loaded decode node" in note and "lowest node id" in note, note
-    args = build_parser().parse_args(["up", "--nodes", "3", "--policy", "static:1P2D", "--routing", "ttft", "--log-dir", str(tmp_path)])
-    _spec(args)
-    assert any("routing ttft's rule instead: the least loaded decode node with KV room" in n for n in args.live_policy.notes)
+def test_the_baselines_bind_decode_round_robin_live_as_simulate_does(tmp_path):
+    """``up --policy static:1P2D`` printed a note that simulate's round-robin decode routing was not the live
+    router's (session 42: six requests one at a time all decoded on w1; cache-aware binds the least loaded, ties to
+    the lowest id), so up's baseline was not the paper's (SGLang PD: decode round-robin). The router now gets
+    ``--decode-routing round-robin`` for static, dynamo and arrow (no note), least-loaded for evolving;
+    ``--decode-routing`` overrides the set's, as in simulate; the banner and the report's meta say it."""
+    from evolving_infra.deploy_cli import deploy_args
+
+    def live(*extra):
+        args = build_parser().parse_args(["up", "--nodes", "3", *extra, "--log-dir", str(tmp_path)])
+        spec = _spec(args)
+        router = {c.name: c for c in LocalCluster(spec)._plan_children()}["router"]
+        return args.live_policy, spec, _argv(router, "--decode-routing")
+
+    for policy in ("static:1P2D", "dynamo", "arrow"):
+        pol, spec, flag = live("--policy", policy)
+        assert (pol.decode_routing, spec.decode_routing, flag) == ("round-robin", "round-robin", "round-robin"), policy
+        assert not [n for n in pol.notes if "decode" in n], pol.notes
+        assert ", decode routing round-robin," in pol.describe() and pol.meta()["decode_routing"] == "round-robin"
+        printed, line = deploy_args(["--nodes", "3", "--policy", policy], "router")
+        assert printed[printed.index("--decode-routing") + 1] == "round-robin" and "decode routing round-robin" in line
+    pol, spec, flag = live("--policy", "evolving")
+    assert (pol.decode_routing, flag) == ("least-loaded", "least-loaded") and "decode routing" not in pol.describe()
+    pol, spec, flag = live("--policy", "static:1P2D", "--decode-routing", "least-loaded")
+    assert (pol.decode_routing, flag) == ("least-loaded", "least-loaded")
+    pol, spec, flag = live("--policy", "evolving", "--decode-routing", "round-robin")
+    assert (pol.decode_routing, flag) == ("round-robin", "round-robin")
 
 
 @pytest.mark.parametrize("command", ["up", "demo"])
