@@ -5,7 +5,9 @@ process, sim engines at ``--speedup``) replayed by
 ``evolving_infra.replay.live.LiveReplayer`` — the ``demo`` path. Simulated:
 ``evolving_infra.sim.run.simulate`` with the settings the live stack runs:
 the same profile, nodes and split, the router's routing policy with its own
-least-loaded decode binding, the decode node bound at dispatch and its KV
+least-loaded decode binding (``--decode-routing least-loaded``: fidelity's cluster
+runs the router's default, so the simulator runs the same rule; what is compared is
+the engines' and queues' model, on one placement rule), the decode node bound at dispatch and its KV
 reserved when the hand-off arrives (``--decode-binding route``), LRU host
 eviction, no phase switches, the same closed-loop concurrency.
 
