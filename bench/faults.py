@@ -501,6 +501,10 @@ LOSSY = frozenset({"router-kill", "router-kill-parked", "router-term", "router-s
 """Faults whose victim's clients lose requests by design (its open streams, what they send while it is down): they
 pass with requests lost as long as the replay ends (no hang: ``lost`` is -1 when it did not end in time)."""
 
+STOP_REPLAY_WAIT_S = 30.0
+"""Wall seconds :func:`run_fault` waits for a replay it stopped at ``replay_timeout_s`` to return its result (the stop
+cancels the requests in flight: it returns at once unless its loop is starved)."""
+
 
 @dataclass
 class FaultResult:
@@ -532,6 +536,10 @@ class FaultResult:
     notes: dict[str, object] = field(default_factory=dict)
     """:attr:`FaultRun.notes` of the run."""
     log_dir: str = ""
+    in_flight_at_timeout: list[str] = field(default_factory=list)
+    """The rid (``X-Request-ID``) of each request still unanswered when the replay ran past ``replay_timeout_s`` (it is
+    then stopped: those requests are cancelled; :attr:`sent` counts them, :attr:`lost` is -1): grep the cluster's
+    logs in :attr:`log_dir` for them. Empty when the replay ended in time."""
     kv_pool: str = "off"
     """The workers' host KV pool (``up --kv-pool``): ``real`` moves KV bytes between workers (Mooncake)."""
     frozen: list[str] = field(default_factory=list)
@@ -550,13 +558,14 @@ class FaultResult:
 def up_argv(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0,
             model_dir: Path | None = None, policy: str | None = None, kv_pool: str = "off",
             routing_opts: tuple[str, ...] = (), routing: str | None = None, routers: int = 1,
-            liveness_timeout_s: float | None = None) -> list[str]:
+            liveness_timeout_s: float | None = None, log_requests: bool = False) -> list[str]:
     """The ``evolving-infra up`` command line of a run (router on a free port, ``--metrics``); with ``model_dir``,
     its workers run ``--engine torch`` on that Hugging Face folder (CPU); with ``policy``, ``up --policy policy``;
     with ``kv_pool`` ``real``, ``up --kv-pool real`` (the sim's slots :data:`SIM_POOL_SLOT_BYTES`, a torch worker's
     its page); ``routing``: ``up --routing`` (over the policy's); each of ``routing_opts`` (``K=V``) as ``up --routing-opt``;
     ``routers`` > 1: ``up --routers N`` (router processes on the one port); ``liveness_timeout_s``: ``up
-    --liveness-timeout-s`` (None: its default)."""
+    --liveness-timeout-s`` (None: its default); ``log_requests``: ``up --log-requests`` (the router and the workers log one
+    line per request received and ended, by rid: where a request that never ended was last seen)."""
     argv = [sys.executable, "-m", "evolving_infra.cli", "up", "--port", "0", "--nodes", str(nodes), "--split", split,
             "--speedup", repr(speedup), "--log-dir", str(log_dir), "--ready-timeout", str(timeout_s), "--metrics"]
     if routers != 1:
@@ -573,13 +582,15 @@ def up_argv(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s:
         argv += ["--routing-opt", opt]
     if liveness_timeout_s is not None:
         argv += ["--liveness-timeout-s", repr(liveness_timeout_s)]
+    if log_requests:
+        argv += ["--log-requests"]
     return argv
 
 
 def start_up(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0,
              model_dir: Path | None = None, policy: str | None = None, kv_pool: str = "off",
              routing_opts: tuple[str, ...] = (), routing: str | None = None, routers: int = 1,
-             liveness_timeout_s: float | None = None) -> FaultRun:
+             liveness_timeout_s: float | None = None, log_requests: bool = False) -> FaultRun:
     """Start ``evolving-infra up`` (:func:`up_argv`) and wait for its READY line.
 
     Raises:
@@ -587,7 +598,7 @@ def start_up(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s
     """
     argv = up_argv(log_dir, speedup=speedup, nodes=nodes, split=split, timeout_s=timeout_s, model_dir=model_dir, policy=policy,
                    kv_pool=kv_pool, routing_opts=routing_opts, routing=routing, routers=routers,
-                   liveness_timeout_s=liveness_timeout_s)
+                   liveness_timeout_s=liveness_timeout_s, log_requests=log_requests)
     out = open(log_dir / "up.out", "wb")
     proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=out, start_new_session=True)
     assert proc.stdout is not None
@@ -688,6 +699,7 @@ async def run_fault(
     routing_opts: tuple[str, ...] = (),
     routing: str | None = None,
     routers: int = 1,
+    log_requests: bool = False,
 ) -> FaultResult:
     """Start ``up``, replay ``sessions`` Claude Code sessions, inject ``fault`` after ``fault_at_s``
     wall seconds of replay, and count what it cost.
@@ -699,7 +711,8 @@ async def run_fault(
         concurrency: closed-loop concurrent agents.
         speedup: simulated seconds per wall second of the cluster.
         fault_at_s: wall seconds after the replay starts when the fault is injected.
-        replay_timeout_s: wall bound of the replay (requests still open then count as lost).
+        replay_timeout_s: wall bound of the replay: past it the replay is stopped, the requests still open are
+            cancelled and named in :attr:`FaultResult.in_flight_at_timeout` (counted in ``sent``; ``lost`` is -1).
         max_pause_s: clip each request's recorded pause (tool time) to this many simulated
             seconds, so a short run keeps requests in flight (None: pauses as recorded).
         leftover_after_s: read every worker's work gauges (:attr:`FaultResult.leftover`) this many wall s
@@ -715,6 +728,9 @@ async def run_fault(
         routing: ``up --routing`` (None: the policy's; ``static:2P2D``'s is cache-aware, which plans no fetch).
         routers: ``up --routers N``: router processes on the one port (the faults hit ``router``, the first; the
             replay's clients reach whichever router the kernel hands each connection).
+        log_requests: ``up --log-requests``: one log line per request received and ended in the router's and the
+            workers' logs, so a request the replay names unanswered (:attr:`FaultResult.in_flight_at_timeout`) can be
+            followed to where it was last seen.
 
     Raises:
         KeyError: unknown ``fault``. RuntimeError: ``up`` did not start.
@@ -751,7 +767,8 @@ async def run_fault(
     res.kv_pool = kv_pool
     res.routers = routers
     run = start_up(log_dir, speedup=speedup, nodes=nodes, split=split, model_dir=model_dir, policy=policy, kv_pool=kv_pool,
-                   routing_opts=routing_opts, routing=routing, routers=routers, liveness_timeout_s=UP_LIVENESS_S.get(fault))
+                   routing_opts=routing_opts, routing=routing, routers=routers, liveness_timeout_s=UP_LIVENESS_S.get(fault),
+                   log_requests=log_requests)
     try:
         requests, block, model, vocab = trace.requests, trace.header.block_size, "evolving-infra-sim", None
         if model_dir is not None:
@@ -764,7 +781,8 @@ async def run_fault(
         replayer = LiveReplayer(run.router_url, clock, block_size=block, progress=False, model=model,
                                 vocab_size=vocab, request_timeout_s=replay_timeout_s)
         wall0 = time.monotonic()
-        replay = asyncio.ensure_future(replayer.run(requests, Arrival(kind="closed", concurrency=concurrency)))
+        stop_replay = asyncio.Event()
+        replay = asyncio.ensure_future(replayer.run(requests, Arrival(kind="closed", concurrency=concurrency), stop=stop_replay))
         await asyncio.wait({replay}, timeout=fault_at_s)
         recover: asyncio.Future[float | None] | None = None
         fault_sim: float | None = None
@@ -775,10 +793,21 @@ async def run_fault(
                 run.t_fault = time.monotonic()
             old_pid = run.signalled.get(victim) if victim is not None else None
             recover = asyncio.ensure_future(_wait_recovered(run, victim, old_pid, timeout_s=120.0))
+        timed_out = False
         try:
-            result = await asyncio.wait_for(replay, timeout=replay_timeout_s)
+            result = await asyncio.wait_for(asyncio.shield(replay), timeout=replay_timeout_s)
         except asyncio.TimeoutError:
-            result = None
+            # stopped, not cancelled: the result keeps what was answered and names the requests still open (before, a
+            # cancel left no record at all and the result read sent=0, as if nothing had been sent)
+            timed_out = True
+            stop_replay.set()
+            try:
+                result = await asyncio.wait_for(replay, timeout=STOP_REPLAY_WAIT_S)
+            except asyncio.TimeoutError:
+                result = None
+        except asyncio.CancelledError:  # the run cancelled (Ctrl-C, a test's timeout): the shielded replay with it
+            replay.cancel()
+            raise
         res.replay_wall_s = time.monotonic() - wall0
         if recover is not None:
             res.recover_s = await recover
@@ -794,8 +823,18 @@ async def run_fault(
                                      and r.completion_tokens != r.expected_completion_tokens)
             if fault_sim is not None:
                 res.notes.update(ttft_after_fault(result.records, fault_sim, speedup))
-        else:
-            res.errors = [f"replay did not finish within {replay_timeout_s} s"]
+        if timed_out:
+            open_ids = [] if result is None else result.in_flight_ids
+            res.in_flight_at_timeout = list(open_ids)
+            res.sent += len(open_ids)
+            what = f"replay did not finish within {replay_timeout_s} s: {len(open_ids)} requests unanswered then"
+            if open_ids:
+                what += f" ({', '.join(open_ids[:5])}{', ...' if len(open_ids) > 5 else ''})"
+            if result is None:
+                what += f"; the stopped replay did not return within {STOP_REPLAY_WAIT_S:g} s"
+            elif result.branch_ends_cancelled:
+                what += f", {result.branch_ends_cancelled} branch ends unanswered"
+            res.errors = [what, *res.errors[:4]]
             res.lost = -1
         res.up_alive = run.proc.poll() is None
         res.notes = {**run.notes, **res.notes}

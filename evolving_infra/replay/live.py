@@ -81,6 +81,9 @@ class ReplayResult:
     """The run was stopped (``stop`` set: SIGINT / SIGTERM) before the trace was done."""
     in_flight_at_stop: int = 0
     """Requests sent and cancelled unanswered at the stop (not in ``records``); branch ends are counted apart."""
+    in_flight_ids: list[str] = field(default_factory=list)
+    """The ``X-Request-ID`` (the router's rid) of each of the ``in_flight_at_stop`` requests, sorted: what to look for
+    in the cluster's logs when a stopped run's requests never ended; empty without a stop."""
     branch_ends_cancelled: int = 0
     """Branch ends (``POST /v1/branches/{id}/end``) in flight at the stop, cancelled unanswered: the router may not
     have ended those branches (it ends an idle branch at its expiry). Neither failed (``branch_end_failures``) nor in
@@ -282,6 +285,8 @@ class LiveReplayer:
         sends: set[asyncio.Task[None]] = set()
         """The tasks in ``tasks`` that send a request (its record, once answered): those unfinished at a stop are the
         requests cancelled in flight, not the branch ends that ``tasks`` holds too."""
+        sending: dict[str, str] = {}
+        """Trace id -> ``X-Request-ID`` of each request sent and not answered yet (``in_flight_ids`` at a stop)."""
         end_failures = 0
         # on a terminal the bar redraws in place; in a log (CI, make demo > file) every redraw is a
         # new line, so there it updates every 10 s instead of every 0.1 s
@@ -292,6 +297,7 @@ class LiveReplayer:
                                      headers=self.headers) as http:
 
             async def send(action: SendRequest) -> None:
+                sending[action.req.id] = self._request_id(action.req.id)
                 try:
                     rec = await self._send(http, action)
                 except Exception as e:  # noqa: BLE001 - not httpx's (bad request data, a defect): this request fails,
@@ -301,6 +307,7 @@ class LiveReplayer:
                     rec.error = f"{type(e).__name__}: {e}"
                     rec.finished_at = self.clock.now()
                     log.warning("request failed in the replayer", request=action.req.id, error=rec.error)
+                sending.pop(action.req.id, None)
                 records.append(rec)
                 if on_record is not None:
                     try:
@@ -359,6 +366,7 @@ class LiveReplayer:
 
             stopped = False
             in_flight = 0
+            in_flight_ids: list[str] = []
             ends_cancelled = 0
             try:
                 while not core.done:
@@ -400,6 +408,7 @@ class LiveReplayer:
                     stopped = True
                 if stopped:
                     in_flight = sum(1 for t in sends if not t.done())  # requests only, not branch ends
+                    in_flight_ids = sorted(sending.values())
                     ends_cancelled = sum(1 for t in tasks if t not in sends and not t.done())
                     for t in list(tasks):
                         t.cancel()
@@ -423,6 +432,7 @@ class LiveReplayer:
             branch_end_failures=end_failures,
             interrupted=stopped,
             in_flight_at_stop=in_flight,
+            in_flight_ids=in_flight_ids,
             branch_ends_cancelled=ends_cancelled,
         )
 

@@ -14,7 +14,10 @@ from tests.conftest import bench_faults
 
 
 faults = bench_faults()
-SMALL = dict(sessions=6, max_requests_per_branch=8, concurrency=6, max_pause_s=2.0, fault_at_s=2.0, replay_timeout_s=180.0)
+# log_requests: the router and the workers log each request's arrival and end, so a request a failed run names as
+# unanswered (FaultResult.in_flight_at_timeout) can be followed in its logs (tmp_path)
+SMALL = dict(sessions=6, max_requests_per_branch=8, concurrency=6, max_pause_s=2.0, fault_at_s=2.0, replay_timeout_s=180.0,
+             log_requests=True)
 
 
 @pytest.mark.timeout(400)

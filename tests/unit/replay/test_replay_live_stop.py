@@ -9,7 +9,9 @@ answer them):
 * once every request is answered, a stop ends the wait for the branch ends at once: it waited up to
   ``request_timeout_s`` (600 s) for POSTs nobody answers;
 * the branch ends cancelled at the stop are counted (``branch_ends_cancelled``, the report's
-  ``meta.branch_ends_cancelled``): before, they were counted nowhere (neither failed nor in flight).
+  ``meta.branch_ends_cancelled``): before, they were counted nowhere (neither failed nor in flight);
+* the requests cancelled unanswered are named (``in_flight_ids``, their ``X-Request-ID``): what to look for in the
+  cluster's logs when a run's requests never ended.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ async def test_a_branch_end_in_flight_at_the_stop_is_not_counted_as_a_request():
     res, _ = await _stopped_once_an_end_is_held(trace, ends=1)
     assert (len(res.records), res.in_flight_at_stop, res.interrupted) == (1, 0, True)
     assert (res.branch_ends_cancelled, res.branch_end_failures) == (1, 0)  # counted apart, not as a failure
+    assert res.in_flight_ids == []
     p = demo_partial(ClusterError("x", service="nats-server"), total=2, answered=len(res.records), in_flight=res.in_flight_at_stop)
     assert (p["requests_answered"], p["in_flight_cancelled"], p["requests_not_sent"]) == (1, 0, 1)
 
@@ -86,6 +89,7 @@ async def test_a_request_in_flight_at_the_stop_is_counted_once_besides_the_branc
     assert sent.is_set()
     assert (sorted(r.id for r in res.records), res.in_flight_at_stop, res.interrupted) == (["r1", "r3"], 1, True)
     assert res.branch_ends_cancelled == 2
+    assert res.in_flight_ids == ["r2"]  # named by its X-Request-ID (no branch prefix: the trace id)
     p = demo_partial(ClusterError("x", service="worker-w0"), total=3, answered=len(res.records), in_flight=res.in_flight_at_stop)
     assert (p["requests_answered"], p["in_flight_cancelled"], p["requests_not_sent"]) == (2, 1, 0)
 
