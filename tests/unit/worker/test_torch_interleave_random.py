@@ -6,9 +6,11 @@ given while a plan holds the engine's lock are applied by its next locked call, 
 execute thread after the plan in flight (``WorkerService._beside_step``). Here the event loop races them against
 plans whose forward is slowed (so most calls land while the lock is held): new prefills (some handed off to
 another node), aborts (also of a request whose registration is still deferred, and of one the plan in flight
-runs), re-dispatches of a rid, decode work carrying a hand-off made here, drains. Every drain checks the engine's
-maps against the pools at the drain (``check`` mode); at quiescence the maps equal the pools, every page is free
-and nothing is left registered, deferred or captured. Needs the ``torch`` extra; skipped without it.
+runs), re-dispatches of a rid, decode work carrying a hand-off made here, drains; a plan's hand-offs go out beside
+the step loop (the step's ``_deliver_aside`` task, or a parked prefill's binding task). Every drain checks the
+engine's maps against the pools at the drain (``check`` mode); at quiescence (every hand-off out, a drain after)
+the maps equal the pools, every page is free and nothing is left registered, deferred or captured. Needs the
+``torch`` extra; skipped without it.
 """
 
 from __future__ import annotations
@@ -66,7 +68,6 @@ class _Race:
     def __init__(self, svc: WorkerService, bus: _Bus, rng: random.Random) -> None:
         self.svc, self.bus, self.rng = svc, bus, rng
         self.n = 0
-        self.sending: set[asyncio.Task[None]] = set()
         self.sent: list[asyncio.Task[None]] = []
         self.deferred = 0
         """Calls that found the lock held and left work deferred (the test's reach)."""
@@ -127,24 +128,22 @@ class _Race:
 
         t = asyncio.ensure_future(sending())
         svc._handing_off[h.rid] = t  # type: ignore[assignment]
-        self.sending.add(t)
         self.sent.append(t)
-        t.add_done_callback(self.sending.discard)
 
 
 async def _run(svc: WorkerService, bus: _Bus, seed: int, steps: int) -> int:
     """``steps`` plans raced by the loop's calls, then quiescence; returns the plans run."""
     rng = random.Random(seed)
     race = _Race(svc, bus, rng)
-    handoff = svc._handoff
+    handoff_aside = svc._handoff_aside
 
     async def step_handoff(h: HandOff) -> None:
-        if rng.random() < 0.5:  # published by the step (its rid kept registered by _step_rids)
-            await handoff(h)
-        else:  # parked until its binding came: sent by the binding's task, beside the next steps
-            race.send(h, handoff)
+        if rng.random() < 0.5:  # the step's: its K/V taken on the step, sent by a _deliver_aside task (in _handing_off)
+            await handoff_aside(h)
+        else:  # parked until its binding came: taken and sent by the binding's task, beside the next steps
+            race.send(h, svc._handoff)
 
-    svc._handoff = step_handoff  # type: ignore[method-assign]
+    svc._handoff_aside = step_handoff  # type: ignore[method-assign]
     now, ran, i = 0.0, 0, 0
     while True:
         i += 1
@@ -157,8 +156,13 @@ async def _run(svc: WorkerService, bus: _Bus, seed: int, steps: int) -> int:
                 race.op(now)
                 now += 0.01
                 continue
-            if race.sending:
-                await asyncio.wait(race.sending)
+            if svc._handing_off:
+                # hand-offs still going out (the step's _deliver_aside tasks, the bindings' sends): the engine keeps
+                # their rids registered until they are out, and the step loop drains when one ends (_deliver_aside's
+                # _input wakes it), as the next pass here does. Before, only the bindings' sends were waited for
+                # (the step's went out through _handoff until 4372d0b): a hand-off of the last plan still being
+                # delivered left its rid registered at the final drain (eng.seqs == {'r70'}, under load)
+                await asyncio.wait(set(svc._handing_off.values()))
                 continue
             if not svc.core.requests:
                 break
@@ -233,3 +237,50 @@ def test_a_captured_hand_off_holds_no_private_page(tiny_llama):
     assert not eng.seqs["a"].own and len(eng._free) + len(eng.page_of) == eng.pages
     sent = eng.handoff(handoff.work)  # the captured K/V goes out whole
     assert len(sent.kv) == 6 * eng.pool_slot_bytes() and sent.output_ids == eng.seqs["a"].out[:1]
+
+
+async def test_a_steps_hand_off_is_forgotten_by_the_step_after_its_delivery(tiny_llama):
+    """A step's hand-off goes out beside the step loop (``_deliver_aside``, its rid in ``_handing_off``): the engine
+    keeps the rid's registration while it is out (no private page: captured), and once it is out its task wakes the
+    step loop (``_input``), whose next step drains and forgets it, every page free. What the random test above reached
+    at its quiescence too early (it waited only for the bindings' sends): ``eng.seqs == {'r70'}`` under load."""
+    gate = asyncio.Event()
+
+    class _HeldBus(_Bus):
+        async def publish(self, subject: str, msg: object, **kw: object) -> None:
+            if isinstance(msg, DecodeWork):
+                await gate.wait()  # the decode node's queue is slow: the hand-off is still going out
+            await super().publish(subject, msg, **kw)
+
+    bus = _HeldBus()
+    svc = WorkerService(WorkerConfig(node="p", phase="both", profile="torch-tiny-cpu", engine="torch", model=tiny_llama), bus, SimClock())
+    eng = svc.engine
+    eng.check_each = True
+    try:
+        w = work("a", prompt(1, 5 * 8 + 3), decode_node="d", n=4)
+        svc._accept(eng.accept_prefill, w)
+        svc.core.add_prefill(w, 0.0)
+        for _ in range(10):
+            await svc._step()  # a plan each (its prompt's chunks), the last one hands it off
+            if "a" in svc._handing_off:
+                break
+        delivery = svc._handing_off["a"]
+        await asyncio.sleep(0)  # the delivery task runs up to its held publish
+        assert not delivery.done() and "a" not in svc.core.requests
+        assert "a" in eng.seqs and not eng.seqs["a"].own  # kept while it goes out, its K/V captured
+        svc._wake.clear()
+        gate.set()
+        await delivery
+        assert [x.rid for x in bus.published] == ["a"] and "a" not in svc._handing_off
+        assert svc._wake.is_set()  # the step loop steps again
+        step = asyncio.ensure_future(svc._step())  # no plan: it drains, then waits for input
+        await asyncio.sleep(0)
+        assert not eng.seqs and not eng._deferred and not eng._handoffs
+        eng.check(*svc.core.snapshot())
+        assert len(eng._free) + len(eng.page_of) == eng.pages
+        svc._input()
+        await asyncio.wait_for(step, 5.0)
+        assert not svc.fatal.is_set(), svc.fatal_error
+    finally:
+        if svc._executor is not None:
+            svc._executor.shutdown(wait=True)
