@@ -137,6 +137,17 @@ def _session_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_trace_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``EI_TRACE_CACHE_DIR`` (``evolving_infra.traces.cache``: ``simulate --trace FILE`` keeps FILE's pack there) is a
+    folder of this test process for the whole session, inherited by every process a test starts: no test writes
+    packs into the user's ``~/.cache/evolving-infra/traces`` (nor reads one a user's run left there). A test that
+    sets it itself (tests/unit/traces/test_trace_cache.py) still wins."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EI_TRACE_CACHE_DIR", str(tmp_path_factory.mktemp("ei-trace-cache")))
+        yield
+
+
 def bench_faults():
     """``bench/faults.py`` as a module (``bench/`` is no package), loaded once per process under the name
     ``bench_faults`` (its dataclasses need it in ``sys.modules``) and shared by the tests that drive it."""

@@ -26,6 +26,7 @@ from shared.config import parse_key_values
 
 if TYPE_CHECKING:
     from evolving_infra.sim.config import ForcedSwitch, SimConfig
+    from evolving_infra.traces.cache import CachedTrace
     from evolving_infra.traces.inflate import InflateAhead
 
 # The simulator itself (evolving_infra.sim.config and what it imports: numpy, the services' cores)
@@ -144,11 +145,14 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
 
 
-def load_workload(args: argparse.Namespace, ahead: InflateAhead | None = None) -> tuple[Any, int, dict[str, Any]]:
+def load_workload(args: argparse.Namespace, ahead: InflateAhead | None = None,
+                  cached: CachedTrace | None = None) -> tuple[Any, int, dict[str, Any]]:
     """The requests to replay (a ``--trace`` as a ``traces.compact.CompactTrace``, a generated
     workload as a list of requests), their block size, and provenance for ``meta``.
 
     ``ahead``: the ``--trace`` file already being inflated on a thread (:func:`inflate_ahead`).
+    ``cached``: the ``--trace`` file's place in the trace cache (:func:`trace_cache_lookup`): its pack
+    read when there (the same trace, no JSON parsed), else the file read and its pack written there.
 
     Raises:
         SimConfigError: no input, an unreadable trace or one of no request, or bad generator options.
@@ -160,12 +164,16 @@ def load_workload(args: argparse.Namespace, ahead: InflateAhead | None = None) -
     if bool(args.trace) == bool(args.workload):
         raise SimConfigError("give exactly one of --trace FILE or --workload KIND")
     if args.trace:
-        try:  # held compactly (stubs + prefix differences): ~8 bytes per new block id, not ~40 per id
-            trace = read_trace_compact(Path(stdin_file(args.trace)), ahead=ahead)
-        except TraceError as e:
-            raise SimConfigError(shown(f"--trace: {e}")) from e
-        except OSError as e:  # as demo and fidelity say it (simulate gave "--trace: [Errno 2] No such file ...")
-            raise SimConfigError(shown(f"--trace: {args.trace}: cannot read: {e}")) from e
+        trace = cached.load() if cached is not None and cached.present else None
+        if trace is None:
+            try:  # held compactly (stubs + prefix differences): ~8 bytes per new block id, not ~40 per id
+                trace = read_trace_compact(Path(stdin_file(args.trace)), ahead=ahead)
+            except TraceError as e:
+                raise SimConfigError(shown(f"--trace: {e}")) from e
+            except OSError as e:  # as demo and fidelity say it (simulate gave "--trace: [Errno 2] No such file ...")
+                raise SimConfigError(shown(f"--trace: {args.trace}: cannot read: {e}")) from e
+            if cached is not None and trace.requests:  # as read, before rechaining: a hit rechains the same
+                cached.store(trace)
         if not trace.requests:
             raise SimConfigError(f"--trace: {args.trace}: {NO_REQUESTS}")
         trace, remapped = trace.rechained()
@@ -231,6 +239,22 @@ def apply_schedule(cfg: SimConfig, args: argparse.Namespace, prov: dict[str, Any
         raise SimConfigError(str(e)) from e
 
 
+def trace_cache_lookup(args: argparse.Namespace) -> CachedTrace | None:
+    """The ``--trace`` file's place in the trace cache (``evolving_infra.traces.cache``), or None: no
+    trace file (a workload, stdin), ``--no-trace-cache``, ``EI_TRACE_CACHE_DIR=off``, or a file the
+    cache does not keep (a pipe, a pack). Standard library only: looked up before the simulator is
+    imported, so that a hit skips :func:`inflate_ahead`.
+
+    Raises:
+        TraceCacheError: ``EI_TRACE_CACHE_MAX_BYTES`` is malformed.
+    """
+    if not args.trace or args.workload or args.trace == STDIO or getattr(args, "no_trace_cache", False):
+        return None
+    from evolving_infra.traces.cache import lookup
+
+    return lookup(args.trace)
+
+
 def inflate_ahead(args: argparse.Namespace) -> InflateAhead | None:
     """A gzip ``--trace`` being inflated on a thread from now (``traces.inflate.InflateAhead``), or
     None (no trace, a plain or packed one, one that cannot be opened: read as before). Started
@@ -248,7 +272,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     (``evolving_infra.traces.io.paused_gc``: no collection walks the trace while it loads), and
     frozen at the process's exit (``atexit`` → ``gc.freeze``: the run's cyclic garbage is left to
     the OS, not collected just before the process ends)."""
-    ahead = inflate_ahead(args)
+    from evolving_infra.traces.cache import TraceCacheError
+
+    try:
+        cached = trace_cache_lookup(args)
+    except TraceCacheError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ahead = None if cached is not None and cached.present else inflate_ahead(args)  # a hit inflates nothing
     from evolving_infra.traces.io import paused_gc
 
     # At exit, before the interpreter's last collections: the run leaves cyclic garbage (the
@@ -260,7 +291,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     atexit.register(gc.freeze)
     try:
         with paused_gc():
-            return _cmd_simulate(args, ahead)
+            return _cmd_simulate(args, ahead, cached)
     except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback from wherever the loop was
         print(f"\nsimulate: interrupted; a run that had not finished wrote no report under {args.out}", file=sys.stderr)
         return 130
@@ -269,7 +300,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             ahead.close()
 
 
-def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -> int:
+def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None, cached: CachedTrace | None = None) -> int:
     import evolving_infra.report.write  # noqa: F401 - imported here, as the run's modules, while the trace inflates
     import evolving_infra.sim.run  # noqa: F401 - (inflate_ahead); used by _simulate_held
     from evolving_infra.sim.config import SimConfigError
@@ -298,17 +329,32 @@ def _cmd_simulate(args: argparse.Namespace, ahead: InflateAhead | None = None) -
             print(f"error: --out {out}: {e}", file=sys.stderr)
             return 2
         try:
-            requests, bs, prov = load_workload(args, ahead)
+            requests, bs, prov = load_workload(args, ahead, cached)
             cfg = apply_schedule(cfg, args, prov)
         except SimConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        return _simulate_held(args, cfg, requests, bs, prov, time.monotonic() - t0, out)
+        return _simulate_held(args, cfg, requests, bs, prov, time.monotonic() - t0, out, _cache_state(args, cached))
+
+
+def _cache_state(args: argparse.Namespace, cached: CachedTrace | None) -> str | None:
+    """What the summary line says of the trace cache: ``hit``, ``miss`` (the file read; its pack
+    written now, or not kept), ``off`` (``--no-trace-cache`` or ``EI_TRACE_CACHE_DIR=off``), or None
+    (no trace file the cache keeps: a workload, stdin, a pipe, a pack). Not in ``report.json``: a
+    run's report is the same whichever way its trace was read."""
+    if cached is not None:
+        return cached.status
+    if not args.trace or args.workload or args.trace == STDIO:
+        return None
+    from evolving_infra.traces.cache import cache_dir
+
+    return "off" if getattr(args, "no_trace_cache", False) or cache_dir() is None else None
 
 
 def _simulate_held(args: argparse.Namespace, cfg: SimConfig, requests: Any, bs: int, prov: dict[str, Any],
-                   setup: float, out: Path) -> int:
-    """The run (or sweep) of :func:`_cmd_simulate` once it holds ``out``; returns the exit code."""
+                   setup: float, out: Path, trace_cache: str | None = None) -> int:
+    """The run (or sweep) of :func:`_cmd_simulate` once it holds ``out``; returns the exit code.
+    ``trace_cache``: what the summary line says of the trace cache (:func:`_cache_state`)."""
     from evolving_infra.report.write import print_summary, report_line, write_report
     from evolving_infra.replay.core import ReplayError
     from evolving_infra.sim.config import SimConfigError, l1_overflow_note, seed_unused_note
@@ -366,6 +412,7 @@ def _simulate_held(args: argparse.Namespace, cfg: SimConfig, requests: Any, bs: 
         f"relaunches {r['relaunches']}, a node out of service {100 * r['out_of_service_share']:.1f}% of the time "
         f"({r['out_of_service_node_s']:,.0f} node-s), "
         f"reroutes {r['reroutes']}, unfinished {r['requests_unfinished']}"
+        + (f", trace cache {trace_cache}" if trace_cache else "")
     )
     if late := warmup_outlasted_note("the run", warmup_outlasted(res.stats.planner_decisions, r["simulated_s"], r.get("switches") or 0), r["simulated_s"]):
         print(f"note: {late}")
@@ -384,7 +431,16 @@ def _simulate_held(args: argparse.Namespace, cfg: SimConfig, requests: Any, bs: 
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("input")
-    src.add_argument("--trace", default=None, help="canonical trace (.jsonl or .jsonl.gz; - reads stdin), or one packed by 'trace pack' (the same run, loaded without parsing JSON)")
+    src.add_argument("--trace", default=None, help="canonical trace (.jsonl or .jsonl.gz; - reads stdin), or one packed by 'trace pack' (the same run, loaded without parsing JSON); "
+                     "a .jsonl[.gz] file is packed into the trace cache on its first run and read from there while unchanged (--no-trace-cache)")
+    src.add_argument("--no-trace-cache", action="store_true",
+                     help="read --trace FILE's JSON every run: no pack of it read from or written to the trace cache. "
+                     "The cache (default on): the first run of a .jsonl[.gz] FILE writes its pack (docs/trace-format.md §10) to "
+                     "$EI_TRACE_CACHE_DIR, else $XDG_CACHE_HOME/evolving-infra/traces, else ~/.cache/evolving-infra/traces; later "
+                     "runs of the unchanged FILE (same path, size, mtime, inode) read the pack: the same run, no JSON parsed. "
+                     "EI_TRACE_CACHE_DIR=off turns it off for every run; EI_TRACE_CACHE_MAX_BYTES caps the packs' total size "
+                     "(default 4 GiB, least recently used evicted). A damaged pack is read around and replaced; a cache that "
+                     "cannot be written is a note, never a failed run. The summary line says 'trace cache hit|miss|off'")
     src.add_argument("--workload", default=None, choices=("putnam", "claude-code", "osworld", "shift"),
                      help="generate this workload instead of reading a trace (evolving_infra.traces.generate)")
     src.add_argument("--agents", type=int, default=None, help="--workload: agents to generate (default per workload)")

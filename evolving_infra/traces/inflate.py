@@ -29,6 +29,11 @@ from collections.abc import Iterator
 from typing import IO
 
 GZIP_MAGIC = b"\x1f\x8b"
+PACK_MAGIC = b"\x93EITPACK"
+"""The first bytes of a packed trace (``evolving_infra.traces.pack``; neither gzip's magic nor JSON
+text): only ``read_trace_compact`` (``simulate --trace``) reads one. Here, with gzip's, so that the
+trace cache's look-up (``traces.cache``, before the simulator is imported) tells one without
+importing ``traces.io``; ``traces.io.PACK_MAGIC`` is this."""
 
 CHUNK = 4 << 20
 """Bytes read, and most bytes inflated, at a time (``traces.io._CHUNK`` is this value)."""

@@ -45,7 +45,7 @@ from typing import IO, Any
 
 import msgspec
 
-from evolving_infra.traces.inflate import CHUNK, GZIP_MAGIC, InflateAhead, NotOneMember, one_member
+from evolving_infra.traces.inflate import CHUNK, GZIP_MAGIC, PACK_MAGIC, InflateAhead, NotOneMember, one_member
 from evolving_infra.traces.schema import FORMAT, MAX_BLOCK_ID, VERSION, TraceHeader, TraceRequest
 from shared.values import FACTORY, Value
 
@@ -67,9 +67,9 @@ __all__ = [
 ]
 
 _GZIP_MAGIC = GZIP_MAGIC
-PACK_MAGIC = b"\x93EITPACK"
-"""The first bytes of a packed trace (``evolving_infra.traces.pack``): only ``read_trace_compact``
-(``simulate --trace``) reads one; the line readers see its magic as its only line and name it."""
+# PACK_MAGIC (defined in traces.inflate, which the trace cache's look-up imports alone): the first bytes of
+# a packed trace (``evolving_infra.traces.pack``): only ``read_trace_compact`` (``simulate --trace``) reads
+# one; the line readers see its magic as its only line and name it.
 _PACKED = "a packed trace (trace pack): simulate --trace reads it; the other commands read the .jsonl[.gz] it was packed from"
 _NOT_CANONICAL = ("not a canonical trace (its line 1 is the header {\"format\": \"" + FORMAT + "\", ...}); a raw public "
                   "trace is converted first: evolving-infra trace convert --from "
