@@ -42,10 +42,14 @@ REPO = Path(__file__).resolve().parent.parent
 META_WALL = {"date", "argv", "wall_s"}
 
 
-CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+CHILD_ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "EI_TRACE_CACHE_DIR": "off"}
 """Environment of every timed child: with ``PYTHONDONTWRITEBYTECODE`` (set on this project's CI and
 dev VMs) each run would recompile every module it imports (~0.1–0.8 s, counted in "CPU outside the
-loop"), which an installed package never pays; :func:`export` compiles each tree ahead instead."""
+loop"), which an installed package never pays; :func:`export` compiles each tree ahead instead.
+The trace cache off (``EI_TRACE_CACHE_DIR=off``; ``evolving_infra.traces.cache``): both revisions
+parse the trace every run, so "CPU outside the loop" compares like with like (a revision with the
+cache would read the pack its first run wrote, one without it the JSON), and no run writes into the
+user's cache. ``--head-trace X.eipack`` compares a packed read."""
 
 
 def export(rev: str, dest: Path) -> Path:

@@ -6,7 +6,10 @@
 ``cc.jsonl.gz`` = ``evolving-infra trace convert --from claude-code-weka`` (64-token blocks, the
 converter's default). Each run is the real ``evolving-infra simulate`` command in a fresh child
 process; its peak resident memory is the child's ``ru_maxrss`` from ``os.wait4`` (the child and
-every process it waited for: a sweep's or partition's workers; Linux reports KiB). Runs:
+every process it waited for: a sweep's or partition's workers; Linux reports KiB). Each run has a
+trace cache of its own, empty (``EI_TRACE_CACHE_DIR``, a temporary folder): it parses the trace and
+writes its pack (``evolving_infra.traces.cache``), the most a run of a ``.jsonl.gz`` holds; a later
+run of the same file reads the pack instead, with less. Runs:
 
 * ``evolving-126``: the 1-hour 9 nodes × 4 GPUs ``evolving`` run, 126 agents, pauses ≤ 30 s
   (target ≤ 1 GB);
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,8 +54,9 @@ def measure(trace: str, args: list[str], out: Path, timeout_s: float) -> tuple[i
     t = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "stderr.log"
+    cold = tempfile.mkdtemp(prefix="ei-trace-cache-")  # an empty cache: the run reads the JSON and writes the pack
     with log.open("wb") as errf:
-        p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=errf)
+        p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=errf, env={**os.environ, "EI_TRACE_CACHE_DIR": cold})
     deadline = t + timeout_s
     while True:
         pid, status, ru = os.wait4(p.pid, os.WNOHANG)
@@ -60,9 +65,11 @@ def measure(trace: str, args: list[str], out: Path, timeout_s: float) -> tuple[i
         if time.monotonic() > deadline:
             p.kill()
             p.wait()
+            shutil.rmtree(cold, ignore_errors=True)
             raise SystemExit(f"timed out after {timeout_s:.0f} s: {' '.join(cmd)}")
         time.sleep(0.5)
     p.returncode = os.waitstatus_to_exitcode(status)
+    shutil.rmtree(cold, ignore_errors=True)
     err = log.read_text(errors="replace")
     if p.returncode not in (0, 1):
         raise SystemExit(f"simulate failed ({p.returncode}): {' '.join(cmd)}\n{err[-2000:]}")

@@ -33,10 +33,14 @@ prefill and one decode worker), and with our L1 alone it recomputes most prompts
 same work.
 Ours runs ``static:4P5D`` and ``evolving`` with ``--max-agents`` = the same sessions, from a copy of
 the input converted ahead to the block size (:func:`at_block_size`: the same requests ``simulate
---block-size`` builds, as Dynamo reads its file converted ahead; with ``--ours-packed`` that copy
-packed ahead too, :func:`packed`: the same run, read without parsing JSON). Ours and
-Dynamo alternate, each run a fresh process, ``--dynamo-rounds`` rounds (≥ 3), at 64- and
-512-token blocks; medians of simulated seconds per wall second and the ratio ours ÷ Dynamo,
+--block-size`` builds, as Dynamo reads its file converted ahead), read each way ``--ours-reads``
+names (:data:`READS`): ``plain`` = ``--no-trace-cache``, the ``.jsonl.gz`` parsed every run;
+``cached`` = as a user's repeated runs read it, the trace cache (``evolving_infra.traces.cache``)
+on, in a temporary ``EI_TRACE_CACHE_DIR`` warmed by a first run per policy set whose wall (it
+parses the JSON and writes the pack) is reported apart; ``packed`` = the copy packed ahead by
+``trace pack`` (:func:`packed`; ``--ours-packed`` alone is ``--ours-reads packed``). All three are
+the same run. Ours and Dynamo alternate, each run a fresh process, ``--dynamo-rounds`` rounds (≥ 3),
+at 64- and 512-token blocks; medians of simulated seconds per wall second and the ratio ours ÷ Dynamo,
 with both sides' completed requests and tokens (the work each simulated). What differs in the
 models: engine timing (our profile's fitted iteration model, MTP decode, vs Dynamo's polynomial
 mocker), one KV tier of L1 + L2 size in Dynamo vs our L1 / L2 with restores and peer fetches,
@@ -68,6 +72,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -79,11 +84,16 @@ REPO = Path(__file__).resolve().parent.parent
 from _common import commit_label, dynamo_skip_reason  # noqa: E402
 RESULTS = REPO / "bench" / "RESULTS-history.md"
 CLI = [sys.executable, "-m", "evolving_infra.cli"]
-CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+CHILD_ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "EI_TRACE_CACHE_DIR": "off"}
 """Environment of every timed child (ours and Dynamo's): as a user's shell has it, except that
 Python may write bytecode caches. With ``PYTHONDONTWRITEBYTECODE`` set (this project's CI and
 dev VMs set it) every run recompiles every imported module, ~0.8 s of each of our runs, which
-a user never pays twice. :func:`compile_ahead` fills both sides' caches before the first round."""
+a user never pays twice. :func:`compile_ahead` fills both sides' caches before the first round.
+The trace cache off (``EI_TRACE_CACHE_DIR=off``): each run parses its trace as the figures before
+the cache did, and no run writes into the user's cache; the side-by-side's ``cached`` read turns it
+on in a temporary folder of its own."""
+READS = ("plain", "cached", "packed")
+"""How the side-by-side's ours reads its input (module docstring)."""
 
 
 def compile_ahead(dynamo_python: str | None = None) -> None:
@@ -109,16 +119,20 @@ def make_trace(path: Path, agents: int, block_size: int, seed: int = 1) -> Path:
     return path
 
 
-def run(args: list[str], out: Path) -> dict:
-    """One ``evolving-infra simulate`` run; returns its report."""
+def run(args: list[str], out: Path, env: dict[str, str] | None = None) -> dict:
+    """One ``evolving-infra simulate`` run (environment ``env``, default :data:`CHILD_ENV`); returns its
+    report plus ``process_wall_s`` (interpreter start to exit) and ``trace_cache`` (what the summary
+    line says: ``hit``, ``miss``, ``off``; None when it says nothing)."""
     cmd = CLI + ["simulate", *args, "--out", str(out), "--no-plots"]
     t0 = time.monotonic()
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=CHILD_ENV)
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=CHILD_ENV if env is None else env)
     wall = time.monotonic() - t0
     if p.returncode not in (0, 1):
         raise SystemExit(f"failed: {' '.join(cmd)}\n{p.stderr[-3000:]}")
     rep = json.loads((out / "report.json").read_text())
     rep["process_wall_s"] = wall
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("simulated ")), "")
+    rep["trace_cache"] = line.partition(", trace cache ")[2] or None
     return rep
 
 
@@ -298,10 +312,10 @@ class DynamoReplay:
 
 def side_by_side(dyn: DynamoReplay, cache: Path, *, agents: int, duration: float, rounds: int,
                  block_sizes: tuple[int, ...] = (64, 512), policies: tuple[str, ...] = ("static:4P5D", "evolving"),
-                 ours_packed: bool = False) -> tuple[list[tuple[str, str, str, str]], list[str]]:
-    """Ours (each policy set) and Dynamo's replay alternately, ``rounds`` rounds, on the same input;
-    returns result rows and notes (see the module docstring). ``ours_packed``: ours reads its input
-    packed (:func:`packed`)."""
+                 reads: tuple[str, ...] = ("plain",)) -> tuple[list[tuple[str, str, str, str]], list[str]]:
+    """Ours (each policy set, each way of reading its input in ``reads``: :data:`READS`) and Dynamo's
+    replay alternately, ``rounds`` rounds, on the same input; returns result rows and notes (see the
+    module docstring)."""
     from shared.profile import load_profile
 
     prof = load_profile("gb300-glm52")
@@ -317,13 +331,31 @@ def side_by_side(dyn: DynamoReplay, cache: Path, *, agents: int, duration: float
                "engine": {"num_gpu_blocks": (prof.memory.gpu_kv_tokens + prof.memory.host_kv_tokens) // bs, "max_num_batched_tokens": prof.scheduler.chunk_tokens,
                           "max_num_seqs": prof.scheduler.max_running}}
         ours_trace = at_block_size(trace, cache / f"cc_real_first{agents}_at{bs}.jsonl.gz", bs)
-        if ours_packed:
-            ours_trace = packed(ours_trace, cache / f"cc_real_first{agents}_at{bs}.eipack")
-        ours_args = ["--trace", str(ours_trace), "--nodes", "9", "--concurrency", str(DYNAMO_LANES), "--max-agents", str(agents),
-                     "--max-pause", str(MAX_PAUSE_S), "--block-size", str(bs), "--duration", str(duration)]
-        res: dict[str, list[dict]] = {p: [] for p in ("dynamo", *policies)}
+        common = ["--nodes", "9", "--concurrency", str(DYNAMO_LANES), "--max-agents", str(agents),
+                  "--max-pause", str(MAX_PAUSE_S), "--block-size", str(bs), "--duration", str(duration)]
+        ours: dict[str, tuple[list[str], dict[str, str] | None]] = {}  # "policy/read" -> (args, env)
+        cold: dict[str, dict] = {}
+        warm_dir = Path(tempfile.mkdtemp(prefix="ei-trace-cache-"))  # the cached read's cache, warmed below
+        for pol in policies:
+            for how in reads:
+                src = packed(ours_trace, cache / f"cc_real_first{agents}_at{bs}.eipack") if how == "packed" else ours_trace
+                args = ["--trace", str(src), *common, "--policy", pol] + (["--no-trace-cache"] if how == "plain" else [])
+                env = {**CHILD_ENV, "EI_TRACE_CACHE_DIR": str(warm_dir)} if how == "cached" else None
+                ours[f"{pol}/{how}"] = (args, env)
+                if how == "cached":  # the cold first run: parses the JSON and writes the pack (a cache of its own)
+                    with tempfile.TemporaryDirectory(prefix="ei-trace-cache-cold-") as cdir, \
+                            tempfile.TemporaryDirectory(prefix="ei-dyn-") as tmp:
+                        c = run(args, Path(tmp) / "out", env={**CHILD_ENV, "EI_TRACE_CACHE_DIR": cdir})
+                    cold[pol] = c
+                    print(f"{bs}-token blocks, ours {pol} (cached), cold first run: {c['process_wall_s']:.2f} s wall, "
+                          f"trace cache {c['trace_cache']}", flush=True)
+        if "cached" in reads:  # warm the rounds' cache (one pack: the key is the file, not the policy)
+            args, env = ours[f"{policies[0]}/cached"]
+            with tempfile.TemporaryDirectory(prefix="ei-dyn-") as tmp:
+                run(args, Path(tmp) / "out", env=env)
+        res: dict[str, list[dict]] = {p: [] for p in ("dynamo", *ours)}
         for r in range(rounds):
-            order = ("dynamo", *policies) if r % 2 == 0 else (*policies, "dynamo")
+            order = ("dynamo", *ours) if r % 2 == 0 else (*ours, "dynamo")
             for who in order:
                 with tempfile.TemporaryDirectory(prefix="ei-dyn-") as tmp:
                     if who == "dynamo":
@@ -339,7 +371,11 @@ def side_by_side(dyn: DynamoReplay, cache: Path, *, agents: int, duration: float
                               f"{d['outer_wall_s']:.1f} s ({d['speed']:.0f}x; replay {d['replay_wall_s']:.1f} s, "
                               f"{d['loop_speed']:.0f}x), {d['completed_requests']} requests", flush=True)
                     else:
-                        rep = run([*ours_args, "--policy", who], Path(tmp) / "out")
+                        args, env = ours[who]
+                        rep = run(args, Path(tmp) / "out", env=env)
+                        want = {"plain": "off", "cached": "hit", "packed": "off"}[who.split("/")[1]]  # packed: CHILD_ENV's cache off
+                        if rep["trace_cache"] != want:  # the read is what the row says it is
+                            raise SystemExit(f"ours {who}: trace cache {rep['trace_cache']}, expected {want}")
                         out_tok = _output_tokens(Path(tmp) / "out" / "requests.jsonl")
                         e = {"speed": rep["simulated_s"] / rep["process_wall_s"], "loop_speed": rep["simulated_s"] / rep["sim_wall_s"],
                              "simulated_s": rep["simulated_s"], "completed": rep["requests_completed"], **out_tok,
@@ -347,8 +383,9 @@ def side_by_side(dyn: DynamoReplay, cache: Path, *, agents: int, duration: float
                              "wall_s": rep["process_wall_s"]}
                         res[who].append(e)
                         print(f"{bs}-token blocks, round {r}, ours {who}: {e['simulated_s']:.0f} s simulated in "
-                              f"{rep['process_wall_s']:.1f} s ({e['speed']:.0f}x; loop {rep['sim_wall_s']:.1f} s, "
+                              f"{rep['process_wall_s']:.2f} s ({e['speed']:.0f}x; loop {rep['sim_wall_s']:.2f} s, "
                               f"{e['loop_speed']:.0f}x), {e['completed']} requests", flush=True)
+        shutil.rmtree(warm_dir, ignore_errors=True)
         med = {k: (statistics.median(x["speed"] for x in v), statistics.median(x["loop_speed"] for x in v)) for k, v in res.items()}
         per_req = {k: statistics.median(1000 * x["wall_s"] / max(1, x["completed"]) for x in v) for k, v in res.items()}
         d0 = res["dynamo"][0]
@@ -359,28 +396,41 @@ def side_by_side(dyn: DynamoReplay, cache: Path, *, agents: int, duration: float
                      f"{d0['total_output_tokens']:,} output tokens, {d0['simulated_s']:.0f} s simulated (last completion at "
                      f"{d0['duration_ms'] / 1000:.0f} s), "
                      f"{d0['completed_trajectories']} of {d0['total_trajectories']} agents finished"))
-        for pol in policies:
-            o0 = res[pol][0]
-            rows.append((f"ours `{pol}`, {bs}-token blocks: sim s / wall s, whole process (loop only)",
-                         f"{med[pol][0]:.0f} ({med[pol][1]:.0f})",
-                         f"{med[pol][0] / med['dynamo'][0]:.2f}× Dynamo ({med[pol][1] / med['dynamo'][1]:.2f}× loop vs replay)",
-                         f"median of {rounds}; {per_req[pol]:.2f} wall ms per completed request "
-                         f"({per_req['dynamo'] / per_req[pol]:.2f}× Dynamo's); {o0['completed']} requests completed, {o0['input_tokens']:,} input / "
+        walls = {k: statistics.median(x["wall_s"] for x in v) for k, v in res.items()}
+        for who in ours:
+            pol, how = who.split("/")
+            o0 = res[who][0]
+            extra = ""
+            if how == "cached":
+                c = cold[pol]
+                extra = (f"; input read from the trace cache (warm); the cold first run {c['process_wall_s']:.2f} s wall "
+                         f"(parses the JSON and writes the pack; median warm {walls[who]:.2f} s"
+                         + (f", plain {walls[pol + '/plain']:.2f} s" if pol + "/plain" in walls else "") + ")")
+            rows.append((f"ours `{pol}` ({how}), {bs}-token blocks: sim s / wall s, whole process (loop only)",
+                         f"{med[who][0]:.0f} ({med[who][1]:.0f})",
+                         f"{med[who][0] / med['dynamo'][0]:.2f}× Dynamo ({med[who][1] / med['dynamo'][1]:.2f}× loop vs replay)",
+                         f"median of {rounds}; {per_req[who]:.2f} wall ms per completed request "
+                         f"({per_req['dynamo'] / per_req[who]:.2f}× Dynamo's); {o0['completed']} requests completed, {o0['input_tokens']:,} input / "
                          f"{o0['output_tokens']:,} output tokens, {o0['simulated_s']:.0f} s simulated, peak {o0['peak_rss_mb']:.0f} MiB"
-                         + ("" if o0["exhausted_at"] is None else f"; agents exhausted at {o0['exhausted_at']:.0f} s")))
-        if "evolving" in med and "static:4P5D" in med:
-            rows.append((f"`evolving` ÷ `static:4P5D`, {bs}-token blocks (whole process)",
-                         f"{med['evolving'][0] / med['static:4P5D'][0]:.2f}", "",
-                         "issue 23 target: ≥ 1/1.5 = 0.67; per completed request (static's wall ms ÷ evolving's): "
-                         f"{per_req['static:4P5D'] / per_req['evolving']:.2f} — the same input is closed-loop, so the "
-                         "policy with the lower TTFT completes more requests in the same simulated time"))
+                         + ("" if o0["exhausted_at"] is None else f"; agents exhausted at {o0['exhausted_at']:.0f} s") + extra))
+        for how in reads:
+            e, s_ = f"evolving/{how}", f"static:4P5D/{how}"
+            if e in med and s_ in med:
+                rows.append((f"`evolving` ÷ `static:4P5D` ({how}), {bs}-token blocks (whole process)",
+                             f"{med[e][0] / med[s_][0]:.2f}", "",
+                             "issue 23 target: ≥ 1/1.5 = 0.67; per completed request (static's wall ms ÷ evolving's): "
+                             f"{per_req[s_] / per_req[e]:.2f} — the same input is closed-loop, so the "
+                             "policy with the lower TTFT completes more requests in the same simulated time"))
     notes.append(f"side by side: the first {agents} real Claude Code sessions, {DYNAMO_LANES} concurrent agents, pauses ≤ "
                  f"{MAX_PAUSE_S:.0f} s, {duration:.0f} s simulated; whole process = interpreter start to exit (trace read "
                  "included) on both sides; Dynamo's replay-only time is its `wall_time_ms` (runtime construction and "
                  "execution), ours the simulation loop (`sim_wall_s`); both sides run with bytecode caches written "
                  "ahead (`compile_ahead`, no `PYTHONDONTWRITEBYTECODE`), as an installed package has them; ours read "
-                 + ("its input packed ahead (`trace pack`, `--ours-packed`)" if ours_packed else
-                    "its input as `.jsonl.gz` converted ahead to the block size"))
+                 "its input (converted ahead to the block size) " + ", ".join(
+                     {"plain": "plain = the `.jsonl.gz` parsed every run (`--no-trace-cache`)",
+                      "cached": "cached = the trace cache on, warm (a pack of the `.jsonl.gz` written by a first run, "
+                                "in a temporary `EI_TRACE_CACHE_DIR`)",
+                      "packed": "packed = packed ahead by `trace pack`"}[h] for h in reads))
     return rows, notes
 
 
@@ -414,10 +464,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dynamo-duration", type=float, default=None,
                     help="simulated seconds of each side-by-side run (default 2400, quick 300)")
     ap.add_argument("--dynamo-blocks", default="64,512", help="block sizes of the side-by-side (default 64,512)")
+    ap.add_argument("--ours-reads", default=None,
+                    help="side-by-side: how ours reads its input, comma-separated, each a row of its own (default plain,cached): "
+                         "plain = the .jsonl.gz parsed every run (--no-trace-cache); cached = the trace cache on and warm "
+                         "(a temporary EI_TRACE_CACHE_DIR; the cold first run's wall reported apart); packed = packed ahead "
+                         "by 'trace pack'. All the same run")
     ap.add_argument("--ours-packed", action="store_true",
                     help="side-by-side: ours reads its input packed ahead by 'trace pack' (the same run, no JSON parsed), "
-                         "as Dynamo reads its converted agentic_mooncake file; default the .jsonl.gz")
+                         "as Dynamo reads its converted agentic_mooncake file: --ours-reads packed")
     a = ap.parse_args(argv)
+    if a.ours_packed and a.ours_reads:
+        ap.error("give --ours-reads or --ours-packed, not both")
+    reads = tuple(x.strip() for x in (a.ours_reads or ("packed" if a.ours_packed else "plain,cached")).split(","))
+    if not reads or any(x not in READS for x in reads) or len(set(reads)) != len(reads):
+        ap.error(f"--ours-reads {a.ours_reads!r}: comma-separated, each one of {', '.join(READS)}, once")
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
     repeats = a.repeats or (2 if a.quick else 3)
@@ -436,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: --dynamo-rounds {a.dynamo_rounds} is fewer than the 3 rounds issue 23 asks for", flush=True)
         r_, n_ = side_by_side(dyn, cache, agents=a.dynamo_agents or (200 if a.quick else 530),
                               duration=a.dynamo_duration or (300.0 if a.quick else 2400.0), rounds=a.dynamo_rounds,
-                              block_sizes=tuple(int(x) for x in a.dynamo_blocks.split(",")), ours_packed=a.ours_packed)
+                              block_sizes=tuple(int(x) for x in a.dynamo_blocks.split(",")), reads=reads)
         rows += r_
         notes += n_
     if a.dynamo_only:
