@@ -49,6 +49,39 @@ def test_random_traces_pack_and_read_back_the_same(tmp_path: Path) -> None:
         assert (tmp_path / "again.eipack").read_bytes() == dst.read_bytes(), seed
 
 
+def _one_shot(trace) -> bytes:
+    """The pack of ``trace`` as msgspec encodes the whole payload at once (what ``write_packed`` wrote before it
+    wrote the payload in parts, the store's arrays uncopied): the format the parts must add up to, byte for byte."""
+    st = trace.store
+    payload = msgspec.msgpack.encode(pack._Payload(pack.PACK_VERSION, trace.header, trace.requests,
+                                                   *(bytes(getattr(st, "_" + n)) for n in pack._ARRAYS)))
+    return pack.MAGIC + len(payload).to_bytes(8, "little") + zlib.crc32(payload).to_bytes(4, "little") + payload
+
+
+def test_the_pack_written_in_parts_is_the_one_shot_encoding(tmp_path: Path) -> None:
+    # bin 8 (empty arrays, a one-request trace's offsets), bin 16 (the random traces), bin 32 (the shipped sample)
+    sample = Path(__file__).resolve().parents[3] / "evolving_infra" / "data" / "claude-code-sample.jsonl.gz"
+    empty = tmp_path / "e.jsonl"
+    write_trace(empty, HEADER, [])
+    one = tmp_path / "one.jsonl"
+    write_trace(one, HEADER, [msgspec.structs.replace(_random_requests(1)[0], ends_branch=True)])
+    srcs = [empty, one, sample]
+    for seed in range(20):
+        srcs.append(tmp_path / f"t{seed}.jsonl")
+        write_trace(srcs[-1], HEADER, _random_requests(seed))
+    heads = set()
+    for src in srcs:
+        trace = read_trace_compact(src)
+        dst = tmp_path / "p.eipack"
+        n = pack.write_packed(dst, trace)
+        want = _one_shot(trace)
+        assert dst.read_bytes() == want and n == len(want), src
+        heads |= {bytes(pack._bin_head(len(getattr(trace.store, "_" + a).tobytes())))[:1] for a in pack._ARRAYS}
+    assert heads == {b"\xc4", b"\xc5", b"\xc6"}
+    with pytest.raises(ValueError, match="does not fit a msgpack bin"):
+        pack._bin_head(1 << 32)
+
+
 def test_empty_trace_packs(tmp_path: Path) -> None:
     src = tmp_path / "e.jsonl"
     write_trace(src, HEADER, [])
