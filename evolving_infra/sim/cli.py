@@ -435,7 +435,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                      "a .jsonl[.gz] file is packed into the trace cache on its first run and read from there while unchanged (--no-trace-cache)")
     src.add_argument("--no-trace-cache", action="store_true",
                      help="read --trace FILE's JSON every run: no pack of it read from or written to the trace cache. "
-                     "The cache (default on): the first run of a .jsonl[.gz] FILE writes its pack (docs/trace-format.md §10) to "
+                     "The cache (default on): the first run of a .jsonl[.gz] FILE writes its pack (docs/trace-format.md §10.1) to "
                      "$EI_TRACE_CACHE_DIR, else $XDG_CACHE_HOME/evolving-infra/traces, else ~/.cache/evolving-infra/traces; later "
                      "runs of the unchanged FILE (same path, size, mtime, inode) read the pack: the same run, no JSON parsed. "
                      "EI_TRACE_CACHE_DIR=off turns it off for every run; EI_TRACE_CACHE_MAX_BYTES caps the packs' total size "
