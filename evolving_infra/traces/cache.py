@@ -15,7 +15,8 @@ code*: a hash of the source text of the modules that decide what a trace reads a
 (:data:`READER_MODULES`: ``pack.py`` holds ``PACK_VERSION``, ``compact.py`` / ``io.py`` /
 ``schema.py`` what is built and checked) and the Python version. So a changed FILE (rewritten,
 even to the same size), an edited checkout or a new release (whose reader differs) never reads an
-old pack. (The package version itself is not read: ``importlib.metadata`` costs ~35 ms, a third of
+old pack; a FILE that changes while it is read (its stat differs after the read) leaves no pack.
+(The package version itself is not read: ``importlib.metadata`` costs ~35 ms, a third of
 what a hit saves, and a release whose reader is unchanged reads the same trace.) The pack's name is
 the key's sha256, 32 hex digits, plus ``.eipack``.
 
@@ -144,6 +145,8 @@ class CachedTrace:
             :attr:`stored`), or ``"looked-up"`` before :meth:`load` / :meth:`store`.
         stored: the pack written now (a miss).
         noted: the one stderr note of this run was printed.
+        signature: FILE's (size, mtime_ns, inode, device) when looked up (in the key): :meth:`store`
+            keeps no pack of a FILE that changed since (a write during the read).
     """
 
     trace: str
@@ -153,6 +156,7 @@ class CachedTrace:
     status: str = "looked-up"
     stored: bool = False
     noted: bool = field(default=False, repr=False)
+    signature: tuple[int, ...] = ()
 
     def _note(self, text: str) -> None:
         if not self.noted:
@@ -193,6 +197,12 @@ class CachedTrace:
         from evolving_infra.traces.pack import write_packed
 
         self.status = "miss"
+        try:
+            now = _signature(os.stat(self.trace))
+        except OSError:
+            now = ()
+        if now != self.signature:  # FILE changed while it was read: its pack would not be the file under the key
+            return
         folder = self.pack.parent
         tmp: str | None = None
         try:
@@ -268,6 +278,10 @@ def evict(folder: Path, cap: int, keep: Path | None = None) -> list[Path]:
     return removed
 
 
+def _signature(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+
 def lookup(trace: str | os.PathLike[str], folder: Path | None = None, cap: int | None = None) -> CachedTrace | None:
     """``trace``'s place in the cache, or None: the cache is off, or ``trace`` is not a regular file
     that can be read (stdin, a pipe: read as before), or is a pack itself, or the reader's sources
@@ -300,6 +314,7 @@ def lookup(trace: str | os.PathLike[str], folder: Path | None = None, cap: int |
                 return None
     except (OSError, RuntimeError):  # missing, unreadable (the read says so), a symlink loop
         return None
-    key = hashlib.sha256(code + repr((str(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)).encode()).hexdigest()
+    sig = _signature(st)
+    key = hashlib.sha256(code + repr((str(path), *sig)).encode()).hexdigest()
     pack = folder / (key[:32] + SUFFIX)
-    return CachedTrace(str(trace), pack, cap, present=os.path.isfile(pack))
+    return CachedTrace(str(trace), pack, cap, present=os.path.isfile(pack), signature=sig)

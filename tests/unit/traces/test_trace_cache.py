@@ -128,6 +128,20 @@ def test_a_rewritten_file_of_the_same_size_is_a_miss_and_its_new_content_is_simu
     assert _report(tmp_path / "again") == _report(tmp_path / "plain")
 
 
+def test_a_file_changed_while_it_is_read_leaves_no_pack(tmp_path: Path, cdir: Path) -> None:
+    src = tmp_path / "t.jsonl.gz"
+    shutil.copy(SAMPLE, src)
+    entry = cache.lookup(src)
+    trace = read_trace_compact(src)
+    time.sleep(0.02)
+    src.write_bytes(src.read_bytes())  # rewritten (same bytes, a later mtime) after the look-up
+    entry.store(trace)
+    assert (entry.status, entry.stored, _packs(cdir)) == ("miss", False, [])
+    again = cache.lookup(src)  # the next run: a new key, and a pack of what it reads
+    again.store(read_trace_compact(src))
+    assert again.stored and _packs(cdir) == [again.pack]
+
+
 def test_a_damaged_pack_is_a_miss_with_one_note_and_is_replaced(tmp_path: Path, cdir: Path, capsys) -> None:
     src = tmp_path / "t.jsonl.gz"
     shutil.copy(SAMPLE, src)
