@@ -38,6 +38,7 @@ import random
 import re
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,7 @@ from evolving_infra.traces.schema import TraceRequest
 from evolving_infra.traces.tokens import prompt_token_ids
 from services.router.api import RID_MAX_LEN, request_rid
 from shared.clock import SimClock
+from shared.hashing import tokens_for_blocks, tokens_for_tail
 
 log = structlog.get_logger("replay")
 
@@ -201,6 +203,85 @@ class _Progress:
             bar.close()
 
 
+PROMPT_CACHE_BYTES = 64 << 20
+"""Bytes of JSON text :class:`PromptJson` keeps for trace blocks (least recently used dropped first): about 170k
+blocks of 64 tokens, more than the demo's 60 sessions hold (their 742 prompts, 103M tokens, share all but ~11%)."""
+
+
+class PromptJson:
+    """The JSON text of a trace request's prompt token ids (``[1,2,...]`` as msgspec writes
+    ``prompt_token_ids(req, block_size) % vocab_size``), made of each full block's text, kept per block id.
+
+    An agent's prompt is its previous prompt and a little more: the demo's prompts average 139k tokens (2,178
+    blocks of 64), ~89% of them sent before. Turning every block into ids, the ids into a list of Python ints and
+    the list into JSON again for each request cost the replay client ~6 ms a request (~20% of its CPU); the text of a
+    block seen before is now looked up (``PROMPT_CACHE_BYTES`` bytes of it kept, least recently used dropped), the
+    request's private tail (``tokens_for_tail``) made each time. The bytes are the same as before.
+
+    Args:
+        block_size: tokens per trace block id (> 0).
+        vocab_size: ids are taken modulo it (None: as made, below ``SIM_VOCAB_SIZE``).
+        max_bytes: text kept at most (bytes); 0 keeps none.
+    """
+
+    def __init__(self, block_size: int, vocab_size: int | None = None, max_bytes: int = PROMPT_CACHE_BYTES) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.max_bytes = max_bytes
+        self._text: OrderedDict[int, bytes] = OrderedDict()
+        self._bytes = 0
+        self.hits = 0
+        """Blocks whose text was kept (counted for tests and benchmarks)."""
+        self.misses = 0
+        """Blocks whose text was made."""
+
+    def _ids_text(self, ids: Any) -> bytes:
+        """``ids`` (a uint32 array) as JSON list items without the brackets, modulo ``vocab_size``."""
+        if self.vocab_size is not None:
+            ids = ids % self.vocab_size
+        return _JSON.encode(ids.tolist())[1:-1]
+
+    def encode(self, req: TraceRequest) -> bytes:
+        """``req``'s prompt ids as a JSON array (bytes).
+
+        Raises:
+            ValueError: ``len(req.blocks) != req.input_tokens // block_size`` (as :func:`prompt_token_ids`).
+        """
+        bs = self.block_size
+        if len(req.blocks) != req.input_tokens // bs:
+            prompt_token_ids(req, bs)  # raises its ValueError naming the request
+        text = self._text
+        parts: list[bytes] = []
+        missing: dict[int, int] = {}  # block id -> its index in parts, made below
+        for b in req.blocks:
+            t = text.get(b)
+            if t is None:
+                if b not in missing:
+                    missing[b] = len(parts)
+                parts.append(b"")
+            else:
+                text.move_to_end(b)
+                parts.append(t)
+        self.hits += len(parts) - len(missing)
+        if missing:
+            self.misses += len(missing)
+            grid = tokens_for_blocks(list(missing), bs).reshape(len(missing), bs)
+            made = {b: self._ids_text(row) for b, row in zip(missing, grid)}
+            for i, b in enumerate(req.blocks):
+                if not parts[i]:
+                    parts[i] = made[b]
+            for b, t in made.items():
+                if self.max_bytes:
+                    text[b] = t
+                    self._bytes += len(t)
+            while self._bytes > self.max_bytes and text:
+                self._bytes -= len(text.popitem(last=False)[1])
+        tail_n = req.input_tokens % bs
+        if tail_n:
+            parts.append(self._ids_text(tokens_for_tail(req.id, tail_n)))
+        return b"[" + b",".join(parts) + b"]"
+
+
 class LiveReplayer:
     """Replays trace requests against ``router_url`` on ``clock``.
 
@@ -251,6 +332,7 @@ class LiveReplayer:
         self._rids: dict[str, str] = {}
         """Trace request id → the ``X-Request-ID`` sent for it (one per request, unique in the run)."""
         self._rids_used: set[str] = set()
+        self._prompts = PromptJson(block_size, vocab_size)
 
     async def run(
         self,
@@ -478,21 +560,23 @@ class LiveReplayer:
             expected_completion_tokens=req.output_tokens,
         )
 
+    def request_body(self, req: TraceRequest) -> bytes:
+        """The JSON body of ``req``'s ``POST /v1/completions``: ``model``, ``prompt`` (its token ids,
+        :func:`prompt_token_ids` modulo ``vocab_size``), ``max_tokens`` (the recorded output, at least 1),
+        ``ignore_eos``, ``stream`` with usage; the bytes msgspec writes for that object, the prompt's text
+        from :class:`PromptJson`.
+
+        Raises:
+            ValueError: the request's blocks do not match its ``input_tokens`` (:func:`prompt_token_ids`).
+        """
+        rest = {"max_tokens": max(1, req.output_tokens), "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        return b"".join((_JSON.encode({"model": self.model})[:-1], b',"prompt":', self._prompts.encode(req), b",", _JSON.encode(rest)[1:]))
+
     async def _send(self, http: httpx.AsyncClient, action: SendRequest) -> RequestRecord:
         """Send ``action``'s request, again while :attr:`retry` allows when it was refused before any answer
         (:mod:`evolving_infra.replay.retry`); its record: TTFT and E2E from the first send, waits included."""
         req = action.req
-        tokens = prompt_token_ids(req, self.block_size)
-        if self.vocab_size is not None:
-            tokens = tokens % self.vocab_size
-        body = {
-            "model": self.model,
-            "prompt": tokens.tolist(),
-            "max_tokens": max(1, req.output_tokens),
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        content = self.request_body(req)
         wait = action.admission_wait_s
         rec = self._record(action)
         t0 = self.clock.local_now()  # TTFT / E2E: local durations (a wall-clock step does not lengthen them)
@@ -504,7 +588,7 @@ class LiveReplayer:
                 async with http.stream(
                     "POST",
                     "/v1/completions",
-                    content=_JSON.encode(body),
+                    content=content,
                     headers={**self._headers(action), b"Content-Type": b"application/json",
                              b"X-Request-ID": (rec.x_request_id or "").encode()},  # fmt: skip
                 ) as resp:
