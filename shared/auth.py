@@ -87,7 +87,7 @@ import os
 import re
 import secrets
 import ssl
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -174,6 +174,30 @@ def subject_matches(pattern: str, subject: str) -> bool:
         if i >= len(st) or (p != "*" and p != st[i]):
             return False
     return len(pt) == len(st)
+
+
+def subject_matcher(pattern: str) -> Callable[[str], bool]:
+    """:func:`subject_matches` with ``pattern`` split once: ``subject_matcher(p)(s) == subject_matches(p, s)``.
+    A bus subscription checks every message's subject against its pattern; this splits only the subject.
+    The pattern's literal tokens are compared by position (a pattern without ``*`` or ``>``: the whole string)."""
+    pt = pattern.split(".")
+    if ">" not in pt and "*" not in pt:
+        return pattern.__eq__
+    if ">" in pt:
+        return lambda subject: subject_matches(pattern, subject)
+    n = len(pt)
+    fixed = tuple((i, p) for i, p in enumerate(pt) if p != "*")
+
+    def matches(subject: str) -> bool:
+        st = subject.split(".")
+        if len(st) != n:
+            return False
+        for i, p in fixed:
+            if st[i] != p:
+                return False
+        return True
+
+    return matches
 
 
 def allowed(perms: dict[str, Any], action: str, subject: str) -> bool:

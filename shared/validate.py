@@ -804,18 +804,27 @@ def check(msg: Any, params: dict[str, str] | None = None, nodes: Collection[str]
     return None
 
 
+_PLACES: dict[str, tuple[int, tuple[tuple[int, str], ...]]] = {}
+"""A subject template's token count and its parameters' (position, name), parsed once (:func:`subject_params`)."""
+
+
 def subject_params(template: str, prefix: str, full_subject: str) -> dict[str, str]:
     """Parameters of ``full_subject`` for ``template`` under ``prefix`` (``{}`` when the shape differs).
 
     ``subject_params("kv.events.{node}", "ei.p0.", "ei.p0.kv.events.w0") == {"node": "w0"}``.
+    Every message a bus receives is checked with its subject's parameters: the template is split once per
+    template (a few templates per process), not once per message.
     """
     if not full_subject.startswith(prefix):
         return {}
+    places = _PLACES.get(template)
+    if places is None:
+        tmpl = template.split(".")
+        places = _PLACES[template] = (len(tmpl), tuple((i, t[1:-1]) for i, t in enumerate(tmpl) if t.startswith("{")))
     toks = full_subject[len(prefix) :].split(".")
-    tmpl = template.split(".")
-    if len(toks) != len(tmpl):
+    if len(toks) != places[0]:
         return {}
-    return {t[1:-1]: tok for t, tok in zip(tmpl, toks) if t.startswith("{")}
+    return {name: toks[i] for i, name in places[1]}
 
 
 def all_checked_types() -> Iterable[type]:

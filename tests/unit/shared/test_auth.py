@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evolving_infra.hostile import samples
-from shared.auth import AuthError, NatsAuth, allowed, generate, identity, permissions, subject_matches
+from shared.auth import AuthError, NatsAuth, allowed, generate, identity, permissions, subject_matcher, subject_matches
 from shared.subjects import ALL, Subjects
 
 SERVICES = ["planner", "router", "kvdirectory", "worker-w0", "worker-w1", "operator", "launcher"]
@@ -24,6 +24,17 @@ def test_subject_matching():
     assert subject_matches("a.*.c", "a.b.c") and not subject_matches("a.*.c", "a.b.d")
     assert subject_matches("a.>", "a.b.c") and not subject_matches("a.>", "a")
     assert not subject_matches("a.b", "a.b.c") and subject_matches("a.b.c", "a.b.c")
+
+
+def test_subject_matcher_is_subject_matches_with_the_pattern_split_once():
+    """Every bus subscription checks each message's subject with subject_matcher(pattern): same answers."""
+    patterns = ["a.*.c", "a.>", "a.b", "a.b.c", "*", ">", "a.*.*", "*.b.>", "ei.p0.req.*.out.*", "ei.p0.req.r1.out.*", "a..c", "a.*"]
+    subjects = ["a.b.c", "a.b.d", "a", "a.b", "a.b.c.d", "x.b.c", "a..c", "a.x.c", "ei.p0.req.r1.out.w0", "ei.p0.req.r2.out.w0",
+                "ei.p0.req.r1.out.w0.x", "", "b"]
+    for p in patterns:
+        m = subject_matcher(p)
+        for s in subjects:
+            assert m(s) == subject_matches(p, s), (p, s)
 
 
 def test_every_subject_has_a_publisher_and_a_subscriber():

@@ -13,7 +13,7 @@ from evolving_infra.hostile import count_snapshot_sample, hostile_variants, payl
 from shared import messages as m
 from shared.bus import decoder_for
 from shared.ratelog import RateLimitedLog
-from shared.subjects import ALL, KV_COUNT_SYNC, KV_COUNTS, KV_EVENTS, REQ_OUT, Subjects
+from shared.subjects import ALL, KV_COUNT_SYNC, KV_COUNTS, KV_EVENTS, REQ_OUT, SPLIT_COMMANDS, Subjects
 from shared.validate import CHECKERS, MAX_EPOCH_STEP, check, epoch_step_ok, split_problem, subject_params
 
 
@@ -163,6 +163,9 @@ def test_subject_params():
     assert subject_params(KV_EVENTS.template, s.prefix, s.format(KV_EVENTS, node="w3")) == {"node": "w3"}
     assert subject_params(KV_EVENTS.template, s.prefix, "ei.p1.kv.events.w3") == {}
     assert subject_params(KV_EVENTS.template, s.prefix, "ei.p0.kv.events") == {}
+    assert subject_params(REQ_OUT.template, s.prefix, s.format(REQ_OUT, rid="r-1", node="w0")) == {"rid": "r-1", "node": "w0"}
+    assert subject_params(REQ_OUT.template, s.prefix, "ei.p0.req.r-1.out.w0.x") == {}
+    assert subject_params(SPLIT_COMMANDS.template, s.prefix, s.format(SPLIT_COMMANDS)) == {}
 
 
 def test_every_hostile_variant_is_refused_or_harmless_and_check_never_raises():
