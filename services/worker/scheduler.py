@@ -115,6 +115,10 @@ class _Request(IdentityValue):
     """Prefill side: the peer fetch of this request's prefix (kept after completion for metrics)."""
     seq: int
     """Prefill side: order of joining the waiting queue (the order prefill budget is given in)."""
+    qw: QueuedWork | None
+    """Prefill side, queued: this request's :attr:`NodeState.queue` entry as :meth:`EngineScheduler.state` last
+    built it from ``q_gpu`` / ``q_host`` (immutable: reused by every state until either changes, which sets it
+    None); None when not built since."""
     l2_hold: list[int] | None
     """Prefill side, queued: hashes of the local prefix this request holds in L2 until it
     is admitted or leaves (``KvBlockManager.hold``; the pool keeps this very list as the hold,
@@ -123,7 +127,7 @@ class _Request(IdentityValue):
     __slots__ = __match_args__ = (
         "rid", "prompt_tokens", "max_tokens", "path", "state", "arrived_at", "footprint", "limit", "handoff_to",
         "prefill_work", "cached", "restored", "computed", "held", "reserved", "generated", "acc", "ready_at",
-        "admitted_at", "q_gpu", "q_host", "awaiting_handoff", "fetch", "seq", "l2_hold",
+        "admitted_at", "q_gpu", "q_host", "awaiting_handoff", "fetch", "seq", "l2_hold", "qw",
     )
 
     def __init__(
@@ -159,6 +163,7 @@ class _Request(IdentityValue):
         self.fetch = fetch
         self.seq = seq
         self.l2_hold = l2_hold
+        self.qw = None
 
 
 class EngineScheduler:
@@ -233,6 +238,9 @@ class EngineScheduler:
         self.decode_queue: OrderedDict[str, _Request] = OrderedDict()
         self.transferring: OrderedDict[str, _Request] = OrderedDict()
         self.running: OrderedDict[str, _Request] = OrderedDict()
+        self.prefilling: dict[str, _Request] = {}
+        """The running requests whose prompt is still being computed (``PREFILLING``), in ``running``'s order
+        (admission order): :meth:`state` lists them without walking the decoding ones. Read it, never change it."""
         self.bootstrap: OrderedDict[str, _Request] = OrderedDict()
         """Prefill requests waiting for :meth:`open_gate` (decode KV reserved elsewhere)."""
         self.reserved: OrderedDict[str, _Request] = OrderedDict()
@@ -601,6 +609,8 @@ class EngineScheduler:
         self._container(r.state).pop(rid)
         if r.state == DECODING:
             self.n_decoding -= 1
+        elif r.state == PREFILLING:
+            del self.prefilling[rid]
         self.kv.release(r.path, r.held, r.reserved)
         r.held = r.reserved = 0
         r.state = DONE
@@ -663,6 +673,7 @@ class EngineScheduler:
         self.link.start(r.rid, (pos - lo) * self.block_size * p.kv_bytes_per_token, now)
         self._fetching.add(r.rid)
         r.q_host += pos - lo  # what the queue entry will restore once the fetch is in
+        r.qw = None
         self._count("started")
         self._count("blocks", pos - lo)
         if self.external_fetch:
@@ -745,6 +756,7 @@ class EngineScheduler:
         self._drop_hold(r)  # (an unhold changes no page's place: the match below is the same after it)
         # hold the extended L2 prefix (fetched pages and their ancestors), if any, until admission
         r.q_gpu, r.q_host, r.l2_hold = self.kv.match_hold(r.path, r.limit)
+        r.qw = None
 
     def _drop_hold(self, r: _Request) -> None:
         """Release the L2 prefix queued request ``r`` holds, if it holds one (idempotent)."""
@@ -952,6 +964,7 @@ class EngineScheduler:
                 # no decode node named yet (route.bind under way): its first token goes out now, it
                 # waits out of the batch, its pages held, and bind_decode returns its hand-off
                 del self.running[r.rid]
+                del self.prefilling[r.rid]
                 r.state = PARKED
                 self.parked[r.rid] = r
                 continue
@@ -961,6 +974,7 @@ class EngineScheduler:
                 out.append(self._handoff(r, now))
                 self._remove(r)
             else:
+                del self.prefilling[r.rid]
                 r.state = DECODING
                 self.n_decoding += 1
                 if self._lazy:
@@ -1127,37 +1141,41 @@ class EngineScheduler:
         reader that uses only the counts (the simulator's router under a routing
         policy that never reads the queue).
 
-        Cost: O(1) + O(running) while a running request is prefilling (``running`` holds only
-        prefilling and decoding requests, ``n_decoding`` of them decoding: with none prefilling
-        the running batch is not walked) + O(waiting + bootstrap)."""
-        bs = self.block_size
+        Cost: O(1) + O(prefilling) (:attr:`prefilling`: the decoding requests are not walked)
+        + O(waiting + bootstrap), a queued request's entry made anew only when its prefix match
+        changed (``_Request.qw``; the entries are immutable, so states share them)."""
         queue: list[QueuedWork] = []
         running = self.running
-        if with_queue and len(running) > self.n_decoding:  # a running request is prefilling
-            in_flight: dict[str, int] = {}
-            if self.inflight is not None:
-                for c in self.inflight.prefill:
-                    in_flight[c.rid] = c.tokens
-            for r in running.values():
-                if r.state == PREFILLING:
+        n_running = len(running)
+        inflight = self.inflight
+        if with_queue:
+            if self.prefilling:
+                in_flight: dict[str, int] = {}
+                if inflight is not None:
+                    for c in inflight.prefill:
+                        in_flight[c.rid] = c.tokens
+                for r in self.prefilling.values():
                     done = r.cached + r.computed + in_flight.get(r.rid, 0)
                     if done < r.prompt_tokens:
                         queue.append(QueuedWork(rid=r.rid, uncached_tokens=r.prompt_tokens - done, cached_tokens=done))
-        if with_queue and (self.waiting or self.bootstrap):
-            for r in (*self.waiting.values(), *self.bootstrap.values()):
-                cached = (r.q_gpu + r.q_host) * bs
-                queue.append(
-                    QueuedWork(
-                        rid=r.rid,
-                        uncached_tokens=r.prompt_tokens - cached,
-                        cached_tokens=cached,
-                        restore_tokens=r.q_host * bs,
-                    )
-                )
-        remaining = self.inflight.end - now if self.inflight is not None else 0.0
+            if self.waiting or self.bootstrap:
+                bs = self.block_size
+                for r in (*self.waiting.values(), *self.bootstrap.values()):
+                    w = r.qw
+                    if w is None:  # built anew only when its prefix match changed (see _Request.qw)
+                        cached = (r.q_gpu + r.q_host) * bs
+                        w = r.qw = QueuedWork(
+                            rid=r.rid,
+                            uncached_tokens=r.prompt_tokens - cached,
+                            cached_tokens=cached,
+                            restore_tokens=r.q_host * bs,
+                        )
+                    queue.append(w)
+        remaining = inflight.end - now if inflight is not None else 0.0
         if not remaining > 0.0:  # max(0.0, remaining), no builtin call (one per state)
             remaining = 0.0
-        gpu, host = self.kv.gpu, self.kv.host
+        kv = self.kv
+        gpu, host = kv.gpu, kv.host
         host_used = host.pinned  # host.used and gpu.available below, without their property calls
         for q in host.queues:
             host_used += q.blocks
@@ -1165,13 +1183,11 @@ class EngineScheduler:
             node=self.node,
             ts=now,
             phase=self.phase,
-            block_size=bs,
-            running=len(self.running),
-            waiting=len(self.waiting)
-            + len(self.bootstrap)
-            + len(self.decode_queue)
-            + len(self.transferring)
-            + len(self.reserved),
+            block_size=self.block_size,
+            running=n_running,
+            # waiting + bootstrap + decode_queue + transferring + reserved: each request is in one container
+            # (schedule() checks it per plan), so the others' complement, 3 lengths instead of 5
+            waiting=len(self.requests) - n_running - len(self.parked),
             decoding=self.n_decoding,
             remaining_s=remaining,
             queue=queue,
@@ -1239,6 +1255,7 @@ class EngineScheduler:
         """Move the head of the waiting queue to running if L1 can hold its footprint."""
         n_gpu, n_host, admitted = self.kv.match_admit(r.path, r.limit, r.footprint)
         r.q_gpu, r.q_host = n_gpu, n_host
+        r.qw = None
         if not admitted:
             return False
         new_slots = r.footprint - n_gpu
@@ -1263,6 +1280,7 @@ class EngineScheduler:
         r.admitted_at = now
         r.state = PREFILLING
         self.running[r.rid] = r
+        self.prefilling[r.rid] = r
         return True
 
     def _promote_decode(self, now: float) -> None:
@@ -1355,6 +1373,7 @@ class EngineScheduler:
             del self.running[r.rid]  # (_container's answer for a running request, without the call)
         elif state == PREFILLING:
             del self.running[r.rid]
+            del self.prefilling[r.rid]
         else:
             self._container(state).pop(r.rid)
         del self.requests[r.rid]
@@ -1458,6 +1477,8 @@ class EngineScheduler:
             raise SchedulerError(f"{len(self.running)} running > cap {self.max_running}")
         if self.n_decoding != sum(1 for r in self.running.values() if r.state == DECODING):
             raise SchedulerError("n_decoding out of sync")
+        if list(self.prefilling.values()) != [r for r in self.running.values() if r.state == PREFILLING]:
+            raise SchedulerError("prefilling out of sync with the running batch's prefilling requests")
         if self._lazy and sorted(id(r) for _, _, r in self._dheap if r.state == DECODING) != sorted(
             id(r) for r in self.running.values() if r.state == DECODING
         ):

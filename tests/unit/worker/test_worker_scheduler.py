@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.messages import BlockStored
+from shared.messages import BlockStored, QueuedWork
 from services.worker.plan import HandOff, SchedulerError, TokensOut, WorkRejected
 from services.worker.scheduler import EngineScheduler
 
@@ -521,6 +521,53 @@ def test_state_sizes_are_the_pools_at_every_step_with_two_host_groups(b):
             now = plan.end
             s.finish_iteration(plan, now)
     assert len(host.queues) == 2 and seen_groups
+
+
+def _queue_from_scratch(s: EngineScheduler) -> list[QueuedWork]:
+    """``NodeState.queue`` with every entry made anew (what ``state()`` built before it kept them)."""
+    bs = s.block_size
+    fly = {c.rid: c.tokens for c in s.inflight.prefill} if s.inflight is not None else {}
+    out = []
+    for r in s.running.values():
+        if r.state == "prefilling":
+            done = r.cached + r.computed + fly.get(r.rid, 0)
+            if done < r.prompt_tokens:
+                out.append(QueuedWork(rid=r.rid, uncached_tokens=r.prompt_tokens - done, cached_tokens=done))
+    for r in (*s.waiting.values(), *s.bootstrap.values()):
+        cached = (r.q_gpu + r.q_host) * bs
+        out.append(QueuedWork(rid=r.rid, uncached_tokens=r.prompt_tokens - cached, cached_tokens=cached, restore_tokens=r.q_host * bs))
+    return out
+
+
+def test_state_keeps_a_queued_entry_until_its_prefix_match_changes(b):
+    """A waiting request's ``queue`` entry is made once and shared by the states that follow (the
+    entries are immutable) until its prefix match changes (a failed admission re-matches it after
+    other prompts' pages were cached): every state still lists what a build from scratch lists,
+    the prefilling requests (:attr:`EngineScheduler.prefilling`) in the running batch's order."""
+    s = b.sched(b.profile(memory__gpu_kv_tokens=64, scheduler__max_running=3))  # 16 pages: admissions wait for room
+    now = 0.0
+    for i in range(6):  # prompts sharing their first pages, so a re-match finds more cached
+        s.add_prefill(b.prefill(f"r{i}", [1, 2, 3] + [10 * i + j for j in range(4, 7)], tail=1, max_tokens=3), now)
+    last: dict[str, QueuedWork] = {}
+    kept = changed = 0
+    while True:
+        st = s.state(now)
+        assert st.queue == _queue_from_scratch(s)
+        n_queued = len(s.waiting) + len(s.bootstrap)  # the queue's last entries; the same objects in the next state
+        again = s.state(now).queue
+        assert all(x is y for x, y in zip(st.queue[len(st.queue) - n_queued :], again[len(again) - n_queued :]))
+        for w in st.queue:
+            if w.rid in s.waiting and w.rid in last:
+                kept += w is last[w.rid]
+                changed += w != last[w.rid]
+            last[w.rid] = w
+        assert list(s.prefilling.values()) == [r for r in s.running.values() if r.state == "prefilling"]
+        plan = s.schedule(now)
+        if plan is None:
+            break
+        now = plan.end
+        s.finish_iteration(plan, now)
+    assert kept and changed and not s.requests
 
 
 def test_records_match_plans(b, run):
