@@ -449,7 +449,7 @@ class QueuedWork(Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False
     """Cached tokens that must be restored from host memory (L2 → L1)."""
 
 
-class NodeState(Msg, frozen=True, kw_only=True):
+class NodeState(Msg, frozen=True, kw_only=True, gc=False):
     """Snapshot of a node at an iteration launch (throttled) or heartbeat."""
 
     node: str
