@@ -700,6 +700,7 @@ async def run_fault(
     routing: str | None = None,
     routers: int = 1,
     log_requests: bool = False,
+    request_timeout_s: float | None = None,
 ) -> FaultResult:
     """Start ``up``, replay ``sessions`` Claude Code sessions, inject ``fault`` after ``fault_at_s``
     wall seconds of replay, and count what it cost.
@@ -731,6 +732,9 @@ async def run_fault(
         log_requests: ``up --log-requests``: one log line per request received and ended in the router's and the
             workers' logs, so a request the replay names unanswered (:attr:`FaultResult.in_flight_at_timeout`) can be
             followed to where it was last seen.
+        request_timeout_s: each request's own wall bound in the replay client (None: ``replay_timeout_s``, as a
+            request stuck since the replay's start ends with the replay); one longer than ``replay_timeout_s`` leaves
+            every request open at the bound to be named in :attr:`FaultResult.in_flight_at_timeout`.
 
     Raises:
         KeyError: unknown ``fault``. RuntimeError: ``up`` did not start.
@@ -779,7 +783,8 @@ async def run_fault(
             model, vocab = model_dir.name, router_vocab_size(answers)
         clock = SimClock(speedup)
         replayer = LiveReplayer(run.router_url, clock, block_size=block, progress=False, model=model,
-                                vocab_size=vocab, request_timeout_s=replay_timeout_s)
+                                vocab_size=vocab,
+                                request_timeout_s=replay_timeout_s if request_timeout_s is None else request_timeout_s)
         wall0 = time.monotonic()
         stop_replay = asyncio.Event()
         replay = asyncio.ensure_future(replayer.run(requests, Arrival(kind="closed", concurrency=concurrency), stop=stop_replay))

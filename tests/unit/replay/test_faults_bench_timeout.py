@@ -35,9 +35,11 @@ async def test_a_replay_past_its_bound_reports_what_it_sent_and_names_the_reques
 
     monkeypatch.setitem(faults.FAULTS, "nothing", nothing)
     monkeypatch.setattr(faults, "_wait_recovered", not_recovered)
-    try:
+    try:  # each request's own bound past the replay's: at 0.5 s both (the default) the two raced, and a request's
+        # timeout firing first left nothing open at the bound (a loaded CI run: in_flight_at_timeout == [])
         r = await asyncio.wait_for(faults.run_fault("nothing", log_dir=tmp_path, sessions=2, max_requests_per_branch=2,
-                                                    concurrency=2, fault_at_s=0.05, replay_timeout_s=0.5), 20)
+                                                    concurrency=2, fault_at_s=0.05, replay_timeout_s=0.5,
+                                                    request_timeout_s=60.0), 20)
     finally:
         await stub.close()
     assert stub.received is not None and stub.received.is_set()
