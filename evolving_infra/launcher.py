@@ -2266,7 +2266,7 @@ def demo_input_flags(args: argparse.Namespace) -> list[str]:
 
 def _baseline_line(args: argparse.Namespace, out: Path) -> str:
     """The demo's last line: the same input (:func:`demo_input_flags`) under the baseline (SGLang PD at the same
-    split, cache-aware routing, no switches), or, after a static run, under the default policy starting from the same
+    split, cache-aware prefill routing, round-robin decode, no switches), or, after a static run, under the default policy starting from the same
     split, as a command to run and compare; the comparison goes to a folder next to ``out`` (``OUT-compare``; a
     bare ``report compare`` wrote ``./compare-out`` wherever the user stood)."""
     ei = command_name()  # `make demo` runs .venv/bin/evolving-infra, not on PATH until the venv is activated
@@ -2280,7 +2280,7 @@ def _baseline_line(args: argparse.Namespace, out: Path) -> str:
                 f"{ei} report compare --out {shlex.quote(str(compare))} {shlex.quote(str(other))} {shlex.quote(str(out))}")
     base_out = Path(f"{out}-static")
     compare = Path(f"{out}-compare")
-    return (f"baseline (same input, SGLang PD at {args.split}, cache-aware routing, no switches): "
+    return (f"baseline (same input, SGLang PD at {args.split}, cache-aware prefill routing, round-robin decode, no switches): "
             f"{ei} demo --policy static:{args.split} {same} --out {shlex.quote(str(base_out))} && "
             f"{ei} report compare --out {shlex.quote(str(compare))} {shlex.quote(str(out))} {shlex.quote(str(base_out))}")
 
