@@ -129,7 +129,9 @@ async def test_a_child_left_rendering_is_ended_by_its_cpu_limit():
         t0 = time.monotonic()
         with pytest.raises(TemplateRenderError, match="renderer process ended"):
             await _render(pool, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
-        assert time.monotonic() - t0 < 5.0
+        # ended by its 1 CPU s, not the router's 30-s deadline: wall time is that CPU second stretched by the box's load
+        # (5.16 s seen on a loaded 2-core box against an earlier 5-s bound)
+        assert time.monotonic() - t0 < 15.0
     finally:
         await pool.close()
 
