@@ -115,14 +115,14 @@ class _Request(IdentityValue):
     """Prefill side: the peer fetch of this request's prefix (kept after completion for metrics)."""
     seq: int
     """Prefill side: order of joining the waiting queue (the order prefill budget is given in)."""
-    qw: QueuedWork | None
-    """Prefill side, queued: this request's :attr:`NodeState.queue` entry as :meth:`EngineScheduler.state` last
-    built it from ``q_gpu`` / ``q_host`` (immutable: reused by every state until either changes, which sets it
-    None); None when not built since."""
     l2_hold: list[int] | None
     """Prefill side, queued: hashes of the local prefix this request holds in L2 until it
     is admitted or leaves (``KvBlockManager.hold``; the pool keeps this very list as the hold,
     so it is never changed and its unhold is O(1)); None when it holds nothing."""
+    qw: QueuedWork | None
+    """Prefill side, queued: this request's :attr:`NodeState.queue` entry as :meth:`EngineScheduler.state` last
+    built it from ``q_gpu`` / ``q_host`` (immutable: reused by every state until either changes, which sets it
+    None); None when not built since."""
 
     __slots__ = __match_args__ = (
         "rid", "prompt_tokens", "max_tokens", "path", "state", "arrived_at", "footprint", "limit", "handoff_to",
@@ -136,7 +136,7 @@ class _Request(IdentityValue):
         cached: int = 0, restored: int = 0, computed: int = 0, held: int = 0, reserved: int = 0,
         generated: int = 0, acc: int = 0, ready_at: float = 0.0, admitted_at: float = 0.0, q_gpu: int = 0,
         q_host: int = 0, awaiting_handoff: bool = False, fetch: FetchState | None = None, seq: int = 0,
-        l2_hold: list[int] | None = None,
+        l2_hold: list[int] | None = None, qw: QueuedWork | None = None,
     ) -> None:
         self.rid = rid
         self.prompt_tokens = prompt_tokens
@@ -163,7 +163,7 @@ class _Request(IdentityValue):
         self.fetch = fetch
         self.seq = seq
         self.l2_hold = l2_hold
-        self.qw = None
+        self.qw = qw
 
 
 class EngineScheduler:
