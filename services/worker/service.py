@@ -65,6 +65,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
+import functools
 import os
 import threading
 import time
@@ -2358,19 +2359,27 @@ class WorkerService:
         task = self._spawn(self._deliver_aside(h, work, headers), name=f"worker-{self.node}-handoff-{h.rid}", fatal=True)
         self._deliveries.add(task)
         self._handing_off[h.rid] = task
+        task.add_done_callback(functools.partial(self._delivery_ended, h.rid))
 
     async def _deliver_aside(self, h: HandOff, work: m.DecodeWork, headers: dict[str, str] | None) -> None:
-        """:meth:`_handoff_aside`'s task: deliver ``work`` (``h``'s), then leave :attr:`_handing_off`."""
-        try:
-            await self._deliver_handoff(h, work, headers)
-        finally:
-            self._sending_handoffs -= 1
-            me = asyncio.current_task()
-            self._deliveries.discard(me)
-            self._send_room.set()
-            if self._handing_off.get(h.rid) is me:
-                del self._handing_off[h.rid]
-            self._input()  # a drain may be over (_maybe_switch), KV freed
+        """:meth:`_handoff_aside`'s task: deliver ``work`` (``h``'s); :meth:`_delivery_ended` follows its end."""
+        await self._deliver_handoff(h, work, headers)
+
+    def _delivery_ended(self, rid: str, task: asyncio.Task[None]) -> None:
+        """Done callback of :meth:`_handoff_aside`'s task for ``rid`` (ended, failed or cancelled): it leaves
+        :attr:`_deliveries`, :attr:`_sending_handoffs` and :attr:`_handing_off`, the step may send the next
+        (:attr:`_send_room`), the loop is woken (a drain may be over, KV freed). A callback, not the task's
+        ``finally``: a task cancelled before its first step never runs its body. An abort of the request whose
+        handler ran in the turn the step made the task (``_on_abort`` cancels it) did that: the rid stayed in
+        ``_handing_off`` for good, the re-dispatched attempt's work looped in :meth:`_newest_attempt` (its wait on
+        the done task returned at once) and every later work of its subscription queued behind it; the drain of a
+        phase switch never ended (a real-bytes fault run's w0 answered nothing for 3 minutes; session 58)."""
+        self._sending_handoffs -= 1
+        self._deliveries.discard(task)
+        self._send_room.set()
+        if self._handing_off.get(rid) is task:
+            del self._handing_off[rid]
+        self._input()
 
     async def _send_handoff(self, h: HandOff) -> None:
         work, headers = await self._take_handoff(h)

@@ -1254,3 +1254,35 @@ async def test_a_decode_nodes_state_counts_the_hand_offs_waiting_in_its_queue_so
     choice = least_loaded_decode(loads)
     assert choice is not None and choice.node == "e"
     await d.stop()
+
+
+async def test_an_abort_that_cancels_a_step_hand_off_before_it_started_leaves_no_stale_entry_and_new_work_goes_on():
+    """A step's hand-off goes out from a task beside the step loop (``_handoff_aside``); an abort of its request
+    (``work.<node>.abort``: the router re-dispatched it after its decode node was SIGKILLed, or dropped that attempt's
+    first token) cancels that task. When the abort's handler ran in the same loop turn, before the task's first step,
+    the task ended without running its body, so its ``finally`` never ran: its rid stayed in ``_handing_off`` (a done
+    task), ``_deliveries`` and ``_sending_handoffs`` kept it. New work of the rid (the re-dispatched attempt) then
+    looped in ``_newest_attempt`` forever (``asyncio.wait`` on the done task returns at once), and every later
+    prefill work of the node queued behind it on its subscription: the real-bytes fault run's w0 went silent for 3
+    minutes (session 58, trace_0045-3 / trace_0049-7). A drain (a phase switch) never ended either. Now the task's
+    bookkeeping runs in its done callback, which runs whether or not the task started."""
+    from services.worker.plan import HandOff
+    from services.worker.service import _Owner
+
+    bus = _Bus()
+    p = _worker("p", "prefill", bus)
+    p._owners["r1"] = _Owner(attempt=1, router="")
+    await p._handoff_aside(HandOff("r1", "d", _work(attempt=1), 0.0))
+    (delivery,) = p._deliveries
+    assert p._handing_off["r1"] is delivery and p._sending_handoffs == 1
+    # the abort's handler in the same turn: nothing awaited between, so the hand-off's task has not started
+    await p._on_abort(m.RequestAbort(rid="r1", attempt=1, reason="re-dispatched"), "")
+    assert delivery.cancelled() or delivery.cancelling() > 0
+    assert p.counters["handoff.aborted"] == 1
+    # the re-dispatched attempt's work: taken within a bound, not waited for forever
+    ok = await asyncio.wait_for(p._newest_attempt("r1", 2, "", p.clock.local_now()), 2.0)
+    assert ok
+    assert delivery.cancelled()
+    assert p._handing_off == {} and p._deliveries == set() and p._sending_handoffs == 0
+    assert not [msg for t, msg, _ in bus.published if t == "work.{node}.decode"]  # the aborted hand-off never went out
+    await p.stop()
