@@ -524,7 +524,11 @@ class FaultResult:
     restarts: dict[str, int] = field(default_factory=dict)
     replay_wall_s: float = 0.0
     errors: list[str] = field(default_factory=list)
-    """First few error texts of lost requests."""
+    """First few error texts of lost requests, then each worker watchdog's record of a hung step (its requests, where
+    the step loop awaited, the threads' stacks; :func:`hang_errors`): a failed run says where a worker stuck."""
+    hangs: list[str] = field(default_factory=list)
+    """Every hang record of the workers' logs (:func:`worker_hangs`): watchdog firings and long waits of new work for
+    a previous attempt's step, each with where the step loop awaited. A watchdog firing fails :func:`_passed`."""
     token_mismatch: int = 0
     """Completed requests whose ``usage.completion_tokens`` is not the length the replay asked for (``ignore_eos``):
     tokens lost or counted twice."""
@@ -590,8 +594,11 @@ def up_argv(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s:
 def start_up(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0,
              model_dir: Path | None = None, policy: str | None = None, kv_pool: str = "off",
              routing_opts: tuple[str, ...] = (), routing: str | None = None, routers: int = 1,
-             liveness_timeout_s: float | None = None, log_requests: bool = False) -> FaultRun:
-    """Start ``evolving-infra up`` (:func:`up_argv`) and wait for its READY line.
+             liveness_timeout_s: float | None = None, log_requests: bool = False,
+             watchdog_timeout_s: float | None = None) -> FaultRun:
+    """Start ``evolving-infra up`` (:func:`up_argv`) and wait for its READY line. ``watchdog_timeout_s``: the workers'
+    ``--watchdog-timeout-s`` (``EI_WATCHDOG_TIMEOUT_S`` in ``up``'s environment, which its services inherit; None: the
+    workers' default, 300 s).
 
     Raises:
         RuntimeError: when ``up`` exits or prints no READY line within ``timeout_s``.
@@ -600,7 +607,11 @@ def start_up(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s
                    kv_pool=kv_pool, routing_opts=routing_opts, routing=routing, routers=routers,
                    liveness_timeout_s=liveness_timeout_s, log_requests=log_requests)
     out = open(log_dir / "up.out", "wb")
-    proc = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=out, start_new_session=True)
+    if watchdog_timeout_s is not None and not watchdog_timeout_s > 0:
+        raise ValueError(f"watchdog_timeout_s {watchdog_timeout_s!r}: positive seconds, or None for the workers' default")
+    env = None if watchdog_timeout_s is None else {**os.environ, "EI_WATCHDOG_TIMEOUT_S": repr(float(watchdog_timeout_s))}
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=out,
+                            start_new_session=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     os.set_blocking(proc.stdout.fileno(), False)
@@ -701,6 +712,7 @@ async def run_fault(
     routers: int = 1,
     log_requests: bool = False,
     request_timeout_s: float | None = None,
+    watchdog_timeout_s: float | None = None,
 ) -> FaultResult:
     """Start ``up``, replay ``sessions`` Claude Code sessions, inject ``fault`` after ``fault_at_s``
     wall seconds of replay, and count what it cost.
@@ -735,9 +747,13 @@ async def run_fault(
         request_timeout_s: each request's own wall bound in the replay client (None: ``replay_timeout_s``, as a
             request stuck since the replay's start ends with the replay); one longer than ``replay_timeout_s`` leaves
             every request open at the bound to be named in :attr:`FaultResult.in_flight_at_timeout`.
+        watchdog_timeout_s: the workers' ``--watchdog-timeout-s`` (None: their default, 300 s). Below
+            ``replay_timeout_s``, a worker step that hangs is ended (the worker restarts) and its record (the step's
+            requests, where it awaited, the threads' stacks) reaches :attr:`FaultResult.errors` before the replay's
+            bound; keep it above any freeze the fault puts on a worker (``*-stop-long``: 40 s).
 
     Raises:
-        KeyError: unknown ``fault``. RuntimeError: ``up`` did not start.
+        KeyError: unknown ``fault``. RuntimeError: ``up`` did not start. ValueError: ``watchdog_timeout_s`` not positive.
     """
     from evolving_infra.launcher import demo_trace_path
     from evolving_infra.replay.core import Arrival
@@ -772,7 +788,7 @@ async def run_fault(
     res.routers = routers
     run = start_up(log_dir, speedup=speedup, nodes=nodes, split=split, model_dir=model_dir, policy=policy, kv_pool=kv_pool,
                    routing_opts=routing_opts, routing=routing, routers=routers, liveness_timeout_s=UP_LIVENESS_S.get(fault),
-                   log_requests=log_requests)
+                   log_requests=log_requests, watchdog_timeout_s=watchdog_timeout_s)
     try:
         requests, block, model, vocab = trace.requests, trace.header.block_size, "evolving-infra-sim", None
         if model_dir is not None:
@@ -854,6 +870,9 @@ async def run_fault(
             pass
         res.counters.update(await _twin_counters(run) if run.started and res.up_alive else {})
         res.log_problems = worker_log_problems(Path(log_dir))
+        hangs = worker_hangs(Path(log_dir))
+        res.hangs = [text for _, text in hangs]
+        res.errors += hang_errors(hangs, timed_out)
         res.frozen = sorted(run.frozen)
         res.frozen_s = {k: round(v, 3) for k, v in sorted(run.frozen_s.items())}
     finally:
@@ -980,6 +999,57 @@ froze: this plus its freeze, :func:`_frozen_waits_ok`): its locates (``--kv-pool
 (``--kv-pool-fetch-timeout-s``, 10 s), 14 s, and as much again for a loaded machine's loop (18.3 s seen at load 15 on 2
 cores). Longer: a remote wait without its bound (a stopped peer holds the request for its whole 40-s freeze)."""
 
+WATCHDOG_EVENTS = ("engine step hung past --watchdog-timeout-s", "event loop blocked past --watchdog-timeout-s")
+"""Prefixes of the worker watchdog's error lines (``services/worker/service.py`` ``_on_hang``): the node was hung."""
+LONG_WAIT_EVENT = "new work waits long for its request's previous attempt"
+"""Prefix of the worker's warning when new work of a request waited past ``PREVIOUS_WAIT_NOTE_S`` for the step (or
+hand-off) of its previous attempt (``WorkerService._wait_noted``): where the step loop waited then."""
+HANG_TEXT_MAX = 8000
+"""Characters of one :func:`worker_hangs` record kept (the threads' stacks are cut past it)."""
+
+
+def worker_hangs(log_dir: Path) -> list[tuple[str, str]]:
+    """The hang records in the workers' logs (``worker-*.log``, every process of a node): ``("watchdog", text)`` for
+    each watchdog firing (a step hung past ``--watchdog-timeout-s``, or the event loop blocked) and ``("wait", text)``
+    for each new work that waited long for its previous attempt's step (``LONG_WAIT_EVENT``). ``text`` names the log
+    file, the event, the step (its number, how long it ran, its requests), where the step loop awaited
+    (``awaiting``: the coroutine chain, ``services.worker.watchdog.await_chain``) and the threads' stacks, at most
+    :data:`HANG_TEXT_MAX` characters: what a failed run prints of where a worker stuck. A line that is not JSON is
+    skipped."""
+    out: list[tuple[str, str]] = []
+    for f in sorted(Path(log_dir).glob("worker-*.log")):
+        for line in f.read_text(errors="replace").splitlines():
+            if not line.startswith("{") or not (any(e in line for e in WATCHDOG_EVENTS) or LONG_WAIT_EVENT in line):
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict):
+                continue
+            event = str(rec.get("event", ""))
+            kind = "watchdog" if event.startswith(WATCHDOG_EVENTS) else "wait" if event.startswith(LONG_WAIT_EVENT) else ""
+            if not kind:
+                continue
+            keys = ("node", "step", "elapsed_s", "timeout_s", "rid", "attempt", "waits_for", "waited_s", "rids", "step_rids",
+                    "prefill_tokens", "decode_rows", "iterations", "timestamp")  # fmt: skip
+            head = ", ".join(f"{k}={rec[k]}" for k in keys if k in rec)
+            text = f"{f.name}: {event} ({head})"
+            if rec.get("awaiting"):
+                text += f"\nawaiting:\n{rec['awaiting']}"
+            if rec.get("stacks"):
+                text += f"\nstacks:\n{rec['stacks']}"
+            out.append((kind, text if len(text) <= HANG_TEXT_MAX else text[: HANG_TEXT_MAX - 3] + "..."))
+    return out
+
+
+def hang_errors(hangs: Sequence[tuple[str, str]], timed_out: bool) -> list[str]:
+    """The texts of ``hangs`` (:func:`worker_hangs`) that go into :attr:`FaultResult.errors`: every watchdog firing,
+    and the long waits for a previous attempt's step too when the replay ran past its bound (``timed_out``: they say
+    where the request it names stuck)."""
+    return [text for kind, text in hangs if kind == "watchdog" or timed_out]
+
+
 MOONCAKE_HARMLESS = ("Local segment descriptor not found",)
 """Mooncake's glog error lines every worker prints at start (services/worker/kvpool/README.md: harmless)."""
 
@@ -1041,13 +1111,14 @@ def _passed(r: FaultResult) -> bool:
     """Nothing lost (a :data:`LOSSY` fault: the replay ended), ``up`` alive, no token count off, nothing left in a
     worker, a SIGTERMed service gone within its compose stop grace (:data:`STOP_GRACE_S`, else 30 s), and no request
     waiting on a real-bytes fetch longer than :data:`FETCH_WAIT_BOUND_MS` (``--kv-pool real``; a worker the fault
-    froze: that plus its freeze, :func:`_frozen_waits_ok`)."""
+    froze: that plus its freeze, :func:`_frozen_waits_ok`), and no worker watchdog firing (:attr:`FaultResult.hangs`)."""
+    hung = any(e in h for h in r.hangs for e in WATCHDOG_EVENTS)
     lost_ok = r.lost == 0 or (r.fault in LOSSY and r.lost > 0)
     fetch_ok = kv_fetch_summary(r)["wait_ms_max"] <= FETCH_WAIT_BOUND_MS and _frozen_waits_ok(r)
     exit_s = r.notes.get("exit_s")
     grace = STOP_GRACE_S.get(r.fault.removesuffix("-term"), 30.0)
     term_ok = not isinstance(exit_s, (int, float)) or 0 <= exit_s <= grace
-    return lost_ok and fetch_ok and r.up_alive and r.token_mismatch == 0 and _left_in_workers(r) == 0 and term_ok
+    return lost_ok and fetch_ok and r.up_alive and r.token_mismatch == 0 and _left_in_workers(r) == 0 and term_ok and not hung
 
 
 def _results_section(results: list[FaultResult], args: argparse.Namespace) -> str:
@@ -1153,6 +1224,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--routers", type=int, default=1, metavar="N",
                    help="`up --routers N`: N router processes on the one port (default 1); router-kill / router-term hit "
                    "the first (`router`) while the others keep serving")
+    p.add_argument("--watchdog-timeout-s", type=float, default=None, metavar="S",
+                   help="the workers' --watchdog-timeout-s (default: theirs, 300 s); below the replay's bound a hung "
+                   "worker step is ended and its record (where it awaited, the stacks) goes into the run's errors; keep "
+                   "it above a fault's freeze of a worker (*-stop-long: 40 s)")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
     p.add_argument("--from-json", default=None, help="render the section from a file written by --out instead of running")
     p.add_argument("--no-results", action="store_true", help="do not append a section to bench/RESULTS-history.md")
@@ -1166,6 +1241,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown fault(s) {unknown}; known: {', '.join(FAULTS)}")
     if args.routers < 1:
         p.error(f"--routers {args.routers}: at least 1")
+    if args.watchdog_timeout_s is not None and not args.watchdog_timeout_s > 0:
+        p.error(f"--watchdog-timeout-s {args.watchdog_timeout_s}: positive seconds")
     if args.engine == "torch" and not args.from_json:
         import importlib.util
 
@@ -1191,7 +1268,8 @@ def main(argv: list[str] | None = None) -> int:
                       speedup=args.speedup, nodes=args.nodes, split=args.split, fault_at_s=args.fault_at,
                       max_pause_s=args.max_pause, leftover_after_s=None if args.leftover_after < 0 else args.leftover_after,
                       engine=args.engine, max_output=args.max_output, policy=args.policy, kv_pool=args.kv_pool,
-                      routing_opts=tuple(args.routing_opt or ()), routing=args.routing, routers=args.routers)
+                      routing_opts=tuple(args.routing_opt or ()), routing=args.routing, routers=args.routers,
+                      watchdog_timeout_s=args.watchdog_timeout_s)
         )
         print(json.dumps(asdict(r)), flush=True)
         results.append(r)

@@ -119,7 +119,7 @@ from shared.tokenizer import load_tokenizer, output_vocabulary  # the same token
 from services.worker.fetch import FetchStarted
 from services.worker.plan import HandOff, IterationPlan, SchedulerError, TokensOut, WorkRejected
 from services.worker.scheduler import EngineScheduler
-from services.worker.watchdog import LoopBlocked, StepHung, StepInfo, StepWatchdog
+from services.worker.watchdog import LoopBlocked, StepHung, StepInfo, StepWatchdog, await_chain
 
 if TYPE_CHECKING:  # imported where --kv-pool real needs it: Mooncake is optional
     from services.worker.kvpool.pool import HostKvPool
@@ -190,6 +190,13 @@ class _QueueGate:
     counted: bool = False
     """In ``WorkerService._queued_sends`` (queued, not yet admitted)."""
 
+
+PREVIOUS_WAIT_NOTE_S = 10.0
+"""Wall seconds new work of a request may wait for its previous attempt's step or hand-off on this node
+(``WorkerService._newest_attempt``) before the wait is logged at warning, once, with where the step loop (or the
+hand-off) waits (:func:`~services.worker.watchdog.await_chain`; counted ``requests.waited_long``). The wait goes on:
+the engine keeps one registration per rid. Before, such a wait said nothing, and the prefill subscription's later
+work queued silently behind it (a fault run's request unanswered for 3 minutes, its worker's log silent)."""
 
 KV_READY_SLACK_WALL_S = 1.0
 """Wall seconds a received hand-off's ``kv_ready_at`` may lie past twice its transfer time (:func:`kv_ready_bound`)."""
@@ -562,6 +569,8 @@ class WorkerService:
         self._step_over = asyncio.Event()
         """Set when no engine step is in flight (:meth:`_newest_attempt`)."""
         self._step_over.set()
+        self._loop_task: asyncio.Task[None] | None = None
+        """The step loop's task (:meth:`_run`): where it waits goes into a hung step's record (:func:`await_chain`)."""
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         """The execute thread (threaded engines, ``--fault-hang-step``), made at the first use."""
         self._plan_reads: list[tuple[asyncio.Future[Any], contextvars.Context, Any, tuple[Any, ...]]] | None = None
@@ -621,6 +630,8 @@ class WorkerService:
             task = asyncio.create_task(coro, name=f"worker-{node}-{name}")
             task.add_done_callback(self._task_done if name != "split-get" else self._spawned_done)
             self._tasks.append(task)
+            if name == "loop":
+                self._loop_task = task
         if self.watchdog is not None:
             self.watchdog.start(self._loop)  # also ends the process when a handler blocks the loop
         if self.cfg.fault_block_loop_at_s > 0:
@@ -1081,7 +1092,7 @@ class WorkerService:
                 handing = self._handing_off.get(rid)
                 if handing is not None:  # its hand-off is going out (bound after its prefill: _bind), as a step's would
                     self.counters["requests.waited_for_handoff"] += 1
-                    await asyncio.wait({handing})
+                    await self._wait_noted(handing, rid, attempt, "its previous attempt's hand-off", handing)
                     now = self.clock.local_now()
                     continue
                 aborted = max(self._aborted.get((rid, mine), -1), self._aborted.get((rid, ""), -1))
@@ -1097,8 +1108,30 @@ class WorkerService:
             # plan: up to fold_wall_s of wall time, × speedup in simulated time.
             self._input()
             while rid in self._step_rids:
-                await self._step_over.wait()
+                over = asyncio.ensure_future(self._step_over.wait())
+                try:
+                    await self._wait_noted(over, rid, attempt, f"engine step {self._steps}", self._loop_task)
+                finally:
+                    over.cancel()
             now = self.clock.local_now()
+
+    async def _wait_noted(self, fut: asyncio.Future[Any], rid: str, attempt: int, what: str,
+                          holder: asyncio.Future[Any] | None) -> None:
+        """Wait for ``fut`` (not cancelled here) on behalf of new work (``rid``, ``attempt``) held back by ``what``;
+        past :data:`PREVIOUS_WAIT_NOTE_S` wall s the wait is logged at warning once, with the step's requests and
+        where ``holder`` (the step loop's task, or the hand-off's) waits (:func:`await_chain`; counted
+        ``requests.waited_long``), then waited out."""
+        t0 = time.monotonic()
+        done, _ = await asyncio.wait({fut}, timeout=PREVIOUS_WAIT_NOTE_S)
+        if done:
+            return
+        self.counters["requests.waited_long"] += 1
+        self.log.warning(
+            "new work waits long for its request's previous attempt on this node; later work of its subscription waits behind it",
+            rid=rid, attempt=attempt, waits_for=what, waited_s=round(time.monotonic() - t0, 3),
+            step_rids=sorted(self._step_rids)[:16], awaiting=await_chain(holder),
+        )  # fmt: skip
+        await asyncio.wait({fut})
 
     def _forget(self, rid: str) -> None:
         """Drop this shell's per-request state of ``rid`` (binding, stream, owner)."""
@@ -2795,7 +2828,7 @@ class WorkerService:
             "engine step hung past --watchdog-timeout-s; the node exits to be restarted",
             step=info.seq, elapsed_s=round(e.elapsed_s, 3), timeout_s=self.cfg.watchdog_timeout_s, requests=len(info.rids),
             rids=list(info.rids[:64]), prefill_tokens=info.prefill_tokens, decode_rows=info.decode_rows,
-            iterations=info.iterations, stacks=stacks,
+            iterations=info.iterations, awaiting=await_chain(self._loop_task), stacks=stacks,
         )  # fmt: skip
 
     def _hang_forever(self) -> None:

@@ -35,6 +35,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 from services.worker.plan import IterationPlan
@@ -114,6 +115,60 @@ def frame_stacks() -> str:
         f"Thread 0x{ident:x} ({names.get(ident, '?')}), most recent call last:\n" + "".join(traceback.format_stack(frame))
         for ident, frame in sys._current_frames().items()
     )
+
+
+AWAIT_CHAIN_MAX = 64
+"""Links :func:`await_chain` follows at most (a cycle or a runaway chain is cut there)."""
+
+
+def await_chain(task: "asyncio.Future[Any] | None") -> str:
+    """Where the asyncio ``task`` waits now: its coroutine and each coroutine it awaits in turn (``cr_await``), one
+    ``File "...", line N, in name`` line each, outermost first, then what the innermost awaits (a future, a task, an
+    event's waiter), or how it ended. Thread stacks (:func:`thread_stacks`) cannot say it: a coroutine suspended at an
+    ``await`` is on no thread's stack, so a step hung on an await (a hand-off's wait for send room, a wait for a peer)
+    showed only the event loop idle in ``select``. Readable from another thread (the watchdog's): it only reads
+    attributes, and a chain that changes meanwhile is read as it is then (never raises; at most
+    :data:`AWAIT_CHAIN_MAX` links). ``None``: ``"(no task)"``."""
+    if task is None:
+        return "(no task)"
+    try:
+        if task.done():
+            return f"(task {_name(task)} is done: {'cancelled' if task.cancelled() else repr(task.exception())})"
+        get_coro = getattr(task, "get_coro", None)
+        obj: object = get_coro() if get_coro is not None else task
+        lines = [f"Task {_name(task)}, awaiting (outermost first):"]
+        for _ in range(AWAIT_CHAIN_MAX):
+            frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None) or getattr(obj, "ag_frame", None)
+            if frame is None and not hasattr(obj, "cr_await") and not hasattr(obj, "gi_yieldfrom"):
+                lines.append(f"  awaits {_short(obj)}")
+                break
+            if frame is not None:
+                code = frame.f_code
+                lines.append(f'  File "{code.co_filename}", line {frame.f_lineno}, in {code.co_name}')
+            nxt = getattr(obj, "cr_await", None)
+            if nxt is None:
+                nxt = getattr(obj, "gi_yieldfrom", None)
+            if nxt is None:
+                break
+            obj = nxt
+        return "\n".join(lines)
+    except Exception as e:  # a diagnostic: never let it fail the report it goes into
+        return f"(await chain unreadable: {e!r})"
+
+
+def _name(task: object) -> str:
+    get_name = getattr(task, "get_name", None)
+    return str(get_name()) if get_name is not None else type(task).__name__
+
+
+def _short(obj: object) -> str:
+    """``obj`` (a future, a task, a future's iterator) in one line of at most 300 characters."""
+    try:
+        text = repr(obj)
+    except Exception as e:
+        text = f"<{type(obj).__name__}: repr failed: {e!r}>"
+    text = " ".join(text.split())
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def overdue(since: float | None, now: float, timeout_s: float) -> bool:

@@ -15,9 +15,12 @@ from tests.conftest import bench_faults
 
 faults = bench_faults()
 # log_requests: the router and the workers log each request's arrival and end, so a request a failed run names as
-# unanswered (FaultResult.in_flight_at_timeout) can be followed in its logs (tmp_path)
+# unanswered (FaultResult.in_flight_at_timeout) can be followed in its logs (tmp_path). watchdog_timeout_s: a worker
+# step that hangs is ended well inside the replay's bound, and its record (where the step awaited, the threads' stacks)
+# reaches FaultResult.errors, so a failed run (a CI rerun's printout) says where a worker stuck; before, the workers'
+# 300-s watchdog fired after the 180-s bound and the run said only which request went unanswered
 SMALL = dict(sessions=6, max_requests_per_branch=8, concurrency=6, max_pause_s=2.0, fault_at_s=2.0, replay_timeout_s=180.0,
-             log_requests=True)
+             log_requests=True, watchdog_timeout_s=30.0)
 
 
 @pytest.mark.timeout(400)

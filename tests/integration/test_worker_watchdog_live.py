@@ -36,6 +36,7 @@ from services.worker.config import WorkerConfig
 from services.worker.engines.sim import SimEngine
 from services.worker.plan import IterationPlan
 from services.worker.service import WorkerService
+from tests.conftest import bench_faults
 from tests.integration.live import Services, node_state_history, node_states, open_bus, router_factory
 from tests.integration.polling import until
 
@@ -90,6 +91,15 @@ async def test_a_hung_step_ends_the_worker_and_the_router_redispatches_its_reque
             assert hung["level"] == "error" and hung["rids"] == ["hung-1"] and hung["step"] == 1, hung
             assert hung["elapsed_s"] >= TIMEOUT_S and hung["prefill_tokens"] == 6, hung
             assert "_hang_forever" in hung["stacks"] and "Thread 0x" in hung["stacks"], hung["stacks"]
+            # where the step loop awaited: the coroutine chain a thread's stack cannot show (a step hung on an await)
+            assert "in _run_plan" in hung["awaiting"] and "in _execute_plan" in hung["awaiting"], hung["awaiting"]
+            # the fault harness reads the record from the worker's log into its result's errors (bench/faults.py)
+            (tmp_path / "worker-w0.log").write_text(out)
+            hangs = bench_faults().worker_hangs(tmp_path)
+            [(kind, text)] = hangs
+            assert kind == "watchdog" and bench_faults().hang_errors(hangs, False) == [text], hangs
+            assert "engine step hung" in text and "rids=['hung-1']" in text and "in _execute_plan" in text, text
+            assert "_hang_forever" in text, text
             assert not req.done()
             # the supervisor restarts it: the router fences the hung process and re-dispatches the request
             wcfg = WorkerConfig(nats_url=nats_url, node="w0", profile="tiny", speedup=1.0, clock_origin=origin,

@@ -108,3 +108,26 @@ def test_a_freeze_is_timed_from_sigstop_to_sigcont(monkeypatch):
     run.thaw("worker-w3", 4242)
     assert sent == [(4242, faults.signal.SIGSTOP), (4242, faults.signal.SIGCONT)]
     assert run.frozen == {"worker-w3"} and run.frozen_s == {"worker-w3": 8.5}
+
+
+def test_hang_records_go_into_the_errors_a_watchdog_firing_always_a_long_wait_when_the_replay_timed_out(tmp_path: Path):
+    """The workers' hang records (bench/faults.py ``worker_hangs``): a watchdog firing reaches ``FaultResult.errors``
+    and fails the verdict; a long wait of new work for its previous attempt's step goes there only when the replay ran
+    past its bound (it says where the request it names stuck)."""
+    hung = {"event": "engine step hung past --watchdog-timeout-s; the node exits to be restarted", "level": "error",
+            "node": "w0", "step": 7, "elapsed_s": 30.4, "rids": ["trace_0045-3"], "awaiting": "Task worker-w0-loop\n  File "
+            "\"service.py\", line 2351, in _handoff_aside", "stacks": "Thread 0x1 (most recent call first):\n" + "x" * 20_000}
+    wait = {"event": "new work waits long for its request's previous attempt on this node; later work of its "
+            "subscription waits behind it", "level": "warning", "rid": "trace_0045-3", "attempt": 149,
+            "waits_for": "engine step 7", "awaiting": "Task worker-w0-loop"}  # fmt: skip
+    (tmp_path / "worker-w0.log").write_text("\n".join([json.dumps(wait), "not json {", json.dumps(hung)]) + "\n")
+    hangs = faults.worker_hangs(tmp_path)
+    assert [k for k, _ in hangs] == ["wait", "watchdog"]
+    text = hangs[1][1]
+    assert text.startswith("worker-w0.log: engine step hung") and "rids=['trace_0045-3']" in text
+    assert "in _handoff_aside" in text and len(text) <= faults.HANG_TEXT_MAX
+    assert faults.hang_errors(hangs, False) == [text]
+    assert faults.hang_errors(hangs, True) == [hangs[0][1], text]
+    ok = _result(counters={}, hangs=[hangs[0][1]])
+    assert faults._passed(ok)
+    assert not faults._passed(_result(counters={}, hangs=[t for _, t in hangs]))
