@@ -40,7 +40,7 @@ from shared.natsserver import MAX_PAYLOAD_BYTES, EmbeddedNatsServer, NatsServerE
 from shared.net import http_url, listen_socket
 from shared.profile import Profile, load_profile, with_kv_tokens
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
-from shared.split import parse_split, split_phases
+from shared.split import parse_split, split_name, split_phases
 from shared.subjects import PLANNER_DECISIONS, SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
 from evolving_infra.nodedown import announce_downs
 from evolving_infra.liveness import (  # the liveness decisions, shared with the Slurm job's watcher
@@ -350,8 +350,12 @@ class _Child:
     killed: bool = False
     """The supervisor SIGKILLed the running process (silent too long) and waits, pass by pass, for it to exit."""
     left_down: bool = False
-    """A worker past ``max_restarts`` within ``restart_window_s`` while other workers serve: not restarted until
-    :attr:`restart_at` (``restart_window_s`` after its last exit); the routers fence it (``node.down``)."""
+    """A service past ``max_restarts`` within ``restart_window_s`` whose absence serving survives (a worker while
+    other workers serve, the planner, the KV directory, a router beside another: ``LocalCluster._absence``): not
+    restarted until :attr:`restart_at` (``restart_window_s`` after its last exit); the routers fence a worker
+    (``node.down``)."""
+    down_effect: str = ""
+    """While :attr:`left_down`: what serving does without it ("the split is frozen at 2P2D ...")."""
     env: dict[str, str] | None = None
     """Variables set over the launcher's environment for this process (None: the launcher's as is)."""
     pass_fds: tuple[int, ...] = ()
@@ -1035,8 +1039,10 @@ class LocalCluster:
 
         Raises:
             ClusterError: a service (or nats-server) exited more than ``max_restarts`` times within
-                ``restart_window_s`` (a worker only when no other worker serves: one is left down otherwise,
-                :meth:`_leave_down`), or nats-server could not be started again within as many tries.
+                ``restart_window_s`` and serving would stop without it (the reason in the message: the last worker or
+                router whose process runs, the planner or a worker while no running worker would serve prefill or
+                decode; the others are left down, :meth:`_absence`, :meth:`_leave_down`), or nats-server could not be
+                started again within as many tries.
         """
         s = self.spec
         now = time.monotonic() if now is None else now
@@ -1071,8 +1077,9 @@ class LocalCluster:
                 clean_after_stable = code == 0 and now - self._nats_started > s.stable_s
                 n = len(self._nats_exits) if clean_after_stable else count_exit(self._nats_exits, now, s.restart_window_s)
                 if n > s.max_restarts:
-                    raise ClusterError(f"nats-server exited {n} times in {window}; giving up", service="nats-server",
-                                       reason=f"nats-server exited {n} times in {window} (restarts gave up)")
+                    why = "every service talks over it: nothing is served without it"
+                    raise ClusterError(f"nats-server exited {n} times in {window}; giving up ({why})", service="nats-server",
+                                       reason=f"nats-server exited {n} times in {window} (restarts gave up) ({why})")
                 if not clean_after_stable:
                     self._note_crash_loop("nats-server", now, "nats.log in the log folder")
                 delay = restart_delay(self._nats_streak, 0.1, s.restart_backoff_max_s)
@@ -1122,14 +1129,18 @@ class LocalCluster:
                 c.streak += 1
                 clean_after_stable = c.proc.returncode == 0 and now - c.started_at > s.stable_s
                 n = len(c.exits) if clean_after_stable else count_exit(c.exits, now, s.restart_window_s)
-                if n > s.max_restarts and self._leave_down(c, n, now):
-                    continue
                 if n > s.max_restarts:
+                    effect, why = self._absence(c)
+                    if effect is not None:
+                        self._leave_down(c, n, now, effect)
+                        continue
                     last = _short_exit(c.proc.returncode)
+                    because = f" ({why})" if why else ""
                     raise ClusterError(
-                        f"{c.name} exited {n} times in {window} (last: {last}); giving up; log {c.log_path}:\n{self._log_tail(c)}",
+                        f"{c.name} exited {n} times in {window} (last: {last}); giving up{because}; log {c.log_path}:\n"
+                        f"{self._log_tail(c)}",
                         service=c.name,
-                        reason=f"{c.name} exited {n} times in {window} (last: {last}; restarts gave up)",
+                        reason=f"{c.name} exited {n} times in {window} (last: {last}; restarts gave up){because}",
                     )
                 if not clean_after_stable:
                     self._note_crash_loop(c.name, now, str(c.log_path))
@@ -1144,47 +1155,121 @@ class LocalCluster:
                             restart=c.restarts + 1, backoff_s=delay, log=str(c.log_path))
             if c.restart_at is not None and now >= c.restart_at:
                 if c.left_down:
-                    c.left_down = False
+                    c.left_down, c.down_effect = False, ""
                     log.warning(f"{c.name} was left down {s.restart_window_s:g} s; trying it again", service=c.name)
+                self._phase_as_last_applied(c)
                 self._spawn(c)
                 c.restarts += 1
                 started.append(c.name)
                 log.warning("service restarted", service=c.name, pid=c.proc.pid, restarts=c.restarts)
         return started
 
-    def _leave_down(self, c: _Child, n: int, now: float) -> bool:
-        """Leave worker ``c``, exited ``n`` times (past ``max_restarts``) within ``restart_window_s``, down while another
-        worker serves: no restart until ``restart_window_s`` from ``now`` (its exits then lie outside the window), one
-        error line saying so, the launcher's :attr:`on_down` called. The routers fenced it when it exited
-        (``node.down``) and the planner lays its split over the nodes that report. Before, one worker's crash loop
-        stopped the whole cluster (every service, the healthy workers' requests with it).
+    def _phase_as_last_applied(self, c: _Child) -> None:
+        """Give worker ``c``, about to be restarted, the phase its node last applied (``split.applied``,
+        :attr:`recorder`) as its ``--phase``: without the planner (left down, or not back yet) its ``split.get`` gets no
+        answer and it serves ``--phase``. Before, that was its launch phase: a worker restarted while the planner was
+        left down came back ``decode`` in a collocated warm-up (the frozen split changed under the routers). With the
+        planner up its ``split.get`` answer is applied as before (no switch when the phases agree). Nothing for another
+        service, a node the recorder has not heard of, or a command line without ``--phase``."""
+        if self.recorder is None or not c.name.startswith("worker-") or "--phase" not in c.argv:
+            return
+        phase = self.recorder.phases().get(c.name.removeprefix("worker-"))
+        i = c.argv.index("--phase") + 1
+        if phase is not None and i < len(c.argv) and c.argv[i] != phase:
+            log.info("restarting in the phase its node last applied", service=c.name, phase=phase, launch_phase=c.argv[i])
+            c.argv = [*c.argv[:i], phase, *c.argv[i + 1 :]]
 
-        Returns:
-            True when ``c`` is left down; False when it is no worker, or no other worker's process runs (left down, or
-            exited and waiting for its restart: nothing would serve; the caller gives up, stopping the cluster, as for
-            any other service).
+    def _running(self, c: _Child) -> bool:
+        """Whether ``c``'s process runs (started, not exited, not SIGKILLed by the liveness watch)."""
+        return c.proc is not None and c.proc.poll() is None and not c.killed
+
+    def _uncovered_phases(self, without: _Child) -> list[str]:
+        """The phases (``prefill``, ``decode``) no running worker but ``without`` serves now, by the phases the workers
+        last applied (``split.applied``, :attr:`recorder`; the launch's split before it runs). A worker serving ``both``
+        covers both. What a router could no longer place while nothing lays the split again (the planner down)."""
+        s = self.spec
+        phases = self.recorder.phases() if self.recorder is not None else split_phases(s.split, s.node_ids())
+        served = {phases.get(o.name.removeprefix("worker-"), "both") for o in self.children
+                  if o is not without and o.name.startswith("worker-") and self._running(o)}  # fmt: skip
+        return [want for want, by in (("prefill", ("prefill", "both")), ("decode", ("decode", "both")))
+                if not served.intersection(by)]  # fmt: skip
+
+    def _split_now(self) -> str:
+        """The split the workers serve now (``2P2D``), as :meth:`_uncovered_phases` reads it."""
+        s = self.spec
+        return split_name(self.recorder.phases() if self.recorder is not None else split_phases(s.split, s.node_ids()))
+
+    def _absence(self, c: _Child) -> tuple[str | None, str]:
+        """What ``c``'s absence does to serving, for a service past ``max_restarts``: ``(effect, "")`` when the data
+        path serves on without it (``effect``: what no longer adapts, for the left-down line), ``(None, why)`` when
+        serving would stop (``why``: the reason, for the error the cluster stops with).
+
+        * a worker: serves on while another worker's process runs and, when the planner is left down (nothing lays
+          the split over the nodes left; one in its restart backoff comes back within seconds), those workers still
+          cover prefill and decode (:meth:`_uncovered_phases`);
+        * a router: while another router's process runs (they serve the one socket ``up`` holds);
+        * the planner: the routers route by the phases the workers report and a worker that starts without the planner
+          serves its ``--phase`` (``split.get`` gives up after ``--split-get-timeout-s``): it serves on while the running
+          workers cover prefill and decode; the split is frozen (``split set`` has no planner to apply it either);
+        * the KV directory: each ``kv.lookup`` fails at once (no responders; ``--lookup-timeout-s``, 0.5 s, bounds a
+          wait) and the router routes without cache information; it serves on;
+        * anything else (an unknown name): serving stops.
         """
-        if not c.name.startswith("worker-"):
-            return False
-        if not any(o.proc is not None and o.proc.poll() is None and not o.killed
-                   for o in self.children if o is not c and o.name.startswith("worker-")):
-            return False  # no other worker process runs (left down, or dead in its backoff): nothing would serve
+        name = c.name
+        if name.startswith("worker-"):
+            if not any(self._running(o) for o in self.children if o is not c and o.name.startswith("worker-")):
+                return None, "no other worker process runs: nothing would serve"
+            planner = next((o for o in self.children if o.name == "planner"), None)
+            if planner is not None and planner.left_down:
+                if lost := self._uncovered_phases(c):
+                    return None, (f"no other running worker serves {' or '.join(lost)} and the planner is down, "
+                                  "so nothing would lay the split over the workers left")
+            return "the other workers serve on", ""
+        if is_router(name):
+            if not any(self._running(o) for o in self.children if o is not c and is_router(o.name)):
+                return None, "no other router process runs: nothing would answer on the router port"
+            return "the other routers serve on the same port", ""
+        if name == "planner":
+            if lost := self._uncovered_phases(c):
+                return None, f"no running worker serves {' or '.join(lost)}, and only the planner would lay the split again"
+            return (f"the split is frozen at {self._split_now()} (no split changes, nor when a worker is lost; `split set` "
+                    "has nothing to apply it) while the routers and workers serve on"), ""
+        if name == "kvdirectory":
+            return ("the routers route without KV-cache information (each kv.lookup fails at once; prefix reuse across "
+                    "nodes is not sought, ending a branch another router served answers 503) while serving goes on"), ""
+        return None, ""
+
+    def _leave_down(self, c: _Child, n: int, now: float, effect: str) -> None:
+        """Leave ``c``, exited ``n`` times (past ``max_restarts``) within ``restart_window_s``, down while serving goes
+        on without it (:meth:`_absence` gave ``effect``): no restart until ``restart_window_s`` from ``now`` (its exits
+        then lie outside the window), one error line saying so and what no longer adapts (``effect``), the launcher's
+        :attr:`on_down` called. A worker: the routers fenced it when it exited (``node.down``) and the planner lays its
+        split over the nodes that report. Before, one worker's crash loop stopped the whole cluster (every service,
+        the healthy workers' requests with it); before session 59 so did the planner's, the KV directory's, and with
+        ``--routers N`` one router's.
+        """
         s = self.spec
         c.left_down = True
+        c.down_effect = effect
         c.restart_at = now + s.restart_window_s
         last = _short_exit(c.proc.returncode if c.proc is not None else None)
-        log.error(f"{c.name} exited {n} times in {s.restart_window_s:g} s (last: {last}); left down, the other workers "
-                  f"serve on; trying it again in {s.restart_window_s:g} s; log {c.log_path}:\n{self._log_tail(c)}",
+        log.error(f"{c.name} exited {n} times in {s.restart_window_s:g} s (last: {last}); left down, {effect}; trying it "
+                  f"again in {s.restart_window_s:g} s; log {c.log_path}:\n{self._log_tail(c)}",
                   service=c.name, exits=n, retry_in_s=s.restart_window_s)
         if callable(self.on_down):
             try:  # up's rewrites cluster.json and prints: a full disk or a closed stdout must not end supervision
                 self.on_down(c.name)
             except Exception as e:
                 log.warning("left-down callback failed; supervision goes on", service=c.name, error=repr(e))
-        return True
+
+    def down_effect(self, name: str) -> str:
+        """What serving does without ``name`` left down (the left-down line's words: "the other workers serve on",
+        "the split is frozen at 2P2D ..."); "" when it is not left down."""
+        return next((c.down_effect for c in self.children if c.name == name and c.left_down), "")
 
     def left_down(self) -> list[str]:
-        """Workers left down after a crash loop (:meth:`_leave_down`), by name, until they are tried again."""
+        """Services left down after a crash loop (:meth:`_leave_down`: workers, routers beside another, the planner,
+        the KV directory), by name, until they are tried again."""
         return [c.name for c in self.children if c.left_down]
 
     def _note_crash_loop(self, name: str, now: float, log_at: str) -> None:

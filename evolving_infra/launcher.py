@@ -372,9 +372,13 @@ def _add_cluster_args(
         help="restarts of one service (or nats-server) within --restart-window-s before the cluster gives up, as systemd's "
         "StartLimitBurst within StartLimitIntervalSec (default 10): a crash, a liveness kill or a quick clean exit counts; "
         "a clean exit (code 0, a SIGTERM's stop: a rolling restart) after 60 s up does not. With the defaults up gives "
-        "up on a service exiting more than 10 times in 10 min (more often than about once a minute); a worker past it "
-        "is left down while another worker serves (the routers fenced it; tried again --restart-window-s later, "
-        "'left_down' in LOG_DIR/cluster.json), the cluster stops only when no worker would serve; a slower crash "
+        "up on a service exiting more than 10 times in 10 min (more often than about once a minute) when serving would "
+        "stop without it: nats-server, the last router or worker whose process runs, the planner while the running "
+        "workers leave prefill or decode without a node (the error says why); a service serving survives is left down "
+        "instead, tried again --restart-window-s later ('left_down' in LOG_DIR/cluster.json and the state file, one "
+        "line saying what no longer adapts): a worker while another serves (the routers fenced it), a router while "
+        "another serves the port, the planner (the split stays frozen), the KV directory (routing without cache "
+        "information); a slower crash "
         "loop is restarted on, and from its 5th counted exit within an hour one warning line says '<service> has "
         "restarted K times in the last hour (crash loop)', again every 10 min while it lasts (and --metrics' "
         "process_start_time_seconds feeds the EIServiceCrashLoop alert of deploy/prometheus/alerts.yml)",
@@ -1394,7 +1398,7 @@ async def _up(args: argparse.Namespace) -> int:
             if state is not None:
                 _write_state({**now, **_state_fields(cluster.spec)})
             print(f"left {name} down after a crash loop (over --max-restarts {cluster.spec.max_restarts} exits within "
-                  f"--restart-window-s {cluster.spec.restart_window_s:g}); the other workers serve on; trying it again "
+                  f"--restart-window-s {cluster.spec.restart_window_s:g}); {cluster.down_effect(name)}; trying it again "
                   f"in {cluster.spec.restart_window_s:g} s", flush=True)
 
         cluster.on_restart = restarted
@@ -1859,7 +1863,7 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
                 _write_state({**cluster.describe(), **_state_fields(spec)})
 
         cluster.on_restart = restarted
-        cluster.on_down = restarted  # a worker left down after a crash loop: its pid leaves the state file
+        cluster.on_down = restarted  # a service left down after a crash loop: its pid leaves the state file
 
         # each answered request's record appended to OUT/requests.partial-<id>.jsonl as it completes, as `replay`
         # does: a demo SIGKILLed or OOM-killed keeps them there, and OUT's outputs stay the earlier run's (set aside

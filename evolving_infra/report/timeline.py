@@ -172,6 +172,11 @@ class TimelineRecorder:
         if old != msg.phase or was_draining:
             self._emit(msg.applied_at)
 
+    def phases(self) -> dict[str, Phase]:
+        """Node → the phase it serves now, as the ``split.applied`` messages folded so far say (a node switching
+        keeps its old phase until it serves the new one); the launch's phases before any message."""
+        return dict(self._phases)
+
     def feed(self, msgs: Iterable[SplitApplied]) -> None:
         """``on_applied`` for each message in order."""
         for m in msgs:

@@ -1079,6 +1079,9 @@ class RouterService(WatchedService):
         """Generation requests taken and not yet pending or answered (reading, tokenizing, routing): a drain waits for
         them too."""
         self._have_split = False
+        self._split_heard_at: float | None = None
+        """``time.monotonic()`` when the planner's split last came (``split.commands``, its beacon every few seconds
+        included, or the ``split.get`` answer); None: not yet. ``/v1/cluster``'s ``split_heard_s``."""
         self._split_logged: tuple[int, tuple[tuple[str, str], ...]] | None = None
         """(epoch, phases) of the split last logged as applied (a repeat of it is logged at debug)."""
         self._lookup_ok = True
@@ -1562,6 +1565,7 @@ class RouterService(WatchedService):
             self.counters["splits_bad_node_id"] += 1
             self.log.warning("split command with an unusable node id dropped", error=str(e), epoch=cmd.epoch)
             return
+        self._split_heard_at = time.monotonic()  # a repeat (the planner's beacon) too: the planner is there
         if not applied:
             self.counters["splits_stale"] += 1
             self.log.info("stale split command ignored", epoch=cmd.epoch, current=self.core.view.epoch)
@@ -3267,6 +3271,10 @@ class RouterService(WatchedService):
                 "vocab_size": self.vocab_size,
                 "epoch": view.epoch,
                 "split_reason": view.split_reason,
+                # wall s since the planner's split last came (it repeats it every --announce-interval-s, 5 s): far
+                # past that, no planner runs (`up` left it down after a crash loop: its 'left_down'): the split is
+                # frozen, serving goes on; None: none came since this router started
+                "split_heard_s": None if self._split_heard_at is None else round(time.monotonic() - self._split_heard_at, 3),
                 "fence_after_s": self.cfg.fence_after_s,
                 "routable": ok,
                 "reason": reason,
