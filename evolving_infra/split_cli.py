@@ -184,6 +184,9 @@ async def _run(args: argparse.Namespace) -> int:
             print(f"error: the planner on partition {args.partition!r} is starting: split {args.split!r} "
                   f"{_not_taken(e.tries, e.refused)} within {args.timeout:g} s, the last try got no "
                   f"answer ({e.last}){maybe}; try again in a few seconds", file=sys.stderr)  # fmt: skip
+        elif down := _left_down(args.nats_url):
+            print(f"error: no planner answered on partition {args.partition!r} within {args.timeout:g} s ({e}){maybe}; "
+                  f"{down}", file=sys.stderr)  # fmt: skip
         else:
             print(f"error: no planner answered on partition {args.partition!r} within {args.timeout:g} s ({e}){maybe}; "
                   "try again once it is up (`up` restarts a dead one within seconds)", file=sys.stderr)
@@ -208,6 +211,24 @@ async def _run(args: argparse.Namespace) -> int:
         return 2
     _print_command(reply.command, args.json)
     return 0
+
+
+def _left_down(nats_url: str) -> str:
+    """Why no planner answers when the local ``up`` on ``nats_url`` left it down after a crash loop (its state file's
+    ``left_down``): the words for the error line, naming its log; "" when no such cluster says so (it may be
+    restarting: "try again" then stays true) or the state files cannot be read."""
+    from evolving_infra.state import running_clusters
+
+    try:
+        found = running_clusters(remove_stale=False)
+    except OSError:
+        return ""
+    for c in found:
+        if c.get("nats_url") == nats_url and "planner" in (c.get("left_down") or ()):
+            logs = c.get("log_dir") or "its log folder"
+            return (f"`up` left the planner down after a crash loop (see {logs}/planner.log; up's output says when it "
+                    "tries it again): the split stays as the workers serve it until then")
+    return ""
 
 
 def cmd_split(args: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 (SIGKILL) past ``--max-restarts`` within ``--restart-window-s``, are left down (one line saying what no longer adapts,
 ``left_down`` in ``LOG_DIR/cluster.json`` and the state file) and every request is still answered: the routers route
 by the phases the workers report, and without cache information once ``kv.lookup`` has no responder. The router's
-``GET /v1/cluster`` says how long ago the planner's split last came (``split_heard_s``). A worker restarted while the
+``GET /v1/cluster`` says how long ago the planner's split last came (``split_heard_s``), ``split get`` that ``up`` left
+the planner down. A worker restarted while the
 planner is down comes back in the phase its node last applied (``both`` in the evolving planner's warm-up), not its
 launch ``--phase decode``. Before (session 58), the planner's second exit stopped the whole cluster: status 1, every
 healthy worker's requests with it."""
@@ -82,6 +83,10 @@ def test_a_crash_looping_planner_and_kv_directory_are_left_down_and_requests_are
         assert re.search(r"left planner down after a crash loop \(over --max-restarts 1 exits within --restart-window-s 300\); "
                          r"the split is frozen at collocated .*trying it again in 300 s", text), text[-3000:]  # fmt: skip
         assert [_completion(url) for _ in range(5)] == [200] * 5
+        # `split get` says why no planner answers (before: "try again once it is up")
+        got = subprocess.run([sys.executable, "-m", "evolving_infra.cli", "split", "get", "--timeout", "2"], env=env,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert got.returncode == 1 and "`up` left the planner down after a crash loop" in got.stderr, got.stderr
         # the planner repeats its split every 5 s: the router says it has not heard it since
         _wait("split_heard_s past 6 s", lambda: (httpx.get(url + "/v1/cluster", timeout=5).json()["split_heard_s"] or 0) > 6.0,
               30, proc, lines)  # fmt: skip
