@@ -1065,6 +1065,7 @@ class WorkerService:
         work whose attempt an abort the node did not hold has already ended is dropped (``_aborted``,
         ``requests.aborted_before_arrival``)."""
         mine = _Owner(router=router).router_id
+        ended: asyncio.Task[None] | None = None  # a hand-off task seen done and still registered
         while True:
             held = self._owners.get(rid)
             if held is not None and rid in self.core.requests and held.router_id != mine:
@@ -1090,7 +1091,17 @@ class WorkerService:
                 self.counters["requests.superseded"] += 1
             if rid not in self._step_rids:
                 handing = self._handing_off.get(rid)
+                if handing is not None and handing.done() and handing is ended:
+                    # done and still registered after its done callbacks had their turn: its bookkeeping never ran (as
+                    # a task cancelled before its first step left it before _delivery_ended). Waiting on it returns at
+                    # once: the loop went round for good and the subscription's later work queued behind it
+                    self.counters["handoff.stale_entries"] += 1
+                    self.log.error("a finished hand-off was still registered; dropped so new work of its request goes on",
+                                   rid=rid, task=handing.get_name(), attempt=attempt)  # fmt: skip
+                    del self._handing_off[rid]
+                    continue
                 if handing is not None:  # its hand-off is going out (bound after its prefill: _bind), as a step's would
+                    ended = handing if handing.done() else None
                     self.counters["requests.waited_for_handoff"] += 1
                     await self._wait_noted(handing, rid, attempt, "its previous attempt's hand-off", handing)
                     now = self.clock.local_now()

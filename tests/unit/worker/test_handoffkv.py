@@ -1286,3 +1286,22 @@ async def test_an_abort_that_cancels_a_step_hand_off_before_it_started_leaves_no
     assert p._handing_off == {} and p._deliveries == set() and p._sending_handoffs == 0
     assert not [msg for t, msg, _ in bus.published if t == "work.{node}.decode"]  # the aborted hand-off never went out
     await p.stop()
+
+
+async def test_a_finished_hand_off_left_registered_is_dropped_once_seen_twice_and_new_work_goes_on():
+    """Defence behind ``_delivery_ended``: a hand-off task that is done but still in ``_handing_off`` after its done
+    callbacks had their turn (its bookkeeping never ran) no longer makes new work of its rid loop for good; it is
+    dropped, logged at error and counted (``handoff.stale_entries``). A task that has just ended, its callbacks not
+    yet run, is waited for as before (one turn)."""
+    bus = _Bus()
+    p = _worker("p", "prefill", bus)
+
+    async def nothing() -> None:
+        return None
+
+    stale = asyncio.get_running_loop().create_task(nothing())
+    await stale
+    p._handing_off["r1"] = stale  # as a hand-off whose bookkeeping never ran left it
+    assert await asyncio.wait_for(p._newest_attempt("r1", 2, "", p.clock.local_now()), 2.0)
+    assert p._handing_off == {} and p.counters["handoff.stale_entries"] == 1
+    await p.stop()
