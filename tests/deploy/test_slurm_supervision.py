@@ -75,7 +75,9 @@ while any(t.returncode is None for t in tasks):
     for t in tasks:
         if t.pid == pid:
             t.returncode = os.waitstatus_to_exitcode(status)
-            if not stop and 0 < t.returncode < 128 and kob == 1:
+            # any status above 0, as Slurm's --kill-on-bad-exit: 137 too (a SIGKILLed worker's loop giving up exits
+            # with its status); before, < 128 here, and such a give-up left the step running (Slurm ends it)
+            if not stop and t.returncode > 0 and kob == 1:
                 rc = t.returncode
                 forward(signal.SIGTERM)
 sys.exit(rc)
