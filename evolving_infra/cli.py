@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     "evolving_infra.tap",  # tap
     "evolving_infra.report.cli",  # report show|compare
     "evolving_infra.split_cli",  # split get|set
+    "evolving_infra.status_cli",  # status
     "evolving_infra.sim.cli",  # simulate, fidelity
     "evolving_infra.model_cli",  # model init (torch engine)
     "evolving_infra.auth_cli",  # auth gen
@@ -45,6 +46,7 @@ COMMANDS = {
     "tap": "evolving_infra.tap",
     "report": "evolving_infra.report.cli",
     "split": "evolving_infra.split_cli",
+    "status": "evolving_infra.status_cli",
     "simulate": "evolving_infra.sim.cli",
     "fidelity": "evolving_infra.sim.cli",
     "model": "evolving_infra.model_cli",
@@ -191,7 +193,8 @@ EXIT_STATUSES = (
     f"exit status: 0 ok; {RUNTIME_FAILURE} runtime failure (the options were right but the run failed: a service "
     f"died, requests failed, a package is missing; the reason on stderr); {USAGE_ERROR} usage error (a bad option "
     "value or options that conflict, one line on stderr, before anything starts; also an unreadable input or an "
-    "unwritable output, and for split, tap and replay no running cluster or NATS server to talk to); "
+    "unwritable output, and for split, tap and replay no running cluster or NATS server to talk to; status exits 1 "
+    "for no running cluster, or its router not answering); "
     f"{INTERRUPTED} interrupted (Ctrl-C); 143 stopped by SIGTERM (demo and replay, which stop as for Ctrl-C; "
     f"demo 129 for SIGHUP; up and tap exit 0); 3 up or demo --no-restart: a service exited 0 on its own (no crash; "
     f"see up --help); {OUTPUTS_ELSEWHERE} simulate (a --sweep too), replay, demo and fidelity: the run ended but its outputs went to a new "

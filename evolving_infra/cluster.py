@@ -356,6 +356,8 @@ class _Child:
     (``node.down``)."""
     down_effect: str = ""
     """While :attr:`left_down`: what serving does without it ("the split is frozen at 2P2D ...")."""
+    down_since: float = 0.0
+    """While :attr:`left_down`: ``time.time()`` (unix s) when it was left down (``describe()``'s ``left_down_info``)."""
     env: dict[str, str] | None = None
     """Variables set over the launcher's environment for this process (None: the launcher's as is)."""
     pass_fds: tuple[int, ...] = ()
@@ -1251,6 +1253,7 @@ class LocalCluster:
         s = self.spec
         c.left_down = True
         c.down_effect = effect
+        c.down_since = time.time()
         c.restart_at = now + s.restart_window_s
         last = _short_exit(c.proc.returncode if c.proc is not None else None)
         log.error(f"{c.name} exited {n} times in {s.restart_window_s:g} s (last: {last}); left down, {effect}; trying it "
@@ -1611,7 +1614,19 @@ class LocalCluster:
             "pids": self.pids(),
             **({"metrics": dict(self.metrics_urls), "prometheus_targets": absolute(self.log_dir / TARGETS_FILE)} if self.metrics_urls else {}),
             "restarts": self.restarts(),
-            **({"left_down": self.left_down()} if self.left_down() else {}),
+            **({"left_down": self.left_down(), "left_down_info": self.left_down_info()} if self.left_down() else {}),
+        }
+
+    def left_down_info(self) -> dict[str, dict[str, object]]:
+        """Per service left down (:meth:`left_down`): ``since_unix`` (unix s it was left down), ``retry_at_unix`` (unix s
+        the supervisor tries it again: ``restart_window_s`` after its last exit) and ``effect`` (what serving does
+        without it, the left-down line's words); ``describe()``'s ``left_down_info``, read by ``evolving-infra status``."""
+        now_wall, now = time.time(), time.monotonic()
+        return {
+            c.name: {"since_unix": round(c.down_since, 3),
+                     "retry_at_unix": None if c.restart_at is None else round(now_wall + (c.restart_at - now), 3),
+                     "effect": c.down_effect}
+            for c in self.children if c.left_down
         }
 
 

@@ -1353,7 +1353,7 @@ async def _up(args: argparse.Namespace) -> int:
     end = await announced_end(cluster, args.live_policy, stop)
     info = cluster.describe()
     write_json(cluster.log_dir / "cluster.json", _shown(info))
-    state = _write_state({**info, **_state_fields(cluster.spec)})  # the URL whole: split and tap connect with it (0600)
+    state = _write_state({**info, **_state_fields(cluster.spec, policy=args.live_policy.name, started_unix=cluster.clock_origin)})  # the URL whole: split and tap connect with it (0600)
     try:
         listening = (f" (listening on all interfaces, {info['router_listen']})" if cluster.spec.host in WILDCARD_HOSTS else "")
         plan = split_plan(args.live_policy, cluster.spec.split, cluster.spec.speedup, end[0] if end else None,
@@ -1366,7 +1366,8 @@ async def _up(args: argparse.Namespace) -> int:
             print(f"  {warmup}")
         if deferred := split_deferred_line(args.live_policy, cluster.spec.split, given=args.split_given):
             print(f"  {deferred}")
-        print(f"  NATS {redact_url(cluster.nats_url)}   logs {cluster.log_dir}   trace with: {command_name()} tap (or split get)")
+        cli = command_name()
+        print(f"  NATS {redact_url(cluster.nats_url)}   logs {cluster.log_dir}   look with: {cli} status   trace with: {cli} tap (or split get)")
         if cluster.creds is not None:
             print(f"  {nats_auth_line(args.nats_auth, info)}")
         elif not args.nats_url:
@@ -1389,14 +1390,14 @@ async def _up(args: argparse.Namespace) -> int:
             now = cluster.describe()
             write_json(cluster.log_dir / "cluster.json", _shown(now))
             if state is not None:  # the state file lists the process ids too (README): rewritten, atomically
-                _write_state({**now, **_state_fields(cluster.spec)})
+                _write_state({**now, **_state_fields(cluster.spec, policy=args.live_policy.name, started_unix=cluster.clock_origin)})
             print(f"restarted {name} (restarts: {cluster.restarts().get(name, 0)})", flush=True)
 
         def left_down(name: str) -> None:
             now = cluster.describe()
             write_json(cluster.log_dir / "cluster.json", _shown(now))
             if state is not None:
-                _write_state({**now, **_state_fields(cluster.spec)})
+                _write_state({**now, **_state_fields(cluster.spec, policy=args.live_policy.name, started_unix=cluster.clock_origin)})
             print(f"left {name} down after a crash loop (over --max-restarts {cluster.spec.max_restarts} exits within "
                   f"--restart-window-s {cluster.spec.restart_window_s:g}); {cluster.down_effect(name)}; trying it again "
                   f"in {cluster.spec.restart_window_s:g} s", flush=True)
@@ -1436,10 +1437,15 @@ async def _up(args: argparse.Namespace) -> int:
             state.unlink(missing_ok=True)
 
 
-def _state_fields(spec: ClusterSpec) -> dict[str, object]:
+def _state_fields(spec: ClusterSpec, *, policy: str = "", started_unix: float = 0.0) -> dict[str, object]:
     """What the state file adds to :meth:`LocalCluster.describe` for the tools that find the cluster through it:
-    the partition (``split``, ``tap``), the router's tokenizer, served model name and tokens per KV block (``replay``)."""
-    return {"partition": spec.partition, "tokenizer": spec.tokenizer, "model": spec.model, "block_size": spec.block_size}
+    the partition (``split``, ``tap``), the router's tokenizer, served model name and tokens per KV block (``replay``);
+    the policy set's name (``policy``), engine, profile, node and router counts, the cluster's start (unix s, its
+    clock's origin) and the restart limits (``status``)."""
+    return {"partition": spec.partition, "tokenizer": spec.tokenizer, "model": spec.model, "block_size": spec.block_size,
+            "policy": policy, "engine": spec.engine, "profile": spec.profile, "nodes": spec.nodes, "routers": spec.routers,
+            "started_unix": round(started_unix, 3), "max_restarts": spec.max_restarts,
+            "restart_window_s": spec.restart_window_s}
 
 
 def _evolving_params(pol: LivePolicy) -> Any:
@@ -1856,11 +1862,11 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
             cluster.router_url, clock, block_size=token_block, model=spec.model, vocab_size=_vocab_size(spec.tokenizer),
             api_key=api_key, retry=retry,
         )
-        state = _write_state({**cluster.describe(), **_state_fields(spec)})  # tap, split get, replay
+        state = _write_state({**cluster.describe(), **_state_fields(spec, policy=pol.name, started_unix=cluster.clock_origin)})  # tap, split get, replay
 
         def restarted(name: str) -> None:  # the state file lists the process ids: keep them current
             if state is not None:
-                _write_state({**cluster.describe(), **_state_fields(spec)})
+                _write_state({**cluster.describe(), **_state_fields(spec, policy=pol.name, started_unix=cluster.clock_origin)})
 
         cluster.on_restart = restarted
         cluster.on_down = restarted  # a service left down after a crash loop: its pid leaves the state file

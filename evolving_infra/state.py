@@ -4,7 +4,7 @@
 the router URL, the NATS URL, the partition, the log folder and every process id — rewrites it
 (atomically) with the new process ids and restart counts when its supervisor restarts a service, and
 removes it when it stops (Ctrl-C, SIGTERM, SIGHUP). ``split`` and ``tap`` read it when neither ``--nats-url``
-nor ``EI_NATS_URL`` is given. A file whose launcher process is gone (killed, machine rebooted) is stale: it is
+nor ``EI_NATS_URL`` is given, ``status`` unless ``--router-url`` / ``--nats-url`` name another cluster. A file whose launcher process is gone (killed, machine rebooted) is stale: it is
 removed when found, and says so. The state dir is ``$EI_STATE_DIR`` if set, else
 ``$XDG_RUNTIME_DIR/evolving-infra``, else ``~/.local/state/evolving-infra``.
 """
@@ -137,6 +137,13 @@ def fill_nats_url(args: argparse.Namespace) -> str | None:
     return None
 
 
+def not_found_message(otherwise: str = "pass --nats-url (or set EI_NATS_URL)") -> str:
+    """What to say when no running local cluster is found: where no state file was, and how to start one or
+    (``otherwise``: the calling command's options) reach a cluster started otherwise."""
+    return (f"no running local cluster found (no live state file in {state_dir()}); start one with "
+            f"`evolving-infra up`, or {otherwise} for a cluster started otherwise")
+
+
 def find_nats_url(partition: str | None = None) -> str:
     """The NATS URL of the one running local cluster (of ``partition``, if given).
 
@@ -147,10 +154,7 @@ def find_nats_url(partition: str | None = None) -> str:
     if partition is not None:
         found = [c for c in found if c.get("partition", "p0") == partition] or found
     if not found:
-        raise ClusterNotFound(
-            f"no running local cluster found (no live state file in {state_dir()}); start one with "
-            "`evolving-infra up`, or pass --nats-url (or set EI_NATS_URL) for a cluster started otherwise"
-        )
+        raise ClusterNotFound(not_found_message())
     if len(found) > 1:
         listed = "; ".join(f"{redact_url(str(c.get('nats_url')))} (router {c.get('router_url')}, pid {c.get('pid')})" for c in found)
         raise ClusterNotFound(f"{len(found)} local clusters are running: {listed}; pass --nats-url to pick one")

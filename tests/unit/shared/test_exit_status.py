@@ -83,7 +83,7 @@ def test_python_m_reports_the_message_too(tmp_path):
          "evolving-infra trace: error: unrecognized arguments: --bogus (see 'evolving-infra trace --help')"),
         (["--bogus", "up", "--bad"], "evolving-infra: error: unrecognized arguments: --bogus --bad (see 'evolving-infra --help')"),
         (["bogus"], "evolving-infra: error: argument COMMAND: invalid choice: 'bogus' (choose from 'up', 'demo', 'replay', 'trace', "
-                    "'tap', 'report', 'split', 'simulate', 'fidelity', 'model', 'auth', 'deploy-args') (see 'evolving-infra --help')"),
+                    "'tap', 'report', 'split', 'status', 'simulate', 'fidelity', 'model', 'auth', 'deploy-args') (see 'evolving-infra --help')"),
     ],
 )  # fmt: skip
 def test_argparse_errors_are_one_line_naming_the_subcommand_and_exit_2(argv, line, tmp_path):
