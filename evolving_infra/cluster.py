@@ -22,10 +22,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 import httpx
 import msgspec
@@ -40,7 +40,7 @@ from shared.natsserver import MAX_PAYLOAD_BYTES, EmbeddedNatsServer, NatsServerE
 from shared.net import http_url, listen_socket
 from shared.profile import Profile, load_profile, with_kv_tokens
 from evolving_infra.report.timeline import RunTimeline, TimelineRecorder
-from shared.split import parse_split, split_name, split_phases
+from shared.split import parse_split, split_name
 from shared.subjects import PLANNER_DECISIONS, SPLIT_APPLIED, SVC_HEARTBEAT, Subjects
 from evolving_infra.nodedown import announce_downs
 from evolving_infra.liveness import (  # the liveness decisions, shared with the Slurm job's watcher
@@ -377,6 +377,38 @@ def node_phases(spec: ClusterSpec) -> list[str]:
     """
     pd = parse_split(spec.split, spec.nodes)
     return ["both"] * spec.nodes if pd is None else ["prefill"] * pd[0] + ["decode"] * pd[1]
+
+
+def warms_up_collocated(planner: str, planner_args: Sequence[str]) -> bool:
+    """Whether the planner serves every node ``both`` from the start: the evolving planner with a warm-up
+    (``t_learn_s`` > 0 in ``planner_args``, ``key=value`` items; default 1,800 s), whose collocated warm-up fits
+    each node's iteration-time models before it serves the split (``EvolvingPlanner.start_phases``; the simulator
+    starts it so too). False for ``static``, ``dynamo``, ``arrow`` and ``t_learn_s=0``.
+
+    Raises:
+        ValueError: ``planner_args`` the evolving planner refuses (an unknown key, a bad value).
+    """
+    if planner != "evolving":
+        return False
+    from services.planner.evolving import EvolvingParams
+    from services.planner.policy import params_from, parse_planner_args
+
+    return bool(params_from(EvolvingParams, parse_planner_args(list(planner_args)), "evolving").t_learn_s > 0)
+
+
+def launch_phases(spec: ClusterSpec) -> list[str]:
+    """Each worker's ``--phase`` at launch in node order: ``both`` for every node when the planner begins with a
+    collocated warm-up (:func:`warms_up_collocated`: the evolving planner's first command is then every node
+    ``both``, ``PlannerCore._fresh_start``), else :func:`node_phases` (the split's). ``spec.split`` stays the split
+    the planner serves after the warm-up (READY's ``split`` and ``split_after_warmup``). Before (session 59), the
+    workers started in 2P2D and the planner's first tick switched them all to ``both``: the demo's split timeline
+    began ``[0.0, "2P2D"]`` and half its node phase switches were that flip.
+
+    Raises:
+        SplitError: as :func:`node_phases`; ValueError: as :func:`warms_up_collocated`.
+    """
+    phases = node_phases(spec)
+    return ["both"] * spec.nodes if warms_up_collocated(spec.planner, spec.planner_args) else phases
 
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "EI_TORCH_THREADS")
@@ -717,7 +749,7 @@ class LocalCluster:
             _Child("planner", py + ["services.planner"] + self._common("planner") + service_flags(s, "planner"), self.log_dir / "planner.log"),
         ]
         placement = dict(zip(nodes, s.placement))
-        for node, phase in zip(nodes, node_phases(s)):
+        for node, phase in zip(nodes, launch_phases(s)):
             device, threads = placement.get(node, ("", 0))
             kids.append(
                 _Child(
@@ -903,7 +935,7 @@ class LocalCluster:
             self._on_beat(hb, time.monotonic())
 
         await self._bus.subscribe(SVC_HEARTBEAT, on_beat)
-        self.recorder = TimelineRecorder(split_phases(s.split, s.node_ids()), t0=0.0)
+        self.recorder = TimelineRecorder(self.launched_phases(), t0=0.0)
 
         async def on_applied(msg: m.SplitApplied, _subject: str) -> None:
             assert self.recorder is not None
@@ -1189,17 +1221,19 @@ class LocalCluster:
         """The phases (``prefill``, ``decode``) no running worker but ``without`` serves now, by the phases the workers
         last applied (``split.applied``, :attr:`recorder`; the launch's split before it runs). A worker serving ``both``
         covers both. What a router could no longer place while nothing lays the split again (the planner down)."""
-        s = self.spec
-        phases = self.recorder.phases() if self.recorder is not None else split_phases(s.split, s.node_ids())
+        phases = self.recorder.phases() if self.recorder is not None else self.launched_phases()
         served = {phases.get(o.name.removeprefix("worker-"), "both") for o in self.children
                   if o is not without and o.name.startswith("worker-") and self._running(o)}  # fmt: skip
         return [want for want, by in (("prefill", ("prefill", "both")), ("decode", ("decode", "both")))
                 if not served.intersection(by)]  # fmt: skip
 
+    def launched_phases(self) -> dict[str, m.Phase]:
+        """node → the phase its worker is launched in (:func:`launch_phases`): what the split timeline starts from."""
+        return {n: cast("m.Phase", ph) for n, ph in zip(self.spec.node_ids(), launch_phases(self.spec))}
+
     def _split_now(self) -> str:
         """The split the workers serve now (``2P2D``), as :meth:`_uncovered_phases` reads it."""
-        s = self.spec
-        return split_name(self.recorder.phases() if self.recorder is not None else split_phases(s.split, s.node_ids()))
+        return split_name(self.recorder.phases() if self.recorder is not None else self.launched_phases())
 
     def _absence(self, c: _Child) -> tuple[str | None, str]:
         """What ``c``'s absence does to serving, for a service past ``max_restarts``: ``(effect, "")`` when the data

@@ -18,7 +18,7 @@ import io
 import shlex
 import sys
 
-from evolving_infra.cluster import SERVICES, service_flags
+from evolving_infra.cluster import SERVICES, service_flags, warms_up_collocated
 
 
 def deploy_args(argv_up: list[str], service: str) -> tuple[list[str], str]:
@@ -27,7 +27,10 @@ def deploy_args(argv_up: list[str], service: str) -> tuple[list[str], str]:
     Args:
         argv_up: ``up``'s flags, e.g. ``["--policy", "static:2P2D", "--nodes", "4"]``.
         service: one of ``cluster.SERVICES``, or ``env``: shell assignments (``EI_DEPLOY_SPLIT``,
-            ``EI_DEPLOY_PROFILE``, ``EI_DEPLOY_BLOCK_SIZE``, ``EI_DEPLOY_POLICY``), one a line, quoted for ``sh``.
+            ``EI_DEPLOY_LAUNCH_SPLIT``, ``EI_DEPLOY_PROFILE``, ``EI_DEPLOY_BLOCK_SIZE``, ``EI_DEPLOY_POLICY``), one a
+            line, quoted for ``sh``. ``EI_DEPLOY_LAUNCH_SPLIT`` is the split the workers' ``--phase`` come from:
+            ``collocated`` while the evolving planner's warm-up serves every node ``both``
+            (``cluster.launch_phases``, as ``up`` launches them), else ``EI_DEPLOY_SPLIT``.
 
     Returns:
         (lines to print, one argv item or assignment each; ``up``'s policy line with its notes).
@@ -53,7 +56,8 @@ def deploy_args(argv_up: list[str], service: str) -> tuple[list[str], str]:
     pol = args.live_policy
     line = pol.describe() + "".join(f"\n  note: {n}" for n in pol.notes)
     if service == "env":
-        values = {"EI_DEPLOY_SPLIT": spec.split, "EI_DEPLOY_PROFILE": spec.profile,
+        launch = "collocated" if warms_up_collocated(spec.planner, spec.planner_args) else spec.split
+        values = {"EI_DEPLOY_SPLIT": spec.split, "EI_DEPLOY_LAUNCH_SPLIT": launch, "EI_DEPLOY_PROFILE": spec.profile,
                   "EI_DEPLOY_BLOCK_SIZE": str(spec.block_size), "EI_DEPLOY_POLICY": pol.describe()}
         return [f"{k}={shlex.quote(v)}" for k, v in values.items()], line
     items = service_flags(spec, service)

@@ -297,10 +297,13 @@ case "$role" in
             exit 2
         fi
     fi
+    # the phase this worker starts in: collocated during the evolving planner's warm-up (its first split; SPLIT comes
+    # after it), else SPLIT's (EI_DEPLOY_LAUNCH_SPLIT, as up launches its workers)
     SPLIT=$EI_DEPLOY_SPLIT
+    launch=${EI_DEPLOY_LAUNCH_SPLIT:-$SPLIT}
     phase=both
-    case "$SPLIT" in
-      *P*D) x=${SPLIT%%P*}; if [ "$((n - 1))" -lt "$x" ]; then phase=prefill; else phase=decode; fi ;;
+    case "$launch" in
+      *P*D) x=${launch%%P*}; if [ "$((n - 1))" -lt "$x" ]; then phase=prefill; else phase=decode; fi ;;
     esac
     flags=$(deploy_args worker) || exit 2
     creds_for "worker-$node"

@@ -180,6 +180,8 @@ class PlannerCore:
         """The boot of a planner that started later, once a command of its was heard: this one must stop."""
         self.adopt_until = adopt_until
         """Simulated s until which a (re)started core observes before it announces (None: not adopting)."""
+        if adopt_until is None:
+            self._fresh_start()
         self.silent_after = silent_after
         self.wall_per_s = wall_per_s
         self._rescue_checked = -float("inf")
@@ -401,7 +403,7 @@ class PlannerCore:
             if now < self.adopt_until and not self.adopt_due():
                 return None
             self.adopt_until = None
-            return self._take_cluster(now, start=True) or self.command
+            return self._take_cluster(now, start=True) or self._fresh_start()
         if self._late:
             self._late = False
             cmd = self._take_cluster(now, start=False)
@@ -767,6 +769,27 @@ class PlannerCore:
             if old.get(n) != ph:
                 self.pending[n] = (self.command.epoch, now)
         self._unsure.clear()
+        return self.command
+
+    def _fresh_start(self) -> SplitCommand:
+        """The first command of a fresh cluster (no node holds a split: the adoption found none, or there is none):
+        the configured ``split``'s phases, or the phases the policy starts in when it has ``start_phases``
+        (``EvolvingPlanner.start_phases``: with a warm-up every node serves ``both``, and the configured split is
+        the one served after it), at epoch 1 (reason ``initial``). ``up``, compose and the Slurm script launch
+        the workers in those phases (``evolving_infra.cluster.launch_phases``), so no node switches at the start;
+        before, this command was the configured split (2P2D) and the evolving planner's first tick switched every
+        node to ``both`` one epoch later: two switches per node of which the demo's split timeline showed 2P2D
+        first. A restarted planner that adopts the split the nodes serve (:meth:`_take_cluster`) does not come
+        here. O(N).
+
+        Raises:
+            RuntimeError: (``start_phases``) when the policy has ticked already (not from here: only before it).
+        """
+        start = getattr(self.policy, "start_phases", None)
+        if callable(start):
+            phases: dict[str, Phase] = dict(start(dict(self.command.phases)))
+            if phases != dict(self.command.phases):
+                self.command = msgspec.structs.replace(self.command, phases=phases)
         return self.command
 
     def _take_cluster(self, now: float, *, start: bool) -> SplitCommand | None:

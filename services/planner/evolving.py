@@ -426,14 +426,10 @@ class EvolvingPlanner(PolicyBase):
                 metrics={"warmup_end": self.warmup_end},
             )
             return None
-        return self._decide(
-            now,
-            "warmup",
-            phases,
-            both,
-            f"warm-up: every node serves both phases until t={self.warmup_end:.0f}s to fit the iteration-time models",
-            metrics={"warmup_end": self.warmup_end},
-        )
+        reason = f"warm-up: every node serves both phases until t={self.warmup_end:.0f}s to fit the iteration-time models"
+        if dict(phases) == both:  # launched collocated (start_phases): nothing switches, the current split's reason says it
+            self._split_note = reason
+        return self._decide(now, "warmup", phases, both, reason, metrics={"warmup_end": self.warmup_end})
 
     def _fits(self) -> dict[str, Any]:
         """NNLS fit of every node's samples (``fit.fit_node``), nothing applied yet."""

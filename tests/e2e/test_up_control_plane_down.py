@@ -4,8 +4,8 @@
 by the phases the workers report, and without cache information once ``kv.lookup`` has no responder. The router's
 ``GET /v1/cluster`` says how long ago the planner's split last came (``split_heard_s``), ``split get`` that ``up`` left
 the planner down. A worker restarted while the
-planner is down comes back in the phase its node last applied (``both`` in the evolving planner's warm-up), not its
-launch ``--phase decode``. Before (session 58), the planner's second exit stopped the whole cluster: status 1, every
+planner is down comes back in the phase its node last applied (``both`` in the evolving planner's warm-up, which
+is also its launch ``--phase`` since session 59). Before (session 58), the planner's second exit stopped the whole cluster: status 1, every
 healthy worker's requests with it."""
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def test_a_crash_looping_planner_and_kv_directory_are_left_down_and_requests_are
         _wait("split_heard_s past 6 s", lambda: (httpx.get(url + "/v1/cluster", timeout=5).json()["split_heard_s"] or 0) > 6.0,
               30, proc, lines)  # fmt: skip
 
-        # a worker restarted meanwhile serves its node's last phase (both, the warm-up's), not its launch --phase decode
+        # a worker restarted meanwhile serves its node's last phase (both, the warm-up's; since session 59 its launch
+        # --phase too: test_supervise_control_plane has a launch phase that differs)
         w1 = int(cluster()["pids"]["worker-w1"])
         os.kill(w1, signal.SIGKILL)
         _wait("worker-w1 restarted", lambda: cluster().get("pids", {}).get("worker-w1") not in (None, w1), 30, proc, lines)
@@ -101,7 +102,7 @@ def test_a_crash_looping_planner_and_kv_directory_are_left_down_and_requests_are
                     if '"worker started"' in x]  # fmt: skip
 
         _wait("worker-w1's second start", lambda: len(started_phases()) == 2, 30, proc, lines)
-        assert started_phases() == ["decode", "both"]
+        assert started_phases() == ["both", "both"]
 
         def w1_back() -> bool:
             nodes = {n["node"]: n for n in httpx.get(url + "/v1/cluster", timeout=5).json()["nodes"]}

@@ -98,18 +98,19 @@ async def test_records_in_models_out_and_epochs(nats_url):
     c = await Client.connect(nats_url)
     args = ["t_learn_s=20", "window_s=600", "fit_cap=5000"]
     async with planner(nats_url, planner="evolving", profile="tiny", speedup=10.0, planner_args=args):
-        # the warm-up: every node collocated under epoch 2
-        await until(lambda: any(cmd.epoch == 2 for cmd in c.commands), what="warm-up command")
-        warm = next(cmd for cmd in c.commands if cmd.epoch == 2)
-        assert split_name(warm.phases) == "collocated"
+        # the warm-up: every node collocated from the first command (epoch 1; session 59: 2P2D at epoch 1, then the
+        # warm-up's switch at epoch 2), as up launches the workers
+        await until(lambda: c.commands, what="warm-up command")
+        warm = c.commands[0]
+        assert warm.epoch == 1 and split_name(warm.phases) == "collocated"
         await until(lambda: c.models, what="profile models at start")
         assert not c.models[0].frozen and {x.source for x in c.models[0].models} == {"profile"}
         for i, n in enumerate(NODES):
             await c.bus.publish(
-                SPLIT_APPLIED, m.SplitApplied(epoch=2, node=n, phase="both", status="serving"), node=n
+                SPLIT_APPLIED, m.SplitApplied(epoch=1, node=n, phase="both", status="serving"), node=n
             )
             await c.bus.publish(NODE_ITERS, m.IterationRecords(node=n, records=records(200, TINY.prefill, TINY.decode, seed=i)), node=n)
-        # t_learn = 20 sim s = 2 wall s: the fit freezes, the initial split comes back under epoch 3
+        # t_learn = 20 sim s = 2 wall s: the fit freezes, the initial split comes under epoch 2
         await until(lambda: any(x.frozen for x in c.models), timeout=15, what="frozen models")
         frozen = next(x for x in c.models if x.frozen)
         assert {x.node for x in frozen.models} == set(NODES)
@@ -117,14 +118,15 @@ async def test_records_in_models_out_and_epochs(nats_url):
             assert nm.source == "fitted" and nm.samples == 200
             assert nm.prefill.c1 == pytest.approx(TINY.prefill.c1, rel=1e-3)
             assert nm.decode.d2 == pytest.approx(TINY.decode.d2, rel=1e-3)
-        await until(lambda: any(cmd.epoch == 3 for cmd in c.commands), what="initial split after warm-up")
-        assert split_name(next(cmd for cmd in c.commands if cmd.epoch == 3).phases) == "2P2D"
+        await until(lambda: any(cmd.epoch == 2 for cmd in c.commands), what="initial split after warm-up")
+        assert split_name(next(cmd for cmd in c.commands if cmd.epoch == 2).phases) == "2P2D"
+        assert all(split_name(cmd.phases) == "collocated" for cmd in c.commands if cmd.epoch == 1)
         reply = await c.bus.request(SPLIT_GET, m.SplitQuery())
-        assert reply.epoch == 3
+        assert reply.epoch == 2
         await until(lambda: len(c.decisions) >= 2, what="decision events")
-        assert [d.action for d in c.decisions[:2]] == ["warmup", "switch"] and c.decisions[1].epoch == 3
+        assert [d.action for d in c.decisions[:2]] == ["warmup", "switch"] and [d.epoch for d in c.decisions[:2]] == [1, 2]
         stats = await c.stats()
-        assert stats.counters["iteration_records"] == 800 and stats.counters["split_epoch"] == 3
+        assert stats.counters["iteration_records"] == 800 and stats.counters["split_epoch"] == 2
     await c.bus.close()
 
 

@@ -166,6 +166,39 @@ def test_phases_that_are_no_split_are_not_adopted_the_planners_split_goes_above(
     assert core.take_decisions()[0].action == "adopt"
 
 
+def test_a_fresh_cluster_under_the_evolving_planner_starts_collocated_and_gets_its_split_after_the_warm_up():
+    """Session 59: up launched the workers in --split 2P2D, the fresh planner announced 2P2D at epoch 1 and its
+    first tick switched every node to both at epoch 2, so the demo's split timeline began [0, "2P2D"] and half its
+    switches were that flip into the warm-up. Now the first command is the warm-up's (every node both, epoch 1: the
+    phases up launches the workers in), nothing switches before the warm-up's end, and the freeze goes to --split."""
+    for grace in (3.0, None):  # the start-up adoption finds no split held; no adoption at all (--adopt-grace-s 0)
+        pol = make_planner("evolving", NODES, GB, t_learn_s=60.0, window_s=600.0, sample_interval_s=0.0)
+        core = PlannerCore(NODES, "2P2D", policy=pol, adopt_until=grace)
+        if grace is not None:
+            for n in NODES:
+                core.on_node_state(st(n, "both", 0), 0.5)  # launched both, no split held yet
+            cmd = core.tick(0.5)
+        else:
+            cmd = core.command
+        assert cmd is not None and cmd.epoch == 1 and split_name(cmd.phases) == "collocated" and cmd.reason == "initial"
+        assert core.tick(0.5) is None and core.command.epoch == 1 and core.switches == 0  # the warm-up: no switch
+        (ev,) = core.take_decisions()
+        assert ev.action == "warmup" and ev.split_before == ev.split_after == "collocated" and ev.metrics["warmup_end"] >= 60.0
+        for i, n in enumerate(NODES):
+            core.add_records(IterationRecords(node=n, records=records(100, GB.prefill, GB.decode, seed=i)), 30.0)
+        cmd = core.tick(core.next_tick())
+        assert cmd is not None and cmd.epoch == 2 and split_name(cmd.phases) == "2P2D"  # --split after the warm-up
+
+
+def test_a_fresh_cluster_under_a_planner_without_a_warm_up_starts_in_its_split():
+    for pol in (make_planner("evolving", NODES, GB, t_learn_s=0.0), make_planner("dynamo", NODES, GB), None):
+        core = PlannerCore(NODES, "2P2D", policy=pol, adopt_until=3.0)
+        for n in NODES:
+            core.on_node_state(st(n, split_phases("2P2D", NODES)[n], 0), 0.5)
+        cmd = core.tick(0.5)
+        assert cmd is not None and cmd.epoch == 1 and split_name(cmd.phases) == "2P2D"
+
+
 def test_a_restarted_evolving_planner_warms_up_in_the_adopted_split_and_keeps_it():
     pol = make_planner("evolving", NODES, GB, t_learn_s=60.0, window_s=600.0, sample_interval_s=0.0)
     core = PlannerCore(NODES, "2P2D", policy=pol, adopt_until=3.0)

@@ -84,21 +84,21 @@ def test_evolving_core_publishes_epochs_decisions_and_models():
     core = PlannerCore(NODES, "2P2D", policy=pol)
     assert core.take_models() is not None  # profile models before the fit
     assert core.next_tick() == 0.0
-    cmd = core.tick(0.0)
-    assert cmd is not None and cmd.epoch == 2 and split_name(cmd.phases) == "collocated"
-    assert core.busy(1.0) == set(NODES)
+    # a fresh cluster starts in the warm-up's phases, as up launches the workers (session 59: 2P2D at epoch 1, then
+    # every node switched to both at epoch 2 by the first tick)
+    assert core.command.epoch == 1 and split_name(core.command.phases) == "collocated"
+    assert core.tick(0.0) is None and core.command.epoch == 1 and "until t=60s" in core.command.reason
+    assert core.busy(1.0) == set() and core.switches == 0
     for n in NODES:
-        core.on_split_applied(SplitApplied(epoch=2, node=n, phase="both", status="serving"), 2.0)
         core.add_records(IterationRecords(node=n, records=records(100, GB.prefill, GB.decode, seed=1)), 30.0)
-    assert core.busy(2.0) == set()
     assert core.next_tick() == 60.0
     cmd = core.tick(60.0)
-    assert cmd is not None and cmd.epoch == 3 and split_name(cmd.phases) == "2P2D"
+    assert cmd is not None and cmd.epoch == 2 and split_name(cmd.phases) == "2P2D"
     models = core.take_models()
     assert models is not None and models.frozen and all(m.source == "fitted" for m in models.models)
     assert core.take_models() is None  # unchanged since
     evs = core.take_decisions()
-    assert [e.action for e in evs] == ["warmup", "switch"] and [e.epoch for e in evs] == [2, 3]
+    assert [e.action for e in evs] == ["warmup", "switch"] and [e.epoch for e in evs] == [1, 2]
 
 
 def test_a_warm_up_extended_for_want_of_data_says_so_in_the_split_the_planner_answers():
@@ -108,14 +108,13 @@ def test_a_warm_up_extended_for_want_of_data_says_so_in_the_split_the_planner_an
     the extended end; nothing switches and no split change is counted."""
     pol = make_planner("evolving", NODES, GB, t_learn_s=60.0, window_s=600.0, sample_interval_s=0.0)
     core = PlannerCore(NODES, "2P2D", policy=pol)
-    cmd = core.tick(0.0)
-    assert cmd is not None and cmd.epoch == 2 and "until t=60s" in cmd.reason
-    for n in NODES:
-        core.on_split_applied(SplitApplied(epoch=2, node=n, phase="both", status="serving"), 2.0)
+    assert core.tick(0.0) is None  # launched collocated: the warm-up switches nothing, its reason is the split's
+    cmd = core.command
+    assert cmd.epoch == 1 and "until t=60s" in cmd.reason
     switches = core.switches
     assert core.tick(60.0) is None  # no records: not frozen, no new command
     now = core.command
-    assert (now.epoch, split_name(now.phases), core.switches) == (2, "collocated", switches)
+    assert (now.epoch, split_name(now.phases), core.switches) == (1, "collocated", switches)
     end = pol.warmup_end
     assert end > 60.0 and f"until t={end:.0f}s" in now.reason and "extended: no data" in now.reason, now.reason
     assert now.reason.startswith("warm-up: every node serves both phases")
@@ -124,10 +123,10 @@ def test_a_warm_up_extended_for_want_of_data_says_so_in_the_split_the_planner_an
         core.add_records(IterationRecords(node=n, records=records(100, GB.prefill, GB.decode, seed=1)), end - 1.0)
     assert core.tick(end) is None
     now = core.command
-    assert now.epoch == 2 and pol.warmup_end == 720.0, pol.warmup_end  # 659 + 60 s, to the slice boundary
+    assert now.epoch == 1 and pol.warmup_end == 720.0, pol.warmup_end  # 659 + 60 s, to the slice boundary
     assert "until t=720s" in now.reason and "restarted at the first iteration record" in now.reason, now.reason
     cmd = core.tick(pol.warmup_end)  # its end freezes and serves 2P2D, with its own reason
-    assert cmd is not None and cmd.epoch == 3 and split_name(cmd.phases) == "2P2D"
+    assert cmd is not None and cmd.epoch == 2 and split_name(cmd.phases) == "2P2D"
     assert "extended" not in cmd.reason and "restarted" not in cmd.reason
 
 

@@ -46,3 +46,21 @@ def test_routers_other_than_one_is_refused_not_ignored(service, capsys):
     assert main(["deploy-args", service, "--nodes", "2", "--routers", "2"]) == 2
     err = capsys.readouterr().err
     assert "deploy-args does not support --routers 2" in err and "own --instance" in err, err
+
+
+@pytest.mark.parametrize(
+    "flags, split, launch",
+    [
+        (["--split", "2P2D"], "2P2D", "collocated"),  # the evolving planner's warm-up serves every node both first
+        (["--split", "2P2D", "--planner-opt", "t_learn_s=0"], "2P2D", "2P2D"),  # no warm-up: the split at once
+        (["--policy", "static:1P3D"], "1P3D", "1P3D"),
+        (["--policy", "dynamo", "--split", "2P2D"], "2P2D", "2P2D"),
+    ],
+)
+def test_env_names_the_split_the_workers_start_in(flags, split, launch, capsys):
+    """Session 59: compose's entrypoint and the Slurm job started each worker in EI_DEPLOY_SPLIT's phase, and the
+    evolving planner's first tick switched them all to both for its warm-up. EI_DEPLOY_LAUNCH_SPLIT is the split the
+    workers start in, as `up` launches them (cluster.launch_phases); EI_DEPLOY_SPLIT stays the one served after."""
+    assert main(["deploy-args", "env", "--nodes", "4", *flags]) == 0, capsys.readouterr().err
+    lines = dict(line.split("=", 1) for line in capsys.readouterr().out.splitlines())
+    assert (lines["EI_DEPLOY_SPLIT"], lines["EI_DEPLOY_LAUNCH_SPLIT"]) == (split, launch)
