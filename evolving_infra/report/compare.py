@@ -118,9 +118,9 @@ ahead (10.0 vs 9.5 s) while the evolving run's on-node TTFT was the better (0.48
 _LIVE_LABELS = {
     "ttft_node_mean_s": "TTFT on node mean (queue + prefill: the policies')",
     "ttft_node_p95_s": "TTFT on node P95 (queue + prefill)",
-    "ttft_mean_s": "TTFT client mean (+ control plane)",
-    "ttft_p95_s": "TTFT client P95 (+ control plane)",
-    "ttft_p50_s": "TTFT client P50 (+ control plane)",
+    "ttft_mean_s": "TTFT client mean (incl. control plane × speedup)",
+    "ttft_p95_s": "TTFT client P95 (incl. control plane × speedup)",
+    "ttft_p50_s": "TTFT client P50 (incl. control plane × speedup)",
     "ttft_control_plane_mean_s": "TTFT control plane mean (router → node → client)",
     "ttft_control_plane_share": "Control plane share of the client TTFT",
 }
@@ -224,8 +224,8 @@ def compare_table(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         lib_of = {k: lib for k, _, lib in keys} | {"ttft_control_plane_share": None}
         labels = dict(_LIVE_LABELS)
         if any(_simulated(r) for r in derived):  # its TTFT is on the node rows; the client rows hold it as it is
-            labels |= {k: v.replace("(+ control plane)", "(+ control plane; a simulation has none)")
-                       for k, v in _LIVE_LABELS.items() if "(+ control plane)" in v}
+            labels |= {k: v.replace("(incl. control plane × speedup)", "(+ control plane; a simulation has none)")
+                       for k, v in _LIVE_LABELS.items() if "(incl. control plane × speedup)" in v}
             labels["ttft_node_mean_s"] = "TTFT on node mean (queue + prefill: the policies'; a simulation's TTFT)"
             labels["ttft_node_p95_s"] = "TTFT on node P95 (queue + prefill; a simulation's TTFT P95)"
         first = [(k, labels.get(k, label_of(k)), lib_of[k]) for k in LIVE_TTFT_FIRST]

@@ -453,7 +453,7 @@ def test_the_page_of_a_live_run_has_the_control_plane_note_and_a_simulated_run_s
         r.node_arrived_at, r.first_token_at = arr, first  # 2, 1, 4 s on the node of 10, 11, 12 s
     page = run_page(build_report(live, meta={"command": "demo", "speedup": 50.0}), [], base=tmp_path)
     assert "on node mean 2.333 s" in page and "× speedup 50" in page, page
-    assert '<li class="warn">note: 79% of the mean TTFT is control plane' in page, page
+    assert '<li class="warn">note: 79% of the mean client TTFT is control plane' in page, page
     sim = run_page(build_report([rec(i, ttft=10.0 + i, sent_at=100.0 * i) for i in range(3)],
                                 meta={"command": "simulate"}), [], base=tmp_path)
     assert "on node" not in sim and "is control plane" not in sim and "speedup" not in sim, sim
@@ -571,7 +571,7 @@ def test_compare_says_which_way_is_better_and_which_run_is(tmp_path: Path, capsy
     assert lines[0].split()[:2] == ["metric", "better"] and lines[0].split()[-1] == "best"
     assert lines[1].startswith("TTFT on node mean (queue + prefill: the policies')")
     assert lines[1].split()[-1] == "evolving" and " lower " in lines[1]
-    client = next(line for line in lines if line.startswith("TTFT client mean (+ control plane)"))
+    client = next(line for line in lines if line.startswith("TTFT client mean (incl. control plane × speedup)"))
     assert client.split()[-1] == "static"
     share = next(line for line in lines if line.startswith("Control plane share of the client TTFT"))
     assert "95.20%" in share and "91.47%" in share
