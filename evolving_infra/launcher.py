@@ -120,8 +120,9 @@ def _add_cluster_args(
         f"the default {nodes} nodes and, for another --nodes, round(2N/3) prefill nodes as simulate's (3 nodes: 2P1D, "
         "2: 1P1D, 1: collocated). The default policy's evolving planner serves every node collocated for its warm-up "
         f"first (t_learn_s: {warmup}; the paper's policy fits each node's models collocated) and this split only "
-        "after it, then re-plans; for this split at once: --policy static:xPyD (fixed), or --planner-opt t_learn_s=60 "
-        "(a 60-s warm-up)",
+        "after it, then re-plans; for this split at once: --policy static:xPyD (fixed); --planner-opt t_learn_s=60 "
+        "shortens the warm-up to 60 s of served traffic (on an idle cluster it is extended while no model can be fitted: "
+        "a node needs 8 iterations with a prefill part and 8 with a decode part)",
     )
     p.set_defaults(default_split=split, default_nodes=nodes)
     g.add_argument(
@@ -1496,7 +1497,7 @@ def split_plan(pol: LivePolicy, split: str, speedup: float, end_s: float | None 
 
     Args:
         pol: the live policy (its ``planner`` and ``planner_args``).
-        split: the split the workers are launched in (``--split`` or the policy's).
+        split: the cluster's split (``--split`` or the policy's; after an evolving warm-up, which serves collocated).
         speedup: simulated seconds per wall second (> 0).
         end_s: when the warm-up ends, simulated s from the cluster's start; None: not known yet.
         announced: ``end_s`` is the planner's announcement (else an estimate).
@@ -1553,7 +1554,7 @@ def ready_info(info: Mapping[str, Any], pol: LivePolicy, split: str, speedup: fl
                clock_origin: float | None = None) -> dict[str, Any]:
     """``up``'s READY JSON: ``info`` (:meth:`Cluster.describe`) with, after its ``split``, what is served at READY.
 
-    * ``split`` (kept as it was): the split the workers are launched in, which the evolving planner serves only after
+    * ``split`` (kept as it was): the cluster's split (the workers start collocated: ``cluster.launch_phases``), served only after
       its warm-up (``--split`` or the policy's);
     * ``serving``: the split served now, ``"collocated"`` (every node ``both``) during the evolving planner's warm-up
       (from its first tick), else ``split``. Before, a plain ``up`` printed ``"split": "2P2D"`` and served
@@ -1620,7 +1621,7 @@ def planner_warmup_line(pol: LivePolicy, split: str, speedup: float) -> str | No
 
     Args:
         pol: the live policy (its ``planner`` and ``planner_args``, ``key=value`` items).
-        split: the split the workers are launched in (``2P2D``).
+        split: the cluster's split (``2P2D``; served after the warm-up).
         speedup: simulated seconds per wall second (for the warm-up's wall time).
     """
     if pol.planner != "evolving":
@@ -1662,7 +1663,7 @@ def split_deferred_line(pol: LivePolicy, split: str, *, given: bool) -> str | No
 
     Args:
         pol: the live policy (its ``planner`` and ``planner_args``).
-        split: the split the workers are launched in (``--split``).
+        split: the cluster's split (``--split``).
         given: whether the user passed ``--split`` (``args.split_given``).
     """
     if not given or split == "collocated" or pol.planner != "evolving":
@@ -1672,7 +1673,8 @@ def split_deferred_line(pol: LivePolicy, split: str, *, given: bool) -> str | No
         return None
     after = p.initial_split or split
     # a warm-up already this short was told to pass --planner-opt t_learn_s=60, the flag it was started with
-    shorter = (", or a short warm-up: --planner-opt t_learn_s=60" if p.t_learn_s > 60 else
+    shorter = (", or a short warm-up: --planner-opt t_learn_s=60 (it ends only once the nodes have served requests: "
+               "an idle cluster's is extended while no model can be fitted)" if p.t_learn_s > 60 else
                f" (the warm-up ends on a {p.window_s / p.slices:.0f}-s slice boundary: `split get` says when)")
     return (f"note: --split {split} is not served yet: the evolving planner (policy {pol.name}) serves every node collocated "
             f"(\"decode_node\": null) for its {p.t_learn_s:.0f}-s warm-up, then {after}; for {split} at once pass "
@@ -2278,13 +2280,24 @@ def _baseline_line(args: argparse.Namespace, out: Path) -> str:
     """The demo's last line: the same input (:func:`demo_input_flags`) under the baseline (SGLang PD at the same
     split, cache-aware prefill routing, round-robin decode, no switches), or, after a static run, under the default policy starting from the same
     split, as a command to run and compare; the comparison goes to a folder next to ``out`` (``OUT-compare``; a
-    bare ``report compare`` wrote ``./compare-out`` wherever the user stood)."""
+    bare ``report compare`` wrote ``./compare-out`` wherever the user stood). A static run whose evolving run is
+    already there (``OUT`` without ``-static``, or ``OUT-evolving``, holds a ``report.json``: the baseline command
+    printed by ``make demo`` was run) names the comparison of the two and its page instead: before (session 59),
+    its line suggested the evolving demo again with ``--out demo-out``, which would move the first demo into
+    ``demo-out/previous/``."""
     ei = command_name()  # `make demo` runs .venv/bin/evolving-infra, not on PATH until the venv is activated
     same = " ".join(demo_input_flags(args))
     if args.live_policy.name.startswith("static"):
         stem = str(out)[: -len("-static")] if str(out).endswith("-static") and len(str(out)) > len("-static") else None
         other = Path(stem) if stem else Path(f"{out}-evolving")
         compare = Path(f"{stem or out}-compare")
+        if (other / "report.json").is_file():
+            # the demo's baseline command ran this one beside the run in OTHER: the line points at the comparison it
+            # goes on to write, not at a re-run into OTHER (which moved that run to OTHER/previous/)
+            return (f"baseline: this run is the static baseline of {shlex.quote(str(other))} (its report.json is there); "
+                    f"the comparison: {ei} report compare --out {shlex.quote(str(compare))} {shlex.quote(str(other))} "
+                    f"{shlex.quote(str(out))} (the baseline command runs it next), then open "
+                    f"{shlex.quote(str(compare / 'compare.html'))}")
         return (f"baseline: this run is the static baseline; the default policy (evolving, from {args.split}) on the same "
                 f"input: {ei} demo --split {args.split} {same} --out {shlex.quote(str(other))} && "
                 f"{ei} report compare --out {shlex.quote(str(compare))} {shlex.quote(str(other))} {shlex.quote(str(out))}")

@@ -4,9 +4,10 @@ Contains zero I/O; every method takes ``now`` (simulated s).
 
 Life cycle:
 
-1. **Warm-up** (``t_learn_s``, paper 1,800 s): the first :meth:`tick` switches
-   every node to ``both`` (collocated) and remembers the split it found as the
-   initial split. Every iteration record goes into the node's
+1. **Warm-up** (``t_learn_s``, paper 1,800 s): every node serves ``both``
+   (collocated): launched so (:meth:`start_phases`, which keeps the split given as the
+   initial split), else the first :meth:`tick` switches every node to ``both`` and
+   remembers the split it found as the initial split. Every iteration record goes into the node's
    :class:`~services.planner.fit.FitSamples`.
 2. **Freeze**: at the warm-up end each node's Eq. 1/2 coefficients are fitted by
    NNLS (``fit.fit_node``) and frozen; a node with too few records gets the median
@@ -388,9 +389,10 @@ class EvolvingPlanner(PolicyBase):
         start (paper §5.1, Alg. E.3 line 1: the models are fitted in a collocated
         mode), and ``phases`` — unless ``initial_split`` is set — becomes the split
         served after the warm-up. A caller that launches its nodes this way (the
-        simulator) never routes a request to the configured split before the
-        warm-up; a caller that does not (the live planner) gets the same warm-up
-        from the first :meth:`tick`, which switches every node to ``both``.
+        simulator; the live planner's fresh cluster, ``PlannerCore._fresh_start``, whose
+        workers ``up`` launches ``both``) never routes a request to the configured split
+        before the warm-up; a caller that does not gets the same warm-up from the first
+        :meth:`tick`, which switches every node to ``both``.
         Without a warm-up: ``phases`` unchanged. Optional: call before the first tick.
 
         Raises:

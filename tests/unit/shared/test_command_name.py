@@ -172,3 +172,23 @@ def test_the_demos_baseline_line_keeps_the_real_bytes_kv_pool(make_demo, tmp_pat
     plain = build_parser().parse_args(["demo", "--log-dir", str(tmp_path / "lp")])
     _spec(plain)
     assert "--kv-pool" not in _baseline_line(plain, Path("demo-out"))
+
+
+def test_the_static_baseline_beside_its_evolving_run_points_at_the_comparison(make_demo, tmp_path):
+    """Session 59: after the baseline command `make demo` prints (`demo --policy static:2P2D ... --out demo-out-static
+    && report compare ...`), the static run's last line suggested the evolving demo again with `--out demo-out`,
+    which would move the first demo into demo-out/previous/: a circle. With that run already in demo-out, the line
+    names the comparison of the two and its page; without it, the command to run it, as before."""
+    args = build_parser().parse_args(["demo", "--policy", "static:2P2D", "--sessions", "4", "--concurrency", "2",
+                                      "--log-dir", str(tmp_path / "logs")])
+    _spec(args)
+    first, static = tmp_path / "demo-out", tmp_path / "demo-out-static"
+    before = _baseline_line(args, static)
+    assert "demo --split 2P2D " in before and f"--out {first} && " in before, before  # no evolving run there yet
+    first.mkdir()
+    (first / "report.json").write_text("{}")
+    line = _baseline_line(args, static)
+    assert " demo " not in line and "--out " + str(first) + " " not in line.split("report compare")[0], line
+    assert line.startswith(f"baseline: this run is the static baseline of {first} (its report.json is there)"), line
+    assert f"report compare --out {tmp_path / 'demo-out-compare'} {first} {static}" in line, line
+    assert line.endswith(f"then open {tmp_path / 'demo-out-compare' / 'compare.html'}"), line

@@ -234,7 +234,7 @@ _WORKER = "--profile gb300-glm52 --stream-interval 1 --tokenizer sim"
 
 @pytest.mark.parametrize("up, nodes, router, planner, eviction, phases", [
     (["--policy", "evolving"], 4, "--routing ttft --decode-binding prefill-start --decode-routing least-loaded",
-     "--split 2P2D --planner evolving", "branch-count", "PPDD"),
+     "--split 2P2D --planner evolving", "branch-count", "BBBB"),
     (["--policy", "static:2P2D"], 4, "--routing cache-aware --decode-binding dispatch --decode-routing round-robin",
      "--split 2P2D --planner static", "lru", "PPDD"),
     (["--policy", "dynamo"], 3, "--routing cache-aware --decode-binding dispatch --decode-routing round-robin",
@@ -243,14 +243,17 @@ _WORKER = "--profile gb300-glm52 --stream-interval 1 --tokenizer sim"
      "--split 2P2D --planner arrow", "lru", "PPDD"),
     (["--policy", "evolving", "--planner-opt", "t_learn_s=300", "--routing-opt", "sticky_ttl_s=5"], 4,
      "--routing ttft --decode-binding prefill-start --decode-routing least-loaded --sticky-ttl-s 5.0",
-     "--split 2P2D --planner evolving --planner-args t_learn_s=300", "branch-count", "PPDD"),
+     "--split 2P2D --planner evolving --planner-args t_learn_s=300", "branch-count", "BBBB"),
+    (["--policy", "evolving", "--planner-opt", "t_learn_s=0"], 4, "--routing ttft --decode-binding prefill-start "
+     "--decode-routing least-loaded", "--split 2P2D --planner evolving --planner-args t_learn_s=0", "branch-count", "PPDD"),
 ])
 def test_up_gives_each_service_the_flags_it_gave_before_service_flags_and_deploy_args_the_same(
         tmp_path, up, nodes, router, planner, eviction, phases):
     """Each child's service flags for every policy set, as ``LocalCluster._plan_children`` wrote them before
     they moved into ``cluster.service_flags`` (recorded from c96aa25; the flag order within a worker changed,
     and the router's ``--decode-routing`` came with session 58: round-robin for the baselines, as simulate runs
-    them), and ``deploy-args`` (compose, Slurm) prints a run of each child's argv."""
+    them), and ``deploy-args`` (compose, Slurm) prints a run of each child's argv. The evolving planner's workers
+    start ``both`` (B) for its collocated warm-up since session 59 (``cluster.launch_phases``), without one in the split."""
     from evolving_infra.deploy_cli import deploy_args
 
     argv_up = [*up, "--nodes", str(nodes)]
@@ -272,7 +275,7 @@ def test_up_gives_each_service_the_flags_it_gave_before_service_flags_and_deploy
     assert flags(kids["planner"]) == want(f"--nodes {ids} {planner} --profile gb300-glm52")
     assert flags(kids["router"]) == want(f"--host 127.0.0.1 --port 8000 {router} {_SIM}")
     for i, phase in enumerate(phases):
-        phase = {"P": "prefill", "D": "decode"}[phase]
+        phase = {"P": "prefill", "D": "decode", "B": "both"}[phase]
         assert flags(kids[f"worker-w{i}"]) == want(f"--node w{i} --phase {phase} {_WORKER} --host-eviction {eviction}")
     for service, child in (("kvdirectory", "kvdirectory"), ("planner", "planner"), ("router", "router"), ("worker", "worker-w0")):
         printed, _ = deploy_args(argv_up, service)
