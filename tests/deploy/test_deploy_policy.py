@@ -57,7 +57,9 @@ def test_compose_services_run_up_s_default_system_evolving(tmp_path):
     assert (_flag(directory, "--routers"), _flag(directory, "--instance")) == ("router", "kvdirectory"), directory
     assert (_flag(planner, "--planner"), _flag(planner, "--split"), _flag(planner, "--nodes")) == ("evolving", "1P1D", "w0,w1")
     assert (_flag(router, "--routing"), _flag(router, "--decode-binding")) == ("ttft", "prefill-start")
-    assert (_flag(worker, "--host-eviction"), _flag(worker, "--phase")) == ("branch-count", "decode")
+    # the evolving planner's collocated warm-up: every worker starts both, as up launches them (session 59: decode,
+    # then switched to both by the planner's first tick); 1P1D comes after the warm-up
+    assert (_flag(worker, "--host-eviction"), _flag(worker, "--phase")) == ("branch-count", "both")
     assert _flag(router, "--port") == "8000" and _flag(router, "--host") == "0.0.0.0"
     # the very flags up gives each service for the same cluster (2 nodes)
     for role, argv in (("planner", planner), ("router", router), ("worker", worker), ("kvdirectory", directory)):

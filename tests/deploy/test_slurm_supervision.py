@@ -308,7 +308,8 @@ def test_the_job_runs_up_s_policy_set_and_each_service_has_its_own_metrics_port(
         assert "policy evolving: routing ttft, planner evolving, eviction branch-count, decode binding prefill-start" in job.text()
         assert '"policy": "evolving"' in (job.run / "planner.log").read_text()
         worker = job_pids(job.run)[service_pid(job.run, "services.worker", "--node w0 ")]
-        assert "--host-eviction branch-count" in worker and "--phase prefill" in worker, worker
+        # the evolving planner's warm-up serves every node both: the job starts them so, as up (session 59: prefill)
+        assert "--host-eviction branch-count" in worker and "--phase both" in worker, worker
         router = job_pids(job.run)[service_pid(job.run, "services.router")]
         assert "--decode-binding prefill-start" in router, router
         # the one router, whose republish a restarted directory waits for (from deploy-args, as compose's)
