@@ -43,6 +43,7 @@ def test_random_traces_pack_and_read_back_the_same(tmp_path: Path) -> None:
         assert pack.is_packed(dst) and not pack.is_packed(src)
         got = read_trace_compact(dst)
         assert _same(got, want), seed
+        assert _same(pack.read_packed(dst, trusted=True), want), seed  # the trace cache's read: the same trace
         assert got.requests_with_blocks() == reqs, seed
         assert got.rechained()[1] == want.rechained()[1], seed
         pack.write_packed(tmp_path / "again.eipack", got)  # bytes a pure function of the trace
@@ -106,24 +107,26 @@ def _rewrite(path: Path, pl: pack._Payload) -> Path:
     return path
 
 
-def _reasons(path: Path) -> list[str]:
+def _reasons(path: Path, trusted: bool = False) -> list[str]:
     with pytest.raises(TraceError) as got:
-        read_trace_compact(path)
+        read_trace_compact(path) if not trusted else pack.read_packed(path, trusted=True)
     return [str(p) for p in got.value.problems]
 
 
-def test_damaged_packs_are_rejected_with_a_reason(tmp_path: Path) -> None:
+@pytest.mark.parametrize("trusted", [False, True])
+def test_damaged_packs_are_rejected_with_a_reason(tmp_path: Path, trusted: bool) -> None:
+    # the trace cache's trusted read too: a damaged pack in the cache is a miss, not a run of garbage
     dst, _ = _packed(tmp_path)
     data = dst.read_bytes()
     i = len(data) // 2
     dst.write_bytes(data[:i] + bytes([data[i] ^ 1]) + data[i + 1 :])
-    assert "checksum mismatch" in _reasons(dst)[0]
+    assert "checksum mismatch" in _reasons(dst, trusted)[0]
     dst.write_bytes(data[:-5])
-    assert "truncated or extended" in _reasons(dst)[0]
+    assert "truncated or extended" in _reasons(dst, trusted)[0]
     dst.write_bytes(data + b"x")
-    assert "truncated or extended" in _reasons(dst)[0]
+    assert "truncated or extended" in _reasons(dst, trusted)[0]
     dst.write_bytes(data[:10])
-    assert "truncated or extended" in _reasons(dst)[0]
+    assert "truncated or extended" in _reasons(dst, trusted)[0]
 
 
 def _ints(raw: bytes) -> list[int]:
@@ -134,7 +137,8 @@ def _raw(xs: list[int]) -> bytes:
     return b"".join(x.to_bytes(8, "little", signed=True) for x in xs)
 
 
-def test_hand_made_stores_are_rejected(tmp_path: Path) -> None:
+@pytest.mark.parametrize("trusted", [False, True])
+def test_hand_made_stores_are_rejected(tmp_path: Path, trusted: bool) -> None:
     dst, pl = _packed(tmp_path)
     refs, ks, flat = _ints(pl.ref), _ints(pl.k), _ints(pl.flat)
     j = next(i for i, r in enumerate(refs) if r >= 0)  # a request stored against an earlier one
@@ -149,7 +153,7 @@ def test_hand_made_stores_are_rejected(tmp_path: Path) -> None:
         "layout version 9": msgspec.structs.replace(pl, version=9),
     }
     for want, bad in cases.items():
-        reasons = _reasons(_rewrite(dst, bad))
+        reasons = _reasons(_rewrite(dst, bad), trusted)
         assert any(want in r for r in reasons), (want, reasons)
 
 
@@ -163,6 +167,8 @@ def test_pack_requests_are_held_to_the_trace_rules(tmp_path: Path) -> None:
     assert any(r.startswith("line 2: len(blocks) =") for r in _reasons(_rewrite(dst, tokens)))
     held = msgspec.structs.replace(pl, requests=[msgspec.structs.replace(r0, blocks=[1]), *pl.requests[1:]])
     assert any("holds its block ids" in r for r in _reasons(_rewrite(dst, held)))
+    # a trusted read (the trace cache's own packs, written from a trace this reader checked) does not check the rules again
+    assert pack.read_packed(_rewrite(dst, dup), trusted=True).requests[1].id == r0.id
     bad_type = msgspec.msgpack.encode(pl).replace(b"input_tokens", b"input_tokenz", 1)
     dst.write_bytes(pack.MAGIC + len(bad_type).to_bytes(8, "little") + zlib.crc32(bad_type).to_bytes(4, "little") + bad_type)
     assert "undecodable payload" in _reasons(dst)[0]
