@@ -14,8 +14,12 @@ tokens and therefore equal hashes in every component.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+else:  # imported on first use (shared.lazy_numpy): a run that calls no numpy pays no import
+    from shared.lazy_numpy import np
 
 SIM_VOCAB_SIZE = 100_000
 """Token ids produced for trace blocks and by the sim engine lie in [0, SIM_VOCAB_SIZE)."""

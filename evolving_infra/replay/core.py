@@ -23,9 +23,12 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+else:  # imported on first use (shared.lazy_numpy): a run that calls no numpy pays no import
+    from shared.lazy_numpy import np
 
 from evolving_infra.traces.schema import TraceRequest
 from shared.values import FACTORY, FrozenStructValue, FrozenValue, Value, set_field

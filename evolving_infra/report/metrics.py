@@ -53,10 +53,14 @@ simulated seconds.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+else:  # imported on first use (shared.lazy_numpy): a run that calls no numpy pays no import
+    from shared.lazy_numpy import np
 
 from evolving_infra.report.records import RequestRecord
 from evolving_infra.report.timeline import RunTimeline, timeline_from_builtins
@@ -109,16 +113,22 @@ def throughput_label(metas: Sequence[Mapping[str, Any] | None]) -> str:
     return f"Throughput ({throughput_unit(metas)})"
 
 
+def _numpy_loaded() -> bool:
+    """Whether numpy is imported already (a trace read from JSON, plots): then :func:`_pct` and :func:`_mean`
+    use it (faster on a run's thousands of values, the same bits); else they do without its import."""
+    return "numpy" in sys.modules
+
+
 def _pct(values: Sequence[float], q: float) -> float | None:
     """``float(np.percentile(values, q))`` (linear interpolation, numpy's default), None without values.
 
     The same arithmetic in the same order on the same two neighbours (numpy's ``_quantile`` and ``_lerp``
     for a scalar ``q``, including its gamma past the last index), on a sorted copy instead of a partition:
-    every value is bit-for-bit numpy's. Values with a NaN or a sign bit (a negative value, -0.0), whose
-    order a sort and a partition may not share, go to numpy itself. Not calling it spares a run
-    ``numpy.ma``, which ``np.percentile`` imports on its first call (``np.unique`` → ``np.ma.is_masked``:
-    ~10 ms of a ``simulate --no-plots`` run's report; with plots matplotlib imports it anyway) and ~20 µs of
-    its dispatch per call.
+    every value is bit-for-bit numpy's. The copy is a numpy array when numpy is imported already
+    (:func:`_numpy_loaded`), else a sorted list of the values as floats: a ``simulate`` whose trace comes
+    from the cache imports no numpy (~65 ms). Values with a NaN, an infinity's NaN sum or a sign bit (a
+    negative value, -0.0), whose order a sort and a partition may not share, go to numpy itself. Not
+    calling ``np.percentile`` spares a run ``numpy.ma``, which it imports on its first call.
 
     Raises:
         ValueError: ``q`` outside [0, 100] (numpy's message), or NaN.
@@ -129,9 +139,16 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     n = len(values)
     if not n:
         return None
-    a = np.array(values, dtype=float)
-    a.sort()
-    if a[-1] != a[-1] or np.signbit(a).any():  # (numpy on the values in their own order: its partition's)
+    a: Any
+    if _numpy_loaded():
+        a = np.array(values, dtype=float)
+        a.sort()
+        special = bool(a[-1] != a[-1] or np.signbit(a).any())  # (NaN sorts last)
+    else:
+        a = sorted([float(x) for x in values])
+        total = sum(a)
+        special = total != total or a[0] < 0 or (a[0] == 0 and _zero_signed(a))  # a NaN (or inf - inf), a sign bit
+    if special:  # (numpy on the values in their own order: its partition's)
         return float(np.percentile(np.asarray(values, dtype=float), q))
     vi = (n - 1) * (q / 100)
     if vi >= n - 1:  # numpy's index -1 on both sides, gamma vi + 1
@@ -144,8 +161,57 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     return hi - d * (1 - t) if t >= 0.5 else lo + d * t
 
 
+def _zero_signed(a: list[float]) -> bool:
+    """Whether a -0.0 is among the zeros at the start of the sorted ``a``."""
+    for x in a:
+        if x != 0:
+            return False
+        if math.copysign(1.0, x) < 0:
+            return True
+    return False
+
+
+def _pairwise_sum(a: list[float], lo: int, n: int) -> float:
+    """numpy's pairwise sum of ``a[lo:lo + n]`` (float64, ``DOUBLE_pairwise_sum``): below 8 values one
+    running sum from 0.0; up to 128 eight running sums, added in pairs, then the rest; else the two
+    halves (the first a multiple of 8 long), each so."""
+    if n < 8:
+        res = 0.0
+        for i in range(lo, lo + n):
+            res += a[i]
+        return res
+    if n <= 128:
+        r0, r1, r2, r3, r4, r5, r6, r7 = a[lo:lo + 8]
+        end = lo + n - n % 8
+        for i in range(lo + 8, end, 8):
+            r0 += a[i]
+            r1 += a[i + 1]
+            r2 += a[i + 2]
+            r3 += a[i + 3]
+            r4 += a[i + 4]
+            r5 += a[i + 5]
+            r6 += a[i + 6]
+            r7 += a[i + 7]
+        res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+        for i in range(end, lo + n):
+            res += a[i]
+        return res
+    n2 = n // 2
+    n2 -= n2 % 8
+    return _pairwise_sum(a, lo, n2) + _pairwise_sum(a, lo + n2, n - n2)
+
+
 def _mean(values: Sequence[float]) -> float | None:
-    return float(np.mean(np.asarray(values, dtype=float))) if len(values) else None
+    """``float(np.mean(np.asarray(values, dtype=float)))``, None without values: numpy's when it is imported
+    already (:func:`_numpy_loaded`), else its pairwise sum over the values as floats in Python, divided by
+    their count, bit for bit."""
+    n = len(values)
+    if not n:
+        return None
+    if _numpy_loaded():
+        return float(np.mean(np.asarray(values, dtype=float)))
+    a = [float(x) for x in values]
+    return _pairwise_sum(a, 0, n) / n
 
 
 def measured_span(records: Sequence[RequestRecord]) -> tuple[float, float]:
@@ -243,7 +309,7 @@ def prefill_queue_imbalance(
         mean = sum(values) / len(values) if values else 0.0
         ratios.append(max(values) / mean if mean > 0 else None)
     valid = [x for x in ratios if x is not None]
-    return (float(np.mean(valid)) if valid else None), ratios
+    return _mean(valid), ratios
 
 
 LOST_REUSE_CAUSES = ("eviction", "routing", "unattributed")

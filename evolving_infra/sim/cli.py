@@ -440,7 +440,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
                      "runs of the unchanged FILE (same path, size, mtime, inode) read the pack: the same run, no JSON parsed. "
                      "EI_TRACE_CACHE_DIR=off turns it off for every run; EI_TRACE_CACHE_MAX_BYTES caps the packs' total size "
                      "(default 4 GiB, least recently used evicted). A damaged pack is read around and replaced; a cache that "
-                     "cannot be written is a note, never a failed run. The summary line says 'trace cache hit|miss|off'")
+                     "cannot be written is a note, never a failed run; a FILE whose block ids are not chained (remapped every "
+                     "run) keeps no pack. The summary line says 'trace cache hit|miss|off'")
     src.add_argument("--workload", default=None, choices=("putnam", "claude-code", "osworld", "shift"),
                      help="generate this workload instead of reading a trace (evolving_infra.traces.generate)")
     src.add_argument("--agents", type=int, default=None, help="--workload: agents to generate (default per workload)")

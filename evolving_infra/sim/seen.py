@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import islice, takewhile
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+else:  # imported on first use (shared.lazy_numpy): a run that calls no numpy pays no import
+    from shared.lazy_numpy import np
 
 __all__ = ["SeenIds"]
 
@@ -43,7 +47,7 @@ class SeenIds:
     __slots__ = ("_arr", "_new", "_plain")
 
     def __init__(self) -> None:
-        self._arr = np.empty(0, dtype=np.int64)
+        self._arr: Any = ()  # the merged ids: a sorted int64 array from the first merge on (numpy only then)
         self._new: set[int] = set()
         self._plain = False
 
@@ -111,11 +115,12 @@ class SeenIds:
             try:
                 add = np.fromiter(new, dtype=np.int64, count=len(new))
             except OverflowError:  # an id outside int64: a plain set from now on
-                new.update(self._arr.tolist())
-                self._arr = np.empty(0, dtype=np.int64)
+                if len(self._arr):
+                    new.update(self._arr.tolist())
+                self._arr = ()
                 self._plain = True
                 return
-            self._arr = _merge_sorted_unique(self._arr, add)
+            self._arr = _merge_sorted_unique(self._arr, add) if len(self._arr) else np.sort(add)
             new.clear()
 
 

@@ -34,7 +34,11 @@ Never fails a run: a pack that does not read back whole (damaged, truncated, fro
 structure) is a miss (removed, FILE read, one stderr note). A hit does not check the requests'
 rules (docs/trace-format.md) again (``read_packed(trusted=True)``): the pack under a key was
 written by the reader whose sources the key hashes, from FILE as that reader read and checked it
-whole, and its checksum says these are the bytes written (~20 ms of a hit at 512-token blocks); a cache that cannot be written (read-only home, disk full) leaves the run to go
+whole, and its checksum says these are the bytes written (~20 ms of a hit at 512-token blocks).
+Only a trace whose block ids are chained (§4; every converted trace) is kept, so a hit takes its
+ids as chained without sorting them again: with the store rebuilt in Python, a hit at the trace's
+block size imports no numpy (~65 ms); a trace whose ids ``simulate`` remaps is read every run
+(one note); a cache that cannot be written (read-only home, disk full) leaves the run to go
 on with one stderr note and nothing half-written: packs are written to a temporary file in the
 cache folder and renamed (``os.replace``) onto their name, so concurrent runs and a kill mid-write
 never leave a partial pack under a key (a temporary file a killed run left is removed by a later
@@ -186,6 +190,7 @@ class CachedTrace:
             why = e.problems[0].reason if isinstance(e, TraceError) and e.problems else str(e)
             self._note(f"{self.pack} did not read back ({why}); reading {self.trace} and packing it again")
             return None
+        trace.store.known_chained()  # only a chained trace's pack is kept (store): no sort of its ids again
         self.status = "hit"
         try:
             os.utime(self.pack)
@@ -205,6 +210,11 @@ class CachedTrace:
         except OSError:
             now = ()
         if now != self.signature:  # FILE changed while it was read: its pack would not be the file under the key
+            return
+        if not trace.store.chained():  # (the caller's rechained() asks next: the answer is kept) a hit takes its
+            # pack as chained without sorting its ids (load); a trace whose ids must be remapped is read every run
+            self._note(f"{self.trace}'s block ids are not chained (remapped every run; docs/trace-format.md §4); "
+                       "its pack is not kept")
             return
         folder = self.pack.parent
         tmp: str | None = None

@@ -27,10 +27,13 @@ import os
 from array import array
 from struct import pack as _pack
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, TYPE_CHECKING
 
 import msgspec
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+else:  # imported on first use (shared.lazy_numpy): a run that calls no numpy pays no import
+    from shared.lazy_numpy import np
 from msgspec import Meta
 
 from evolving_infra.traces.inflate import InflateAhead
@@ -292,6 +295,12 @@ class BlockStore:
         ok = self._check_chained()
         self._chained = (len(self._flat), ok)
         return ok
+
+    def known_chained(self) -> None:
+        """Take the ids as chained without :meth:`chained`'s sort (until an id is added): for a store
+        known to be chained elsewhere (the trace cache keeps only chained traces' packs, checked
+        when it wrote them)."""
+        self._chained = (len(self._flat), True)
 
     def _check_chained(self) -> bool:
         ids = np.frombuffer(self._flat, dtype=np.int64) if len(self._flat) else np.empty(0, np.int64)

@@ -41,10 +41,13 @@ import sys
 import zlib
 from array import array
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import msgspec
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+else:  # imported on first use (shared.lazy_numpy): a run that calls no numpy pays no import
+    from shared.lazy_numpy import np
 
 from evolving_infra.traces.compact import KEYFRAME_DEPTH, BlockStore, CompactTrace, holder_of
 from evolving_infra.traces.io import PACK_MAGIC as MAGIC
@@ -236,6 +239,51 @@ def _store(path: str | os.PathLike[str], pl: _Payload) -> tuple[BlockStore, list
     return st, lens
 
 
+def _store_trusted(path: str | os.PathLike[str], pl: _Payload) -> tuple[BlockStore, list[int]]:
+    """:func:`_store` of a pack this reader wrote (``read_packed(trusted=True)``), without numpy (a
+    cache hit's run need not import it: ~65 ms): the same store, lengths, depths and ``_prev``; the same
+    structure checks but the ids' range (the reader bounded every id when it read the trace), each in
+    the one pass over the requests that the depths take anyway.
+
+    Raises:
+        TraceError: the arrays do not describe a store ``compact`` builds.
+    """
+    st = BlockStore()
+    st._flat, st._off, st._ref, st._k = (_int64s(path, name, getattr(pl, name)) for name in _ARRAYS)
+    flat, off, refs, ks = st._flat, st._off, st._ref, st._k
+    n = len(pl.requests)
+    if len(refs) != n or len(ks) != n or len(off) != n + 1:
+        raise _bad(path, f"{n} requests but {len(refs)} references, {len(ks)} shared counts and {len(off)} offsets")
+    lens = [b - a for a, b in zip(off, off[1:])]
+    if off[0] != 0 or off[-1] != len(flat) or (n and min(lens) < 0):
+        raise _bad(path, "the offsets are not increasing from 0 to the number of ids stored")
+    depth = [0] * n
+    prev = [-1] * n
+    for i in range(n):  # references point back: lengths, depths and the id before each segment in one pass
+        r = refs[i]
+        k = ks[i]
+        if r >= 0:
+            if r >= i or k <= 0:
+                raise _bad(path, "a request refers to itself or a later request, or its shared count does not match its reference")
+            if k > lens[r]:
+                raise _bad(path, f"request {i} shares {k} ids with request {r}, which has {lens[r]}")
+            lens[i] += k
+            depth[i] = d = depth[r] + 1
+            if d >= KEYFRAME_DEPTH:
+                raise _bad(path, f"request {i} is {d} references from stored ids (at most {KEYFRAME_DEPTH - 1})")
+            pos = k - 1  # BlockStore.id_at(r, k - 1), which cannot run past r's ids once the lengths are checked
+            at = r
+            while pos < ks[at]:
+                at = refs[at]
+            prev[i] = flat[off[at] + pos - ks[at]]
+        elif r != -1 or k != 0:
+            raise _bad(path, "a request refers to itself or a later request, or its shared count does not match its reference")
+    st._depth = array("l", depth)
+    st._branch = [r.branch for r in pl.requests]
+    st._prev = array("q", prev)
+    return st, lens
+
+
 def _prevs(st: BlockStore, flat: np.ndarray, off: np.ndarray, ref: np.ndarray, k: np.ndarray, has_ref: np.ndarray,
            refs: list[int], ks: list[int]) -> array[int]:
     """``BlockStore._prev``: the id before each request's stored segment, ``st.id_at(ref, k - 1)``
@@ -261,10 +309,11 @@ def read_packed(path: str | os.PathLike[str], *, trusted: bool = False) -> Compa
     ``trusted``: the pack is one this code wrote from a trace it read and checked itself (the trace
     cache's, ``evolving_infra.traces.cache``: its key hashes this reader's sources, and it packs only
     a trace ``read_trace_compact`` read whole): the rules of docs/trace-format.md on its requests
-    (ids, ``after``, branches, id counts) are not checked again; the magic, length, checksum, layout
-    and store structure still are, so a damaged or truncated pack is still rejected. Same trace
+    (ids, ``after``, branches, id counts) and the ids' range are not checked again, and the store is
+    rebuilt without numpy (:func:`_store_trusted`); the magic, length, checksum, layout and store
+    structure still are checked, so a damaged or truncated pack is still rejected. Same trace
     either way; the rules' check is ~20 ms of a ~50-ms read of the 260-session trace at 512-token
-    blocks (15,845 requests).
+    blocks (15,845 requests), numpy's import ~65 ms more.
 
     Raises:
         TraceError: not a whole packed trace (magic, length, checksum, layout), its store is not
@@ -290,7 +339,7 @@ def read_packed(path: str | os.PathLike[str], *, trusted: bool = False) -> Compa
             raise _bad(path, f"packed layout version {pl.version} (this code reads {PACK_VERSION})")
         if pl.header.version > VERSION:
             raise _bad(path, f"unsupported trace format version {pl.header.version} (this code reads up to {VERSION})")
-        store, lengths = _store(path, pl)
+        store, lengths = (_store_trusted if trusted else _store)(path, pl)
         if trusted:
             return CompactTrace(pl.header, pl.requests, store, {r.id: i for i, r in enumerate(pl.requests)})
         v = _Validator()

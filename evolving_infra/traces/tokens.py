@@ -33,11 +33,15 @@ Block-size conversion (:func:`rechunk_blocks`) is explicit, never implicit:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import hashlib
 
 import msgspec
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+else:  # imported on first use (shared.lazy_numpy): a run that calls no numpy pays no import
+    from shared.lazy_numpy import np
 
 from evolving_infra.traces.schema import MAX_BLOCK_ID, TraceRequest
 

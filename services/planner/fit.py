@@ -38,8 +38,12 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+else:  # imported on first use (shared.lazy_numpy): a run that calls no numpy pays no import
+    from shared.lazy_numpy import np
 
 from shared.itermodel import DecodeModel, PrefillModel
 from shared.messages import IterationRecord

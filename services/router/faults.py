@@ -20,8 +20,12 @@ node (:meth:`NodeLoadView.check_fences`) and before every routing decision.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+else:  # imported on first use (shared.lazy_numpy): a run that calls no numpy pays no import
+    from shared.lazy_numpy import np
 
 from shared.hashing import block_hashes_packed
 from services.kvdirectory.lookup import usable_lookup

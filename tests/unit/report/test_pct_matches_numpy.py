@@ -1,5 +1,6 @@
-"""``report.metrics._pct`` is ``float(np.percentile(values, q))`` bit for bit, without ``np.percentile``'s
-import of ``numpy.ma``."""
+"""``report.metrics._pct`` is ``float(np.percentile(values, q))`` and ``report.metrics._mean`` is
+``float(np.mean(values))`` bit for bit, without numpy (a ``simulate`` whose trace comes from the cache imports none)
+nor ``np.percentile``'s import of ``numpy.ma``."""
 
 from __future__ import annotations
 
@@ -10,9 +11,17 @@ import sys
 import numpy as np
 import pytest
 
-from evolving_infra.report.metrics import _pct
+from evolving_infra.report import metrics
+from evolving_infra.report.metrics import _mean, _pct
 
 QS = (0, 1, 5, 10, 25, 33.3, 50, 66.7, 75, 90, 95, 99, 99.9, 100)
+
+
+@pytest.fixture(params=[True, False], ids=["numpy-loaded", "without-numpy"])
+def numpy_loaded(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both ways of ``_pct`` and ``_mean``: on numpy arrays when numpy is imported already, else in Python."""
+    monkeypatch.setattr(metrics, "_numpy_loaded", lambda: request.param)
+    return request.param
 
 
 def _numpy(values: list[float], q: float) -> float:
@@ -42,7 +51,7 @@ def _samples(rng: random.Random) -> list[list[float]]:
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's own, on inf - inf
-def test_pct_is_numpys_percentile_bit_for_bit_over_many_inputs() -> None:
+def test_pct_is_numpys_percentile_bit_for_bit_over_many_inputs(numpy_loaded: bool) -> None:
     rng = random.Random(20261206)
     checked = 0
     for values in _samples(rng):
@@ -56,7 +65,7 @@ def test_pct_is_numpys_percentile_bit_for_bit_over_many_inputs() -> None:
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("values", [[0.0, -0.0, 0.0], [-0.0], [1.0, float("nan")], [-2.0, 1.0]])
-def test_pct_takes_numpys_path_for_nan_and_sign_bits(values) -> None:
+def test_pct_takes_numpys_path_for_nan_and_sign_bits(values, numpy_loaded: bool) -> None:
     for q in QS:
         assert repr(_pct(values, q)) == repr(_numpy(values, q))
 
@@ -79,5 +88,37 @@ def test_pct_leaves_numpy_ma_unimported() -> None:
     # (a simulate --no-plots report: with plots, matplotlib imports numpy.ma anyway)
     code = ("import sys; from evolving_infra.report.metrics import _pct; _pct([3.0, 1.0, 2.0], 95); "
             "print('numpy.ma' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's own, on inf - inf
+def test_mean_is_numpys_mean_bit_for_bit_over_many_inputs(numpy_loaded: bool) -> None:
+    # numpy's pairwise sum: one running sum below 8 values, eight up to 128, halves (multiples of 8) above
+    rng = random.Random(20261207)
+    samples = _samples(rng)
+    for _ in range(600):
+        n = rng.choice((6, 7, 8, 9, 15, 16, 17, 127, 128, 129, 130, 136, 255, 256, 257, 1000, 3981, 8191, 8192, 8193,
+                        16_385, 20_000, rng.randrange(1, 300), rng.randrange(1, 30_000)))
+        kind = rng.randrange(4)
+        if kind == 0:
+            v = [rng.random() for _ in range(n)]
+        elif kind == 1:
+            v = [rng.gauss(0, 1e3) for _ in range(n)]
+        elif kind == 2:
+            v = [rng.expovariate(1.0) * 10 ** rng.randrange(-5, 6) for _ in range(n)]
+        else:
+            v = [rng.randrange(0, 10**6) for _ in range(n)]  # ints, as token counts
+        samples.append(v)
+    for values in samples:
+        want, got = float(np.mean(np.asarray(values, dtype=float))), _mean(values)
+        assert repr(got) == repr(want), (values[:10], len(values), got, want)
+    assert _mean([]) is None
+    assert repr(_mean([-0.0])) == repr(float(np.mean(np.asarray([-0.0])))) == "0.0"
+
+
+def test_pct_and_mean_leave_numpy_unimported() -> None:
+    code = ("import sys; from evolving_infra.report.metrics import _mean, _pct; _pct([3.0, 1.0, 2.0], 95); "
+            "_mean([1.0, 2.0]); print('numpy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"

@@ -31,18 +31,19 @@ def test_simulate_imports_neither_the_live_stack_nor_scipy_nor_asyncio() -> None
 
 def test_simulate_runs_numpy_without_a_blas_thread_pool_unless_the_user_sets_one() -> None:
     # COMMAND_ENV: set before the command's module is imported, so before numpy (which the simulator
-    # imports lazily, after simulate starts inflating its trace); a user's value wins
+    # imports on its first use, shared.lazy_numpy: a run whose trace comes from the cache never does); a user's
+    # value wins
     code = ("import os, sys; from evolving_infra.cli import main\n"
             "try:\n    main(['simulate', '--help'])\nexcept SystemExit:\n    pass\n"
             "before = 'numpy' in sys.modules\n"
-            "import evolving_infra.sim.config\n"
+            "import evolving_infra.sim.run\n"
             "print(os.environ.get('OPENBLAS_NUM_THREADS'), before, 'numpy' in sys.modules, file=sys.stderr)")
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stderr.split()
-    assert out == ["1", "False", "True"]
+    assert out == ["1", "False", "False"]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(env, OPENBLAS_NUM_THREADS="3")).stderr.split()
-    assert out == ["3", "False", "True"]
+    assert out == ["3", "False", "False"]
 
 
 def test_a_command_leaves_the_package_version_unread_unless_asked() -> None:

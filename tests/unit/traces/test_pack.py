@@ -152,6 +152,8 @@ def test_hand_made_stores_are_rejected(tmp_path: Path, trusted: bool) -> None:
         "whole number of int64s": msgspec.structs.replace(pl, flat=pl.flat + b"\0"),
         "layout version 9": msgspec.structs.replace(pl, version=9),
     }
+    if trusted:  # the trace cache's read: its packs' ids were bounded when the trace was read
+        del cases["outside [0,"]
     for want, bad in cases.items():
         reasons = _reasons(_rewrite(dst, bad), trusted)
         assert any(want in r for r in reasons), (want, reasons)

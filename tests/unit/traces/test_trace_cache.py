@@ -9,6 +9,8 @@ import errno
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -120,6 +122,43 @@ def _tiny(output: int) -> list:
     from tests.unit.sim.test_sim_compact import _trace
 
     return [msgspec.structs.replace(r, output_tokens=output) for r in _trace()]
+
+
+TINY = ["--profile", "tiny", "--nodes", "3", "--policy", "evolving", "--concurrency", "4", "--max-pause", "30"]
+
+
+def test_a_hit_imports_no_numpy(tmp_path: Path, cdir: Path) -> None:
+    # a hit reads its pack without numpy (the store in Python; the ids taken as chained: only a chained trace's pack
+    # is kept) and the report's means and percentiles are numpy's arithmetic in Python: a run at the trace's block size
+    # imports no numpy (~65 ms of a 600-s run at 512-token blocks)
+    src = tmp_path / "t.jsonl"
+    write_trace(src, TraceHeader(format=FORMAT, block_size=BS, source="test"), _tiny(4))
+    code = ("import sys; from evolving_infra.cli import main; "
+            f"rc = main(['simulate', '--trace', {str(src)!r}, '--out', sys.argv[1], *{SIM + TINY!r}]); "
+            "print('numpy imported', 'numpy' in sys.modules)")
+    env = {**os.environ, cache.ENV_DIR: str(cdir)}
+    out = [subprocess.run([sys.executable, "-c", code, str(tmp_path / d)], capture_output=True, text=True, env=env,
+                          check=True).stdout for d in ("a", "b")]
+    assert "trace cache miss" in out[0] and "trace cache hit" in out[1], out
+    assert out[1].splitlines()[-1] == "numpy imported False", out[1]
+    assert _report(tmp_path / "b") == _report(tmp_path / "a")
+
+
+def test_an_unchained_trace_keeps_no_pack_and_is_read_every_run(tmp_path: Path, cdir: Path, capsys) -> None:
+    # a hit takes its pack's ids as chained (no sort of them again): a trace whose ids must be remapped is not kept
+    reqs = _tiny(4)
+    i = next(j for j, r in enumerate(reqs) if r.blocks[:2] == [7, 8])
+    reqs[i] = msgspec.structs.replace(reqs[i], blocks=[8, 7, *reqs[i].blocks[2:]])  # 7 after 8 here, first elsewhere
+    src = tmp_path / "t.jsonl"
+    write_trace(src, TraceHeader(format=FORMAT, block_size=BS, source="test"), reqs)
+    for d in ("a", "b"):
+        rc, state, err = _sim(src, tmp_path / d, capsys, *TINY)
+        assert (rc, state) == (0, "miss"), err
+        assert "block ids are not chained" in err and "its pack is not kept" in err, err
+    assert _packs(cdir) == []
+    assert _sim(src, tmp_path / "plain", capsys, *TINY, "--no-trace-cache")[:2] == (0, "off")
+    assert _report(tmp_path / "b") == _report(tmp_path / "plain")
+    assert _report(tmp_path / "b")[0]["meta"]["block_ids_rechained"] > 0
 
 
 def test_a_rewritten_file_of_the_same_size_is_a_miss_and_its_new_content_is_simulated(tmp_path: Path, cdir: Path,
