@@ -557,6 +557,10 @@ class FaultResult:
     """:func:`worker_log_problems` at the end of the run: warning / error lines and tracebacks in the workers' logs."""
     routers: int = 1
     """Router processes on the one port (``up --routers N``)."""
+    trails: dict[str, list[str]] = field(default_factory=dict)
+    """Rid -> the last :data:`TRAIL_LINES` lines of the cluster's logs naming it (:func:`request_trails`), for each
+    request that failed or was still open at the replay's bound (at most :data:`TRAIL_RIDS` of them); each trail goes
+    into :attr:`errors` too: where the request was last seen (router dispatch, worker received, hand-off, decode ...)."""
 
 
 def up_argv(log_dir: Path, *, speedup: float, nodes: int, split: str, timeout_s: float = 180.0,
@@ -746,7 +750,9 @@ async def run_fault(
             followed to where it was last seen.
         request_timeout_s: each request's own wall bound in the replay client (None: ``replay_timeout_s``, as a
             request stuck since the replay's start ends with the replay); one longer than ``replay_timeout_s`` leaves
-            every request open at the bound to be named in :attr:`FaultResult.in_flight_at_timeout`.
+            every request open at the bound to be named in :attr:`FaultResult.in_flight_at_timeout`; one shorter lets a
+            request stuck from the start fail on its own (named with its wait, :func:`record_error`) and the replay end.
+            Either way each failed or open request's trail in the logs (:func:`request_trails`) goes into the errors.
         watchdog_timeout_s: the workers' ``--watchdog-timeout-s`` (None: their default, 300 s). Below
             ``replay_timeout_s``, a worker step that hangs is ended (the worker restarts) and its record (the step's
             requests, where it awaited, the threads' stacks) reaches :attr:`FaultResult.errors` before the replay's
@@ -839,7 +845,7 @@ async def run_fault(
             res.completed = sum(1 for r in result.records if r.ok)
             res.lost = res.sent - res.completed
             res.retried = sum(1 for r in result.records if r.retries)
-            res.errors = [r.error or "" for r in result.records if not r.ok][:5]
+            res.errors = [record_error(r, speedup) for r in result.records if not r.ok][:5]
             res.token_mismatch = sum(1 for r in result.records if r.ok and r.expected_completion_tokens
                                      and r.completion_tokens != r.expected_completion_tokens)
             if fault_sim is not None:
@@ -873,6 +879,9 @@ async def run_fault(
         hangs = worker_hangs(Path(log_dir))
         res.hangs = [text for _, text in hangs]
         res.errors += hang_errors(hangs, timed_out)
+        failed = [] if result is None else [r.x_request_id or r.request_id or r.id for r in result.records if not r.ok]
+        res.trails = request_trails(Path(log_dir), [*res.in_flight_at_timeout, *failed][:TRAIL_RIDS])
+        res.errors += trail_errors(res.trails)
         res.frozen = sorted(run.frozen)
         res.frozen_s = {k: round(v, 3) for k, v in sorted(run.frozen_s.items())}
     finally:
@@ -886,6 +895,76 @@ async def run_fault(
 
 AFTER_FAULT_S = 3.0
 """Wall seconds after the fault whose requests :func:`ttft_after_fault` looks at (a router's restart gap is 1.1-1.6 s)."""
+
+
+def record_error(rec: RequestRecord, speedup: float) -> str:
+    """The text of a failed request's record for :attr:`FaultResult.errors`: its rid (the ``X-Request-ID`` the replay
+    sent, the rid of the cluster's logs), its error, after how many wall seconds (the record's simulated send -> failure
+    divided by ``speedup``, the cluster's simulated seconds per wall second), the HTTP status (``no response`` when no
+    answer's header came: the record has no ``request_id``), the tokens streamed and the nodes the stream named, e.g.
+    ``trace_0049-7: ReadTimeout after 180.0 s (HTTP 200, 0 tokens, prefill w0)``. Before, the text was the error
+    alone (``ReadTimeout: ``), which named no request."""
+    rid = rec.x_request_id or rec.request_id or rec.id
+    error = (rec.error or "failed").strip().removesuffix(":")
+    text = f"{rid}: {error}"
+    if rec.finished_at is not None and speedup > 0:
+        text += f" after {(rec.finished_at - rec.sent_at) / speedup:.1f} s"
+    parts = [f"HTTP {rec.status}" if rec.request_id is not None else "no response", f"{rec.completion_tokens} tokens"]
+    parts += [f"{k} {v}" for k, v in (("prefill", rec.prefill_node), ("decode", rec.decode_node)) if v]
+    return f"{text} ({', '.join(parts)})"
+
+
+TRAIL_LINES = 15
+"""Lines of a request's trail (:func:`request_trails`): its last ones."""
+TRAIL_RIDS = 5
+"""Requests whose trail :func:`run_fault` collects (the still open ones first, then the failed)."""
+TRAIL_LINE_MAX = 300
+"""Characters of one trail line kept."""
+TRAIL_LOGS = ("router*.log", "worker-*.log", "kvdirectory.log", "planner.log")
+"""The logs of a run's folder :func:`request_trails` reads (every router process, every worker process, twins too)."""
+_TRAIL_SKIP = frozenset({"timestamp", "event", "service", "level", "instance", "rid"})
+
+
+def request_trails(log_dir: Path, rids: Sequence[str], lines: int = TRAIL_LINES) -> dict[str, list[str]]:
+    """Rid -> the last ``lines`` log lines of ``log_dir`` (:data:`TRAIL_LOGS`, the services' JSON lines) that name it,
+    ordered by their ``timestamp``: each as ``HH:MM:SS.ffffff <log file> <level> <event> k=v ...`` (the other fields;
+    ``timestamp``, ``service``, ``instance`` and the rid left out), at most :data:`TRAIL_LINE_MAX` characters. A line
+    names a rid when its JSON text holds the rid as a quoted string (``"rid": "r"``, ``"rids": ["r", ...]``); a line
+    that is not a JSON object is skipped. Every rid of ``rids`` is a key, with ``[]`` when no line names it (the
+    request never reached the router); an unreadable log is skipped. Empty ``rids``: ``{}``, no log read."""
+    want = {rid: f'"{rid}"' for rid in dict.fromkeys(rids) if rid}
+    found: dict[str, list[tuple[str, str]]] = {rid: [] for rid in want}
+    if not want:
+        return {}
+    files = sorted({f for pattern in TRAIL_LOGS for f in Path(log_dir).glob(pattern)})
+    for f in files:
+        try:
+            text = f.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            hits = [rid for rid, quoted in want.items() if quoted in line]
+            if not hits or not line.startswith("{"):
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict):
+                continue
+            ts = str(rec.get("timestamp", ""))
+            rest = " ".join(f"{k}={v}" for k, v in rec.items() if k not in _TRAIL_SKIP)
+            shown = f"{ts[11:26] or '?'} {f.name} {rec.get('level', '?')} {rec.get('event', '')} {rest}".rstrip()
+            for rid in hits:
+                found[rid].append((ts, shown if len(shown) <= TRAIL_LINE_MAX else shown[: TRAIL_LINE_MAX - 3] + "..."))
+    return {rid: [shown for _, shown in sorted(got, key=lambda t: t[0])[-lines:]] for rid, got in found.items()}
+
+
+def trail_errors(trails: dict[str, list[str]]) -> list[str]:
+    """One :attr:`FaultResult.errors` text per rid of ``trails`` (:func:`request_trails`): ``trail of <rid> (last N
+    log lines naming it):`` and its lines, one a line; ``no log line names <rid>`` for an empty trail."""
+    return [f"trail of {rid} (last {len(got)} log lines naming it):\n" + "\n".join(got) if got
+            else f"trail of {rid}: no log line names it" for rid, got in trails.items()]
 
 
 def ttft_after_fault(records: Sequence[RequestRecord], fault_sim: float, speedup: float,

@@ -18,9 +18,12 @@ faults = bench_faults()
 # unanswered (FaultResult.in_flight_at_timeout) can be followed in its logs (tmp_path). watchdog_timeout_s: a worker
 # step that hangs is ended well inside the replay's bound, and its record (where the step awaited, the threads' stacks)
 # reaches FaultResult.errors, so a failed run (a CI rerun's printout) says where a worker stuck; before, the workers'
-# 300-s watchdog fired after the 180-s bound and the run said only which request went unanswered
+# 300-s watchdog fired after the 180-s bound and the run said only which request went unanswered. request_timeout_s:
+# each request's own bound below the replay's, so a request stuck from the replay's start fails on its own, named with
+# its wait and its trail in the logs (FaultResult.errors / trails), and the replay can still end in time; at 180 s both
+# (session 59's CI run) the request's read timeout fired just before the replay's bound: '0 requests unanswered then'
 SMALL = dict(sessions=6, max_requests_per_branch=8, concurrency=6, max_pause_s=2.0, fault_at_s=2.0, replay_timeout_s=180.0,
-             log_requests=True, watchdog_timeout_s=30.0)
+             request_timeout_s=120.0, log_requests=True, watchdog_timeout_s=30.0)
 
 
 @pytest.mark.timeout(400)
