@@ -878,7 +878,7 @@ async def run_fault(
         res.log_problems = worker_log_problems(Path(log_dir))
         hangs = worker_hangs(Path(log_dir))
         res.hangs = [text for _, text in hangs]
-        res.errors += hang_errors(hangs, timed_out)
+        res.errors += hang_errors(hangs, timed_out or res.lost != 0)  # a request failed on its own bound: where it waited
         failed = [] if result is None else [r.x_request_id or r.request_id or r.id for r in result.records if not r.ok]
         res.trails = request_trails(Path(log_dir), [*res.in_flight_at_timeout, *failed][:TRAIL_RIDS])
         res.errors += trail_errors(res.trails)
@@ -1124,8 +1124,9 @@ def worker_hangs(log_dir: Path) -> list[tuple[str, str]]:
 
 def hang_errors(hangs: Sequence[tuple[str, str]], timed_out: bool) -> list[str]:
     """The texts of ``hangs`` (:func:`worker_hangs`) that go into :attr:`FaultResult.errors`: every watchdog firing,
-    and the long waits for a previous attempt's step too when the replay ran past its bound (``timed_out``: they say
-    where the request it names stuck)."""
+    and the long waits for a previous attempt's step too when the replay ran past its bound or a request was lost
+    (``timed_out``; :func:`run_fault` passes both: a request that failed on its own bound, below the replay's, is
+    lost with the replay in time): they say where the request it names stuck."""
     return [text for kind, text in hangs if kind == "watchdog" or timed_out]
 
 
