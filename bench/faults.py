@@ -47,9 +47,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -925,6 +926,24 @@ TRAIL_LOGS = ("router*.log", "worker-*.log", "kvdirectory.log", "planner.log")
 _TRAIL_SKIP = frozenset({"timestamp", "event", "service", "level", "instance", "rid"})
 
 
+def _json_records(path: Path, keep: Callable[[str], bool]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(line, record)`` for each line of the service log ``path`` that ``keep`` accepts and that is a JSON object (the
+    services' log lines); other lines are skipped, an unreadable file yields nothing."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return
+    for line in text.splitlines():
+        if not line.startswith("{") or not keep(line):
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            yield line, rec
+
+
 def request_trails(log_dir: Path, rids: Sequence[str], lines: int = TRAIL_LINES) -> dict[str, list[str]]:
     """Rid -> the last ``lines`` log lines of ``log_dir`` (:data:`TRAIL_LOGS`, the services' JSON lines) that name it,
     ordered by their ``timestamp``: each as ``HH:MM:SS.ffffff <log file> <level> <event> k=v ...`` (the other fields;
@@ -938,20 +957,8 @@ def request_trails(log_dir: Path, rids: Sequence[str], lines: int = TRAIL_LINES)
         return {}
     files = sorted({f for pattern in TRAIL_LOGS for f in Path(log_dir).glob(pattern)})
     for f in files:
-        try:
-            text = f.read_text(errors="replace")
-        except OSError:
-            continue
-        for line in text.splitlines():
+        for line, rec in _json_records(f, lambda line: any(quoted in line for quoted in want.values())):
             hits = [rid for rid, quoted in want.items() if quoted in line]
-            if not hits or not line.startswith("{"):
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(rec, dict):
-                continue
             ts = str(rec.get("timestamp", ""))
             rest = " ".join(f"{k}={v}" for k, v in rec.items() if k not in _TRAIL_SKIP)
             shown = f"{ts[11:26] or '?'} {f.name} {rec.get('level', '?')} {rec.get('event', '')} {rest}".rstrip()
@@ -1097,15 +1104,7 @@ def worker_hangs(log_dir: Path) -> list[tuple[str, str]]:
     skipped."""
     out: list[tuple[str, str]] = []
     for f in sorted(Path(log_dir).glob("worker-*.log")):
-        for line in f.read_text(errors="replace").splitlines():
-            if not line.startswith("{") or not (any(e in line for e in WATCHDOG_EVENTS) or LONG_WAIT_EVENT in line):
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(rec, dict):
-                continue
+        for _, rec in _json_records(f, lambda line: any(e in line for e in WATCHDOG_EVENTS) or LONG_WAIT_EVENT in line):
             event = str(rec.get("event", ""))
             kind = "watchdog" if event.startswith(WATCHDOG_EVENTS) else "wait" if event.startswith(LONG_WAIT_EVENT) else ""
             if not kind:
