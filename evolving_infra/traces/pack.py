@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 else:  # imported on first use (shared.lazy_numpy): a run that calls no numpy pays no import
     from shared.lazy_numpy import np
 
-from evolving_infra.traces.compact import KEYFRAME_DEPTH, BlockStore, CompactTrace, holder_of
+from evolving_infra.traces.compact import KEYFRAME_DEPTH, BlockStore, CompactTrace
 from evolving_infra.traces.io import PACK_MAGIC as MAGIC
 from evolving_infra.traces.io import TraceError, TraceProblem, _Validator, make_folders, paused_gc, remove_folders
 from evolving_infra.traces.schema import MAX_BLOCK_ID, VERSION, TraceHeader, TraceRequest
@@ -199,51 +199,11 @@ def _int64s(path: str | os.PathLike[str], name: str, raw: bytes) -> array[int]:
     return a
 
 
-def _store(path: str | os.PathLike[str], pl: _Payload) -> tuple[BlockStore, list[int]]:
-    """The store the payload describes, its derived arrays rebuilt, and every request's id count.
-
-    Raises:
-        TraceError: the arrays do not describe a store ``compact`` builds.
-    """
-    st = BlockStore()
-    st._flat, st._off, st._ref, st._k = (_int64s(path, name, getattr(pl, name)) for name in _ARRAYS)
-    flat, off, ref, k = (np.frombuffer(a, dtype=np.int64) if len(a) else np.empty(0, np.int64)
-                         for a in (st._flat, st._off, st._ref, st._k))
-    n = len(pl.requests)
-    if len(ref) != n or len(k) != n or len(off) != n + 1:
-        raise _bad(path, f"{n} requests but {len(ref)} references, {len(k)} shared counts and {len(off)} offsets")
-    seg = np.diff(off)
-    if off[0] != 0 or off[-1] != len(flat) or (n and seg.min() < 0):
-        raise _bad(path, "the offsets are not increasing from 0 to the number of ids stored")
-    if len(flat) and (flat.min() < 0 or flat.max() > MAX_BLOCK_ID):
-        raise _bad(path, f"a block id outside [0, {MAX_BLOCK_ID}]")
-    idx = np.arange(n)
-    has_ref = ref >= 0
-    if np.any(ref >= idx) or np.any(ref < -1) or np.any(has_ref != (k > 0)) or np.any(k < 0):
-        raise _bad(path, "a request refers to itself or a later request, or its shared count does not match its reference")
-    refs, ks = ref.tolist(), k.tolist()
-    lens = seg.tolist()
-    depth = [0] * n
-    for i in range(n):  # references point back: lengths and depths in one pass
-        r = refs[i]
-        if r >= 0:
-            if ks[i] > lens[r]:
-                raise _bad(path, f"request {i} shares {ks[i]} ids with request {r}, which has {lens[r]}")
-            lens[i] += ks[i]
-            depth[i] = depth[r] + 1
-            if depth[i] >= KEYFRAME_DEPTH:
-                raise _bad(path, f"request {i} is {depth[i]} references from stored ids (at most {KEYFRAME_DEPTH - 1})")
-    st._depth = array("l", depth)
-    st._branch = [r.branch for r in pl.requests]
-    st._prev = _prevs(st, flat, off, ref, k, has_ref, refs, ks)
-    return st, lens
-
-
-def _store_trusted(path: str | os.PathLike[str], pl: _Payload) -> tuple[BlockStore, list[int]]:
-    """:func:`_store` of a pack this reader wrote (``read_packed(trusted=True)``), without numpy (a
-    cache hit's run need not import it: ~65 ms): the same store, lengths, depths and ``_prev``; the same
-    structure checks but the ids' range (the reader bounded every id when it read the trace), each in
-    the one pass over the requests that the depths take anyway.
+def _store(path: str | os.PathLike[str], pl: _Payload, *, check_ids: bool = True) -> tuple[BlockStore, list[int]]:
+    """The store the payload describes, its derived arrays (depths, ``_prev``) rebuilt, and every request's id
+    count, in one Python pass over the requests (no numpy: a trace-cache hit's run need not import it, ~65 ms).
+    ``check_ids``: also check that every stored id lies in [0, ``MAX_BLOCK_ID``] (with numpy); a pack this reader
+    wrote from a trace it read (``read_packed(trusted=True)``) skips it, the reader bounded every id then.
 
     Raises:
         TraceError: the arrays do not describe a store ``compact`` builds.
@@ -257,6 +217,10 @@ def _store_trusted(path: str | os.PathLike[str], pl: _Payload) -> tuple[BlockSto
     lens = [b - a for a, b in zip(off, off[1:])]
     if off[0] != 0 or off[-1] != len(flat) or (n and min(lens) < 0):
         raise _bad(path, "the offsets are not increasing from 0 to the number of ids stored")
+    if check_ids and len(flat):
+        ids = np.frombuffer(flat, dtype=np.int64)
+        if ids.min() < 0 or ids.max() > MAX_BLOCK_ID:
+            raise _bad(path, f"a block id outside [0, {MAX_BLOCK_ID}]")
     depth = [0] * n
     prev = [-1] * n
     for i in range(n):  # references point back: lengths, depths and the id before each segment in one pass
@@ -284,24 +248,6 @@ def _store_trusted(path: str | os.PathLike[str], pl: _Payload) -> tuple[BlockSto
     return st, lens
 
 
-def _prevs(st: BlockStore, flat: np.ndarray, off: np.ndarray, ref: np.ndarray, k: np.ndarray, has_ref: np.ndarray,
-           refs: list[int], ks: list[int]) -> array[int]:
-    """``BlockStore._prev``: the id before each request's stored segment, ``st.id_at(ref, k - 1)``
-    (-1 for a keyframe), for every request at once (the references followed with numpy,
-    :func:`~evolving_infra.traces.compact.holder_of`, as :meth:`BlockStore.coarsened` does: ~15,800 ``id_at`` calls were ~10 ms of loading a packed
-    260-session trace). A position past its request's ids (not possible once :func:`_store` has
-    checked the lengths) takes ``id_at`` itself, which raises as before."""
-    cur = np.flatnonzero(has_ref)
-    pos = k[cur] - 1
-    at = holder_of(k, ref, ref[cur], pos)
-    q = off[at] + pos - k[at]
-    if len(q) and np.any(q >= off[at + 1]):
-        return array("q", [st.id_at(r, kk - 1) if r >= 0 else -1 for r, kk in zip(refs, ks)])
-    prev = np.full(len(k), -1, dtype=np.int64)
-    prev[cur] = flat[q]
-    return array("q", prev.tobytes())
-
-
 def read_packed(path: str | os.PathLike[str], *, trusted: bool = False) -> CompactTrace:
     """Read a packed trace: the :class:`CompactTrace` that ``read_trace_compact`` built from the
     trace it was packed from (module docstring).
@@ -310,7 +256,7 @@ def read_packed(path: str | os.PathLike[str], *, trusted: bool = False) -> Compa
     cache's, ``evolving_infra.traces.cache``: its key hashes this reader's sources, and it packs only
     a trace ``read_trace_compact`` read whole): the rules of docs/trace-format.md on its requests
     (ids, ``after``, branches, id counts) and the ids' range are not checked again, and the store is
-    rebuilt without numpy (:func:`_store_trusted`); the magic, length, checksum, layout and store
+    checked without the ids' range (:func:`_store`); the magic, length, checksum, layout and store
     structure still are checked, so a damaged or truncated pack is still rejected. Same trace
     either way; the rules' check is ~20 ms of a ~50-ms read of the 260-session trace at 512-token
     blocks (15,845 requests), numpy's import ~65 ms more.
@@ -339,7 +285,7 @@ def read_packed(path: str | os.PathLike[str], *, trusted: bool = False) -> Compa
             raise _bad(path, f"packed layout version {pl.version} (this code reads {PACK_VERSION})")
         if pl.header.version > VERSION:
             raise _bad(path, f"unsupported trace format version {pl.header.version} (this code reads up to {VERSION})")
-        store, lengths = (_store_trusted if trusted else _store)(path, pl)
+        store, lengths = _store(path, pl, check_ids=not trusted)
         if trusted:
             return CompactTrace(pl.header, pl.requests, store, {r.id: i for i, r in enumerate(pl.requests)})
         v = _Validator()
