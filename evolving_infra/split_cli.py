@@ -37,7 +37,7 @@ import msgspec
 
 from shared import messages as m
 from evolving_infra.auth_cli import CREDS_HINT, tool_auth
-from shared.auth import AuthError, redact_url
+from shared.auth import AuthError, NatsAuth, redact_url
 from shared.bus import Bus, BusError, NoCredentials, NoReply, NoResponders, PermissionDenied
 from shared.split import split_name
 from shared.subjects import SPLIT_GET, SPLIT_SET, Subject, Subjects
@@ -130,9 +130,38 @@ def _not_taken(tries: int, refused: int) -> str:
 _SPEC = re.compile(r"^\s*(\d+\s*[pP]\s*\d+\s*[dD]|collocated|both|agg|aggregated)\s*$", re.IGNORECASE)
 
 
+def command_json(cmd: m.SplitCommand) -> dict[str, object]:
+    """A split command as ``split get --json`` prints it (and ``status`` shows the planner's split): ``epoch``,
+    ``split`` (``2P2D``), ``phases`` (node → phase), ``reason``, ``decided_at`` (simulated s)."""
+    return {"epoch": cmd.epoch, "split": split_name(cmd.phases), "phases": cmd.phases, "reason": cmd.reason, "decided_at": cmd.decided_at}
+
+
+async def connect_tool(nats_url: str, partition: str, instance: str, timeout: float, auth: NatsAuth) -> Bus:
+    """A command-line tool's bus connection to ``nats_url``: one try (no reconnect, a connect timeout of
+    ``min(timeout, 2)`` s), within ``timeout`` s in all; ``auth`` as :func:`~evolving_infra.auth_cli.tool_auth` gives it.
+
+    Raises:
+        asyncio.TimeoutError: no connection within ``timeout``; NoCredentials, BusError: as ``Bus.connect`` (an
+            auth'd server and no credentials, refused credentials); OSError and the like: no server.
+    """
+    return await asyncio.wait_for(
+        Bus.connect(
+            nats_url,
+            Subjects(partition),
+            service="cli",
+            instance=instance,
+            connect_timeout=min(timeout, 2.0),
+            max_reconnect_attempts=1,  # nats-py: 0 retries the first connect forever; 1 = two tries
+            allow_reconnect=False,
+            auth=auth,
+        ),
+        timeout=timeout,
+    )
+
+
 def _print_command(cmd: m.SplitCommand, as_json: bool) -> None:
     if as_json:
-        print(json.dumps({"epoch": cmd.epoch, "split": split_name(cmd.phases), "phases": cmd.phases, "reason": cmd.reason, "decided_at": cmd.decided_at}))
+        print(json.dumps(command_json(cmd)))
     else:
         nodes = " ".join(f"{n}={p}" for n, p in cmd.phases.items())
         print(f"epoch {cmd.epoch}: {split_name(cmd.phases)} ({nodes}); reason: {cmd.reason}")
@@ -145,19 +174,7 @@ async def _run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        bus = await asyncio.wait_for(
-            Bus.connect(
-                args.nats_url,
-                Subjects(args.partition),
-                service="cli",
-                instance="split-cli",
-                connect_timeout=min(args.timeout, 2.0),
-                max_reconnect_attempts=1,  # nats-py: 0 retries the first connect forever; 1 = two tries
-                allow_reconnect=False,
-                auth=auth,
-            ),
-            timeout=args.timeout,
-        )
+        bus = await connect_tool(args.nats_url, args.partition, "split-cli", args.timeout, auth)
     except NoCredentials as e:  # an auth'd server and no credentials given: say how to give them
         print(f"error: cannot connect: {e}; {CREDS_HINT}", file=sys.stderr)
         return 2

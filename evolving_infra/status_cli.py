@@ -312,12 +312,11 @@ async def _planner_split(nats_url: str, partition: str, creds: str, timeout: flo
     """The planner's split (``split.get``, as ``split get``) within ``timeout`` s in all (connect included): (its
     ``split get --json`` dict, ""), or (None, why not)."""
     from evolving_infra.auth_cli import tool_auth
-    from evolving_infra.split_cli import _ask, _Unanswered
+    from evolving_infra.split_cli import _ask, _Unanswered, command_json, connect_tool
     from shared import messages as m
     from shared.auth import AuthError
-    from shared.bus import Bus, BusError
-    from shared.split import split_name
-    from shared.subjects import SPLIT_GET, Subjects
+    from shared.bus import BusError
+    from shared.subjects import SPLIT_GET
 
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -326,11 +325,7 @@ async def _planner_split(nats_url: str, partition: str, creds: str, timeout: flo
     except AuthError as e:
         return None, f"no answer: {e}"
     try:
-        bus = await asyncio.wait_for(
-            Bus.connect(nats_url, Subjects(partition), service="cli", instance="status-cli", connect_timeout=min(timeout, 2.0),
-                        max_reconnect_attempts=1, allow_reconnect=False, auth=auth),
-            timeout=timeout,
-        )
+        bus = await connect_tool(nats_url, partition, "status-cli", timeout, auth)
     except Exception as e:  # no server, refused credentials: a line, not a traceback
         return None, f"not asked: cannot connect to NATS ({type(e).__name__}: {e})"
     try:
@@ -341,8 +336,7 @@ async def _planner_split(nats_url: str, partition: str, creds: str, timeout: flo
         return None, f"no usable answer ({e})"
     finally:
         await bus.close()
-    return {"epoch": cmd.epoch, "split": split_name(cmd.phases), "phases": cmd.phases, "reason": cmd.reason,
-            "decided_at": cmd.decided_at}, ""
+    return command_json(cmd), ""
 
 
 async def _gather(state: Mapping[str, Any] | None, router_url: str, nats_url: str | None, partition: str, creds: str,
