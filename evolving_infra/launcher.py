@@ -1354,7 +1354,8 @@ async def _up(args: argparse.Namespace) -> int:
     end = await announced_end(cluster, args.live_policy, stop)
     info = cluster.describe()
     write_json(cluster.log_dir / "cluster.json", _shown(info))
-    state = _write_state({**info, **_state_fields(cluster.spec, policy=args.live_policy.name, started_unix=cluster.clock_origin)})  # the URL whole: split and tap connect with it (0600)
+    fields = _state_fields(cluster.spec, policy=args.live_policy.name, started_unix=cluster.clock_origin)
+    state = _write_state({**info, **fields})  # the URL whole: split and tap connect with it (0600)
     try:
         listening = (f" (listening on all interfaces, {info['router_listen']})" if cluster.spec.host in WILDCARD_HOSTS else "")
         plan = split_plan(args.live_policy, cluster.spec.split, cluster.spec.speedup, end[0] if end else None,
@@ -1386,19 +1387,19 @@ async def _up(args: argparse.Namespace) -> int:
                                                       clock_origin=cluster.clock_origin))),
               flush=True)
 
-        def restarted(name: str) -> None:
-            # new pids and restart counts, for operators and for fault tests
+        def described() -> None:
+            # new pids, restart counts and services left down, for operators and for fault tests
             now = cluster.describe()
             write_json(cluster.log_dir / "cluster.json", _shown(now))
             if state is not None:  # the state file lists the process ids too (README): rewritten, atomically
-                _write_state({**now, **_state_fields(cluster.spec, policy=args.live_policy.name, started_unix=cluster.clock_origin)})
+                _write_state({**now, **fields})
+
+        def restarted(name: str) -> None:
+            described()
             print(f"restarted {name} (restarts: {cluster.restarts().get(name, 0)})", flush=True)
 
         def left_down(name: str) -> None:
-            now = cluster.describe()
-            write_json(cluster.log_dir / "cluster.json", _shown(now))
-            if state is not None:
-                _write_state({**now, **_state_fields(cluster.spec, policy=args.live_policy.name, started_unix=cluster.clock_origin)})
+            described()
             print(f"left {name} down after a crash loop (over --max-restarts {cluster.spec.max_restarts} exits within "
                   f"--restart-window-s {cluster.spec.restart_window_s:g}); {cluster.down_effect(name)}; trying it again "
                   f"in {cluster.spec.restart_window_s:g} s", flush=True)
@@ -1864,11 +1865,12 @@ async def _demo_held(args: argparse.Namespace, held: contextlib.ExitStack) -> in
             cluster.router_url, clock, block_size=token_block, model=spec.model, vocab_size=_vocab_size(spec.tokenizer),
             api_key=api_key, retry=retry,
         )
-        state = _write_state({**cluster.describe(), **_state_fields(spec, policy=pol.name, started_unix=cluster.clock_origin)})  # tap, split get, replay
+        fields = _state_fields(spec, policy=pol.name, started_unix=cluster.clock_origin)
+        state = _write_state({**cluster.describe(), **fields})  # tap, split get, replay
 
         def restarted(name: str) -> None:  # the state file lists the process ids: keep them current
             if state is not None:
-                _write_state({**cluster.describe(), **_state_fields(spec, policy=pol.name, started_unix=cluster.clock_origin)})
+                _write_state({**cluster.describe(), **fields})
 
         cluster.on_restart = restarted
         cluster.on_down = restarted  # a service left down after a crash loop: its pid leaves the state file
